@@ -1,0 +1,5 @@
+import sys
+
+from rldsl.cli import main
+
+sys.exit(main())

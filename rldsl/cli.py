@@ -1,0 +1,227 @@
+"""The `rldsl` command line.
+
+check / plan / graph / explain import only the compiler (lark, networkx):
+they must start fast. run / report import the runtime lazily.
+Exit codes: 0 ok, 1 findings (errors, or warnings with --strict), 2 usage
+error or unreadable file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+
+
+def _color(args) -> bool:
+    if getattr(args, "color", "auto") == "always":
+        return True
+    if getattr(args, "color", "auto") == "never" or os.environ.get("NO_COLOR"):
+        return False
+    return sys.stderr.isatty()
+
+
+def _compile(path: str):
+    from rldsl.compiler.driver import compile_file
+
+    try:
+        return compile_file(path)
+    except FileNotFoundError:
+        _usage_error(f"no such file: {path}", "check the path; pipelines live in pipelines/*.rlp")
+    except IsADirectoryError:
+        _usage_error(f"{path} is a directory", "give a .rlp file")
+    except (OSError, UnicodeDecodeError) as err:
+        _usage_error(f"cannot read {path}: {err}", "the file must be readable UTF-8 text")
+
+
+def _usage_error(message: str, help_text: str | None = None):
+    print(f"error: {message}", file=sys.stderr)
+    if help_text:
+        print(f"  = help: {help_text}", file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
+
+
+def _print_diagnostics(result, args) -> None:
+    from rldsl.compiler.diagnostics import render_text
+
+    if result.diagnostics:
+        sys.stderr.write(render_text(result.diagnostics, result.source, result.filename, color=_color(args)))
+
+
+def _exit_code(result, strict: bool) -> int:
+    if not result.ok or (strict and result.diagnostics):
+        return EXIT_FINDINGS
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_check(args) -> int:
+    from rldsl.compiler.diagnostics import render_text, to_json, to_sarif
+    from rldsl.compiler.rules.catalog import RULES
+
+    results = [_compile(path) for path in args.files]
+    if args.format == "json":
+        payload = [to_json(r.diagnostics, r.filename) for r in results]
+        print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
+    elif args.format == "sarif":
+        sarif = to_sarif([d for r in results for d in r.diagnostics], results[0].filename,
+                         {c: r.summary for c, r in RULES.items()})
+        if len(results) > 1:  # one run, results from every file
+            sarif["runs"][0]["results"] = [res for r in results for res in to_sarif(
+                r.diagnostics, r.filename, {})["runs"][0]["results"]]
+        print(json.dumps(sarif, indent=2))
+    else:
+        for r in results:
+            if r.diagnostics:
+                sys.stderr.write(render_text(r.diagnostics, r.source, r.filename, color=_color(args)))
+            else:
+                print(f"{r.filename}: ok")
+    return max(_exit_code(r, args.strict) for r in results)
+
+
+def cmd_plan(args) -> int:
+    from rldsl.compiler.plan_view import render_plan
+
+    result = _compile(args.file)
+    _print_diagnostics(result, args) if not result.ok else None
+    if not result.ok:
+        return EXIT_FINDINGS
+    if args.out:
+        Path(args.out).write_text(result.plan.to_json() + "\n")
+    if args.format == "json":
+        print(result.plan.to_json())
+    else:
+        sys.stdout.write(render_plan(result))
+        if args.out:
+            print(f"saved: {args.out} (run it with `rldsl run --plan {args.out}`)")
+    return EXIT_OK
+
+
+def cmd_graph(args) -> int:
+    from rldsl.compiler.plan_view import render_graph
+
+    result = _compile(args.file)
+    if not result.ok:
+        _print_diagnostics(result, args)
+        return EXIT_FINDINGS
+    sys.stdout.write(render_graph(result.plan, args.format))
+    return EXIT_OK
+
+
+def cmd_explain(args) -> int:
+    from rldsl.compiler.rules.catalog import RULES
+
+    code = args.code.upper()
+    if code.isdigit():
+        code = f"RLP{int(code):03d}"
+    rule = RULES.get(code)
+    if rule is None:
+        _usage_error(f"no rule {args.code}", "codes: " + ", ".join(RULES))
+    print(f"{rule.code} ({rule.severity}): {rule.summary}\n\n{rule.explanation}\n\nExample:\n")
+    print("\n".join(f"    {line}" for line in rule.example.splitlines()))
+    return EXIT_OK
+
+
+def cmd_run(args) -> int:
+    from rldsl.plan import ExecutionPlan, PlanFormatError
+
+    if args.plan:
+        try:
+            plan = ExecutionPlan.from_json(Path(args.plan).read_text())
+        except FileNotFoundError:
+            _usage_error(f"no such plan: {args.plan}", "create one with `rldsl plan FILE --out plan.json`")
+        except (PlanFormatError, ValueError, KeyError, TypeError) as err:
+            _usage_error(f"{args.plan} is not a valid plan: {err}", "re-create it with `rldsl plan FILE --out`")
+    elif args.file or args.resume:
+        source = args.file or _file_of_run(args.resume)
+        result = _compile(source)
+        _print_diagnostics(result, args)
+        if not result.ok:
+            return EXIT_FINDINGS
+        plan = result.plan
+    else:
+        _usage_error("give a pipeline file or --plan", "rldsl run pipelines/grpo_async.rlp")
+    try:
+        from rldsl.runtime.launch import run_plan
+    except ImportError as err:
+        _usage_error(f"the runtime is not installed ({err.name} is missing)",
+                     "pip install -e '.[run]'")
+    return run_plan(plan, args)
+
+
+def _file_of_run(run_dir: str) -> str:
+    meta = Path(run_dir) / "run.json"
+    try:
+        return json.loads(meta.read_text())["source_file"]
+    except (OSError, ValueError, KeyError):
+        _usage_error(f"{run_dir} is not a run directory (no readable run.json)",
+                     "pass the directory a previous `rldsl run` wrote, e.g. runs/grpo_async-...")
+
+
+def cmd_report(args) -> int:
+    try:
+        from rldsl.runtime.report import write_report
+    except ImportError as err:
+        _usage_error(f"reporting needs the runtime extras ({err.name} is missing)", "pip install -e '.[run]'")
+    return write_report(Path(args.run_dir))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rldsl", description="Checked pipelines for asynchronous RL post-training.")
+    parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("check", help="prove a pipeline file sane")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--format", choices=("text", "json", "sarif"), default="text")
+    p.add_argument("--strict", action="store_true", help="warnings fail too (exit 1)")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("plan", help="show where every rank of every stage lands")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--out", metavar="PLAN_JSON", help="save the plan for `rldsl run --plan`")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("graph", help="the dataflow as a diagram")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--format", choices=("mermaid", "dot"), default="mermaid")
+    p.set_defaults(func=cmd_graph)
+
+    p = sub.add_parser("explain", help="the long explanation of a rule code")
+    p.add_argument("code", metavar="CODE")
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("run", help="compile and run a pipeline on Ray")
+    p.add_argument("file", nargs="?", metavar="FILE")
+    p.add_argument("--plan", metavar="PLAN_JSON", help="run a saved plan exactly")
+    p.add_argument("--steps", type=int, help="override the file's run.steps")
+    p.add_argument("--run-dir", metavar="DIR", help="where metrics, checkpoints and summary.json go")
+    p.add_argument("--address", metavar="ADDR", help="an existing Ray cluster (default: start a local one)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a previous run from its last checkpoint")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("report", help="plot and summarise a finished run")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Diagnostics: collected, sorted by position, rendered rustc-style or as data.
+
+A pass never raises on bad input; it returns ``Diagnostic`` values. The
+renderers here are the only place that knows how a finding looks.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+ERROR = "error"
+WARNING = "warning"
+
+JSON_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, order=True)
+class Span:
+    """A region of the source, 1-based lines and columns, end exclusive."""
+
+    line: int
+    col: int
+    end_line: int
+    end_col: int
+
+    @staticmethod
+    def point(line: int, col: int) -> "Span":
+        return Span(line, col, line, col + 1)
+
+
+NO_SPAN = Span(1, 1, 1, 1)
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    code: str
+    severity: str
+    message: str
+    span: Span
+    help: str | None = None
+    notes: tuple[str, ...] = ()
+    # Secondary places worth showing (for example where a name was first declared).
+    related: tuple[tuple[Span, str], ...] = field(default=())
+
+    @property
+    def is_error(self) -> bool:
+        return self.severity == ERROR
+
+
+def sort_diagnostics(diags: Iterable[Diagnostic]) -> list[Diagnostic]:
+    unique = {(d.span, d.code, d.message): d for d in diags}
+    return sorted(unique.values(), key=lambda d: (d.span, d.code, d.message))
+
+
+def did_you_mean(word: str, candidates: Iterable[str]) -> str | None:
+    """The help line for a near miss, or None when nothing is close."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f"did you mean `{close[0]}`?" if close else None
+
+
+# --------------------------------------------------------------- rendering
+
+
+class _Style:
+    def __init__(self, color: bool):
+        self.color = color
+
+    def __call__(self, text: str, code: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if self.color else text
+
+
+def render_text(diags: Sequence[Diagnostic], source: str, filename: str, color: bool = False) -> str:
+    """rustc-like text: header, location arrow, the line as written, carets."""
+    style = _Style(color)
+    lines = source.splitlines()
+    out: list[str] = []
+    for d in diags:
+        sev_color = "1;31" if d.is_error else "1;33"
+        out.append(style(f"{d.severity}[{d.code}]", sev_color) + style(f": {d.message}", "1"))
+        out.extend(_render_snippet(d.span, lines, filename, style, sev_color))
+        for span, label in d.related:
+            out.extend(_render_snippet(span, lines, filename, style, "1;34", label=label))
+        for note in d.notes:
+            out.append(style("  = note", "1;34") + f": {note}")
+        if d.help:
+            out.append(style("  = help", "1;36") + f": {d.help}")
+        out.append("")
+    out.append(summary_line(diags))
+    return "\n".join(out) + "\n"
+
+
+def _render_snippet(span: Span, lines: list[str], filename: str, style: _Style, color: str, label: str = "") -> list[str]:
+    gutter = " " * len(str(span.line))
+    out = [f"{gutter}{style('-->', '1;34')} {filename}:{span.line}:{span.col}"]
+    if not 1 <= span.line <= len(lines):
+        return out
+    text = lines[span.line - 1].replace("\t", " ")
+    end = span.end_col if span.end_line == span.line else len(text) + 1
+    width = max(1, min(end, len(text) + 1) - span.col)
+    carets = " " * (span.col - 1) + "^" * width
+    out.append(f"{gutter} {style('|', '1;34')}")
+    out.append(f"{style(str(span.line), '1;34')} {style('|', '1;34')} {text}")
+    out.append(f"{gutter} {style('|', '1;34')} {style(carets, color)}{(' ' + label) if label else ''}")
+    return out
+
+
+def summary_line(diags: Sequence[Diagnostic]) -> str:
+    errors = sum(d.is_error for d in diags)
+    warnings = len(diags) - errors
+    if not diags:
+        return "ok: no findings"
+    return f"{errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}"
+
+
+def to_json(diags: Sequence[Diagnostic], filename: str) -> dict:
+    """A versioned, stable shape (terraform validate -json style)."""
+    return {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "file": filename,
+        "valid": not any(d.is_error for d in diags),
+        "error_count": sum(d.is_error for d in diags),
+        "warning_count": sum(not d.is_error for d in diags),
+        "diagnostics": [
+            {
+                "code": d.code,
+                "severity": d.severity,
+                "message": d.message,
+                "help": d.help,
+                "notes": list(d.notes),
+                "range": _range(d.span),
+                "related": [{"range": _range(s), "message": m} for s, m in d.related],
+            }
+            for d in diags
+        ],
+    }
+
+
+def _range(span: Span) -> dict:
+    return {
+        "start": {"line": span.line, "column": span.col},
+        "end": {"line": span.end_line, "column": span.end_col},
+    }
+
+
+def to_sarif(diags: Sequence[Diagnostic], filename: str, rules: dict[str, str]) -> dict:
+    """SARIF 2.1.0, one run, the rules that fired listed in the driver."""
+    fired = sorted({d.code for d in diags})
+    return {
+        "version": "2.1.0",
+        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "rldsl",
+                        "informationUri": "https://github.com/rldsl/rldsl",
+                        "rules": [{"id": c, "shortDescription": {"text": rules.get(c, c)}} for c in fired],
+                    }
+                },
+                "results": [
+                    {
+                        "ruleId": d.code,
+                        "level": "error" if d.is_error else "warning",
+                        "message": {"text": d.message + (f" (help: {d.help})" if d.help else "")},
+                        "locations": [
+                            {
+                                "physicalLocation": {
+                                    "artifactLocation": {"uri": filename},
+                                    "region": {
+                                        "startLine": d.span.line,
+                                        "startColumn": d.span.col,
+                                        "endLine": d.span.end_line,
+                                        "endColumn": d.span.end_col,
+                                    },
+                                }
+                            }
+                        ],
+                    }
+                    for d in diags
+                ],
+            }
+        ],
+    }

@@ -1,0 +1,94 @@
+"""Resolved program + placement -> ExecutionPlan (JSON values only)."""
+
+from __future__ import annotations
+
+from rldsl.compiler.context import Context
+from rldsl.compiler.decls import Decl, Program
+from rldsl.compiler.ir import generations
+from rldsl.compiler.placement import Placement, StagePlacement
+from rldsl.compiler.types import EngineSpec, GpuRequest, LossSpec, Ref
+from rldsl.plan import (
+    BatchPlan, ClusterPlan, DatasetPlan, EdgePlan, EnginePlan, ExecutionPlan, ModelPlan, PipelinePlan, RankPlan,
+    RunPlan, StagePlan, StalenessPlan,
+)
+
+
+def lower(program: Program, contexts: list[Context], placement: Placement, params: dict[str, int | None],
+          warnings: list[str], source_sha256: str) -> ExecutionPlan:
+    cluster = program.cluster
+    return ExecutionPlan(
+        cluster=ClusterPlan(cluster["nodes"], cluster["gpus_per_node"], cluster.get("gpu"),
+                            _int_or_none(cluster.get("gpu_memory")), cluster.get("cpus_per_node")),
+        pipelines=[_pipeline(ctx, placement, params) for ctx in contexts],
+        source_file=program.filename,
+        source_sha256=source_sha256,
+        warnings=warnings,
+    )
+
+
+def _int_or_none(value):
+    return None if value is None else int(value)
+
+
+def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None]) -> PipelinePlan:
+    pipe, sizing = ctx.pipe, ctx.sizing()
+    staleness, run = pipe.block("staleness"), pipe.block("run")
+    shares = _gpu_shares(placement)
+    return PipelinePlan(
+        name=pipe.name,
+        models=[ModelPlan(m.name, m["source"], params.get(f"{pipe.name}/{m.name}"), m.get("dtype"))
+                for m in pipe.models.values()],
+        datasets=[DatasetPlan(d.name, d["source"], _settings(d, skip=("source",))) for d in pipe.datasets.values()],
+        stages=[_stage(s, placement.of(pipe.name, s.name), placement, shares) for s in pipe.stages.values()],
+        edges=[EdgePlan(u, v, d["kind"], list(d.get("fields", ())), d.get("sync"))
+               for u, v, d in ctx.graph.edges(data=True)],
+        generations=generations(ctx.graph),
+        staleness=StalenessPlan(staleness["max_lag"], staleness["order"], staleness["too_stale"],
+                                staleness.get("max_stale_fraction")),
+        batch=BatchPlan(sizing.train_stage, sizing.prompts_per_step, sizing.samples_per_prompt, sizing.global_batch,
+                        sizing.micro_batch, sizing.capacity, sizing.max_inflight),
+        run=RunPlan(run["steps"], run["seed"], run["eval_every"], run["checkpoint_every"], run["watchdog"]),
+    )
+
+
+def _gpu_shares(placement: Placement) -> dict[int, int]:
+    return {gpu: len(residents) for gpu, residents in placement.residents().items()}
+
+
+def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement, shares: dict[int, int]) -> StagePlan:
+    engine = stage.get("engine")
+    ranks = []
+    for rank in (sp.ranks if sp else ()):
+        node = placement.node_of(rank.gpus[0]) if rank.gpus else 0
+        fraction = 1.0 / max(shares.get(g, 1) for g in rank.gpus) if rank.gpus else 0.0
+        ranks.append(RankPlan(rank.index, node, [placement.local(g) for g in rank.gpus], rank.tp_rank, rank.pp_rank,
+                              rank.dp_rank, fraction))
+    return StagePlan(
+        name=stage.name,
+        kind=stage.stage_kind,
+        engine=EnginePlan(engine.name, dict(engine.args)) if engine else None,
+        model=stage["model"].name if stage.get("model") else None,
+        settings=_settings(stage, skip=("engine", "model", "gpus", "colocate")),
+        ranks=ranks,
+        tp=sp.tp if sp else 1, pp=sp.pp if sp else 1, dp=sp.dp if sp else 1,
+        colocated_with=list(sp.colocated_with) if sp else [],
+    )
+
+
+def _settings(decl: Decl, skip: tuple[str, ...]) -> dict:
+    return {k: _json(s.value) for k, s in decl.settings.items() if k not in skip and s.value is not None}
+
+
+def _json(value):
+    if isinstance(value, Ref):
+        return value.name
+    if isinstance(value, tuple):
+        return [_json(v) for v in value]
+    if isinstance(value, LossSpec):
+        return {"name": value.name, **value.args}
+    if isinstance(value, EngineSpec):
+        return {"name": value.name, **value.args}
+    if isinstance(value, GpuRequest):
+        return list(value.ids) if value.ids is not None else value.count
+    return value
+

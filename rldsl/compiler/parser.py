@@ -1,0 +1,235 @@
+"""Text -> syntax tree. A malformed file yields a diagnostic, never a traceback."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+from lark import Lark, Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+
+from rldsl.compiler import ast
+from rldsl.compiler.diagnostics import ERROR, Diagnostic, Span
+
+GRAMMAR = Path(__file__).with_name("grammar.lark")
+
+_TERMINAL_WORDS = {
+    "NAME": "a name",
+    "NUMBER": "a number",
+    "STRING": "a string",
+    "LBRACE": "`{`",
+    "RBRACE": "`}`",
+    "LSQB": "`[`",
+    "RSQB": "`]`",
+    "LPAR": "`(`",
+    "RPAR": "`)`",
+    "EQUAL": "`=`",
+    "COMMA": "`,`",
+    "__ANON_0": "`->`",
+    "__ANON_1": "`..`",
+    "PIPELINE": "`pipeline`",
+    "FLOW": "`flow`",
+    "$END": "end of file",
+}
+
+
+@lru_cache(maxsize=1)
+def _lark() -> Lark:
+    # cache=True keeps the LALR tables on disk: check must start fast.
+    return Lark.open(str(GRAMMAR), parser="lalr", propagate_positions=True, cache=True)
+
+
+class ParseFailure(Exception):
+    def __init__(self, diagnostic: Diagnostic):
+        super().__init__(diagnostic.message)
+        self.diagnostic = diagnostic
+
+
+def parse(text: str) -> tuple[ast.SourceFile | None, list[Diagnostic]]:
+    """Parse a whole file. Returns the tree or the syntax diagnostics."""
+    try:
+        tree = _lark().parse(text)
+        return _ToAst().transform(tree), []
+    except UnexpectedInput as err:
+        return None, [_syntax_diagnostic(err, text)]
+    except VisitError as err:  # a structural error raised while building the tree
+        inner = err.orig_exc
+        if isinstance(inner, ParseFailure):
+            return None, [inner.diagnostic]
+        raise
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
+    line, col = max(1, err.line or 1), max(1, err.column or 1)
+    if isinstance(err, UnexpectedCharacters):
+        char = text[err.pos_in_stream] if err.pos_in_stream < len(text) else ""
+        if char == '"':
+            return Diagnostic("RLP001", ERROR, "unterminated string", Span(line, col, line, col + 1),
+                              help='close the string with `"` on the same line')
+        return Diagnostic("RLP001", ERROR, f"unexpected character `{char}`", Span(line, col, line, col + 1),
+                          help="values are numbers, \"strings\", names, [lists], ranges `0..3` and calls `vllm(tp = 2)`")
+    expected = _expected_words(err)
+    if isinstance(err, UnexpectedEOF) or (isinstance(err, UnexpectedToken) and err.token.type == "$END"):
+        return _eof_diagnostic(text, expected)
+    token: Token = err.token
+    width = max(1, len(str(token)))
+    message = f"unexpected {_describe(token)}"
+    help_text = f"expected {expected}" if expected else None
+    if token.type == "NUMBER" and "`=`" in (expected or ""):
+        help_text = "write `key = value`: the `=` is missing"
+    return Diagnostic("RLP001", ERROR, message, Span(line, col, line, col + width), help=help_text)
+
+
+def _eof_diagnostic(text: str, expected: str | None) -> Diagnostic:
+    lines = text.splitlines() or [""]
+    end = Span(len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2)
+    opener = _last_unclosed_brace(text)
+    if opener is not None:
+        return Diagnostic("RLP001", ERROR, "this `{` is never closed", opener,
+                          help="add the matching `}` at the end of the block")
+    return Diagnostic("RLP001", ERROR, "unexpected end of file", end,
+                      help=f"expected {expected}" if expected else None)
+
+
+def _last_unclosed_brace(text: str) -> Span | None:
+    stack: list[Span] = []
+    code = re.sub(r'"([^"\\\n]|\\.)*"|#[^\n]*', lambda m: " " * len(m.group(0)), text)
+    for lineno, line in enumerate(code.splitlines(), start=1):
+        for col, ch in enumerate(line, start=1):
+            if ch == "{":
+                stack.append(Span(lineno, col, lineno, col + 1))
+            elif ch == "}" and stack:
+                stack.pop()
+    return stack[-1] if stack else None
+
+
+def _expected_words(err: UnexpectedInput) -> str | None:
+    names = getattr(err, "accepts", None) or getattr(err, "expected", None) or set()
+    words = sorted({_TERMINAL_WORDS.get(n, f"`{n.lower()}`") for n in names})
+    if not words:
+        return None
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _describe(token: Token) -> str:
+    kinds = {"NAME": "name", "NUMBER": "number", "STRING": "string"}
+    return f"{kinds[token.type]} `{token}`" if token.type in kinds else f"`{token}`"
+
+
+# -------------------------------------------------------------- tree -> AST
+
+
+def _span(meta) -> Span:
+    return Span(meta.line, meta.column, meta.end_line, meta.end_column)
+
+
+def _tok_span(tok: Token) -> Span:
+    return Span(tok.line, tok.column, tok.end_line, tok.end_column)
+
+
+def _word(tok: Token) -> ast.Word:
+    return ast.Word(str(tok), _tok_span(tok))
+
+
+_NUMBER = re.compile(r"(-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)([A-Za-z%]*)$")
+
+
+def number_from_token(tok: Token) -> ast.Number:
+    digits, unit = _NUMBER.match(str(tok)).groups()
+    is_int = re.fullmatch(r"-?[0-9]+", digits) is not None
+    # "1e-3" has no unit: the exponent was consumed by the digits group.
+    magnitude = float(digits)
+    return ast.Number(str(tok), magnitude, is_int, unit, _tok_span(tok))
+
+
+@v_args(meta=True)
+class _ToAst(Transformer):
+    def start(self, meta, items):
+        headers = [i for i in items if isinstance(i, _Header)]
+        braced = [i for i in items if isinstance(i, ast.PipelineSyntax)]
+        blocks = [i for i in items if isinstance(i, ast.Block)]
+        flows = [i for i in items if isinstance(i, ast.Flow)]
+        if headers and braced:
+            raise ParseFailure(Diagnostic("RLP001", ERROR, "a file uses either one `pipeline NAME` header or `pipeline NAME { ... }` blocks, not both",
+                                          headers[0].word.span, help="wrap each pipeline's declarations in `pipeline NAME { ... }`"))
+        if len(headers) > 1:
+            raise ParseFailure(Diagnostic("RLP001", ERROR, "a second `pipeline` header", headers[1].word.span,
+                                          help="several pipelines in one file are written `pipeline NAME { ... }`"))
+        if headers:
+            shared = tuple(b for b in blocks if b.kind.text == "cluster")
+            own = tuple(b for b in blocks if b.kind.text != "cluster")
+            end = _last_span(items)
+            span = Span(headers[0].span.line, headers[0].span.col, end.end_line, end.end_col)
+            pipe = ast.PipelineSyntax(headers[0].word, own, tuple(flows), span, braced=False)
+            return ast.SourceFile((pipe,), shared)
+        if flows:
+            raise ParseFailure(Diagnostic("RLP001", ERROR, "a `flow` outside any pipeline", flows[0].span,
+                                          help="move it inside its `pipeline NAME { ... }` block"))
+        return ast.SourceFile(tuple(braced), tuple(blocks))
+
+    def pipeline_header(self, meta, items):
+        return _Header(_word(items[0]), _span(meta))
+
+    def pipeline_block(self, meta, items):
+        name, *body = items
+        blocks = tuple(b for b in body if isinstance(b, ast.Block))
+        flows = tuple(f for f in body if isinstance(f, ast.Flow))
+        return ast.PipelineSyntax(_word(name), blocks, flows, _span(meta), braced=True)
+
+    def block(self, meta, items):
+        head = tuple(_word(t) for t in items if isinstance(t, Token))
+        entries = tuple(e for e in items if isinstance(e, ast.Entry))
+        return ast.Block(head, entries, _span(meta))
+
+    def assign(self, meta, items):
+        return ast.Entry(_word(items[0]), items[1], _span(meta))
+
+    def flag(self, meta, items):
+        return ast.Entry(_word(items[0]), None, _span(meta))
+
+    def flow(self, meta, items):
+        hops = tuple(i if isinstance(i, tuple) else (_word(i),) for i in items)
+        return ast.Flow(hops, _span(meta))
+
+    def fan(self, meta, items):
+        return tuple(_word(t) for t in items)
+
+    def number(self, meta, items):
+        return number_from_token(items[0])
+
+    def string(self, meta, items):
+        raw = str(items[0])[1:-1]
+        return ast.String(re.sub(r"\\(.)", r"\1", raw), _span(meta))
+
+    def name(self, meta, items):
+        return ast.Name(str(items[0]), _span(meta))
+
+    def range(self, meta, items):
+        return ast.Range(number_from_token(items[0]), number_from_token(items[1]), _span(meta))
+
+    def list(self, meta, items):
+        return ast.ListValue(tuple(i for i in items if i is not None), _span(meta))
+
+    def call(self, meta, items):
+        func, *args = items
+        return ast.Call(_word(func), tuple(a for a in args if a is not None), _span(meta))
+
+    def kwarg(self, meta, items):
+        return ast.Arg(_word(items[0]), items[1], _span(meta))
+
+    def posarg(self, meta, items):
+        return ast.Arg(None, items[0], _span(meta))
+
+
+class _Header:
+    def __init__(self, word: ast.Word, span: Span):
+        self.word, self.span = word, span
+
+
+def _last_span(items) -> Span:
+    spans = [i.span for i in items if hasattr(i, "span")]
+    return max(spans, key=lambda s: (s.end_line, s.end_col)) if spans else Span(1, 1, 1, 1)

@@ -1,0 +1,152 @@
+"""`rldsl plan` and `rldsl graph` output: the GPU map, groups, memory, the
+dataflow generations, the staleness vocabulary and a one-line summary."""
+
+from __future__ import annotations
+
+from rldsl.compiler.driver import CompileResult
+from rldsl.compiler.units import format_bytes, format_duration
+from rldsl.plan import ExecutionPlan, PipelinePlan
+
+# How max_lag reads in other systems' vocabularies (docs/language.md#staleness).
+STALENESS_MAPPING = [
+    ("AReaL", "max_head_offpolicyness = {L}"),
+    ("NeMo RL", "max_trajectory_age_steps = {L}"),
+    ("verl (fully async)", "trains samples up to {L} version(s) old; its staleness_threshold (a share of stale samples) is our max_stale_fraction"),
+    ("ROLL / async recipes", "generate_ahead_steps = {L1}"),
+    ("OpenRLHF", "a rollout queue {L} step(s) deep"),
+]
+
+
+def actor_count(plan: ExecutionPlan) -> int:
+    return sum(len(s.ranks) for p in plan.pipelines for s in p.stages) + len(plan.pipelines)  # + one controller each
+
+
+def summary_line(plan: ExecutionPlan) -> str:
+    used = {(r.node, g) for p in plan.pipelines for s in p.stages for r in s.ranks for g in r.gpus}
+    total = plan.cluster.nodes * plan.cluster.gpus_per_node
+    nodes = plan.cluster.nodes
+    pipes = f"{len(plan.pipelines)} pipelines, " if len(plan.pipelines) > 1 else ""
+    return (f"plan: {pipes}{actor_count(plan)} actors on {nodes} node{'s' * (nodes != 1)}, "
+            f"{len(used)}/{total} GPUs")
+
+
+def render_plan(result: CompileResult) -> str:
+    plan = result.plan
+    out = [f"cluster: {plan.cluster.nodes} node(s) x {plan.cluster.gpus_per_node} GPUs"
+           + (f" ({plan.cluster.gpu_type})" if plan.cluster.gpu_type else "")
+           + (f", {format_bytes(plan.cluster.gpu_memory_bytes)} each" if plan.cluster.gpu_memory_bytes else ""), ""]
+    out += _gpu_map(plan, result)
+    for pipe in plan.pipelines:
+        out += ["", f"pipeline {pipe.name}"]
+        out += _indent(_stages(pipe))
+        out += _indent(_dataflow(pipe))
+        out += _indent(_staleness(pipe))
+    if plan.warnings:
+        out += ["", "warnings:"] + [f"  {w}" for w in plan.warnings]
+    out += ["", summary_line(plan)]
+    return "\n".join(out) + "\n"
+
+
+def _indent(lines: list[str]) -> list[str]:
+    return [f"  {line}" if line else line for line in lines]
+
+
+def _gpu_map(plan: ExecutionPlan, result: CompileResult) -> list[str]:
+    memory = {m.gpu: m for m in result.memory}
+    many = len(plan.pipelines) > 1
+    out = ["GPU map:"]
+    for node in range(plan.cluster.nodes):
+        out.append(f"  node {node}")
+        for local in range(plan.cluster.gpus_per_node):
+            gpu = node * plan.cluster.gpus_per_node + local
+            here = [f"{p.name + '/' if many else ''}{s.name}[{r.index}]{_coords(s, r)}"
+                    for p in plan.pipelines for s in p.stages for r in s.ranks if r.node == node and local in r.gpus]
+            mem = memory.get(gpu)
+            mem_text = ""
+            if mem and mem.by_stage:
+                cap = f" / {format_bytes(mem.capacity)}" if mem.capacity else ""
+                mem_text = f"   ~{format_bytes(mem.used)}{cap}"
+            out.append(f"    gpu {local}: {', '.join(here) or '(idle)'}{mem_text}")
+    cpu = [f"{p.name + '/' if many else ''}{s.name}[{r.index}]" for p in plan.pipelines for s in p.stages
+           for r in s.ranks if not r.gpus]
+    out.append(f"  cpu: {', '.join(cpu + ['controller' + ('s' if many else '')])}")
+    return out
+
+
+def _coords(stage, rank) -> str:
+    if stage.tp * stage.pp == 1:
+        return ""
+    if stage.engine and stage.engine.name == "vllm":
+        return f" tp{stage.tp}"
+    return f" tp{rank.tp_rank} pp{rank.pp_rank} dp{rank.dp_rank}"
+
+
+def _stages(pipe: PipelinePlan) -> list[str]:
+    out = ["stages:"]
+    for s in pipe.stages:
+        if s.kind == "sync":
+            bucket = format_bytes(s.settings["bucket"])
+            out.append(f"  {s.name:<12} sync      {s.settings['from']} -> {', '.join(s.settings['to'])} "
+                       f"in {bucket} buckets")
+            continue
+        engine = s.engine.name if s.engine else "python"
+        shape = f"tp={s.tp} pp={s.pp} dp={s.dp}" if s.ranks and s.ranks[0].gpus else f"{len(s.ranks)} cpu worker(s)"
+        colo = f"  colocated with {', '.join(s.colocated_with)}" if s.colocated_with else ""
+        out.append(f"  {s.name:<12} {s.kind:<9} {engine:<8} {shape}{colo}")
+    b = pipe.batch
+    out.append(f"batch: {b.prompts_per_step} prompts x {b.samples_per_prompt} samples = {b.global_batch} per step, "
+               f"micro_batch {b.micro_batch}; buffer {b.buffer_capacity} groups, {b.max_inflight} in flight")
+    return out
+
+
+def _dataflow(pipe: PipelinePlan) -> list[str]:
+    out = ["dataflow:"]
+    for i, gen in enumerate(pipe.generations):
+        out.append(f"  {i}: {', '.join(gen)}")
+    for e in pipe.edges:
+        if e.kind == "weights":
+            out.append(f"  weights: {e.src} -> {e.dst} (via {e.via})")
+    return out
+
+
+def _staleness(pipe: PipelinePlan) -> list[str]:
+    st = pipe.staleness
+    lag = st.max_lag
+    meaning = ("on-policy: every sample is trained by the weights that generated it" if lag == 0 else
+               f"a sample is trained at most {lag} optimizer step{'s' * (lag != 1)} after the weights that "
+               "generated it")
+    out = [f"staleness: max_lag = {lag} ({meaning}); order {st.order}; too-stale samples: {st.too_stale}"]
+    out += [f"  = {system}: {text.format(L=lag, L1=lag + 1)}" for system, text in STALENESS_MAPPING]
+    out.append(f"run: {pipe.run.steps} steps, seed {pipe.run.seed}, watchdog {format_duration(pipe.run.watchdog_s)}")
+    return out
+
+
+def render_graph(plan: ExecutionPlan, fmt: str) -> str:
+    if fmt == "mermaid":
+        lines = ["flowchart LR"]
+        for pipe in plan.pipelines:
+            prefix = f"{pipe.name}_" if len(plan.pipelines) > 1 else ""
+            for d in pipe.datasets:
+                lines.append(f"  {prefix}{d.name}[({d.name})]")
+            for s in pipe.stages:
+                if s.kind != "sync":
+                    lines.append(f"  {prefix}{s.name}[\"{s.name}<br/>{s.kind}\"]")
+            for e in pipe.edges:
+                arrow = "-->" if e.kind == "data" else "-.->"
+                label = ", ".join(e.fields) if e.kind == "data" else f"weights ({e.via})"
+                lines.append(f"  {prefix}{e.src} {arrow}|{label}| {prefix}{e.dst}")
+        return "\n".join(lines) + "\n"
+    lines = ["digraph rldsl {", "  rankdir=LR;"]
+    for pipe in plan.pipelines:
+        prefix = f"{pipe.name}." if len(plan.pipelines) > 1 else ""
+        for d in pipe.datasets:
+            lines.append(f'  "{prefix}{d.name}" [shape=cylinder];')
+        for s in pipe.stages:
+            if s.kind != "sync":
+                lines.append(f'  "{prefix}{s.name}" [shape=box, label="{s.name}\\n{s.kind}"];')
+        for e in pipe.edges:
+            style = "solid" if e.kind == "data" else "dashed"
+            label = ", ".join(e.fields) if e.kind == "data" else f"weights ({e.via})"
+            lines.append(f'  "{prefix}{e.src}" -> "{prefix}{e.dst}" [style={style}, label="{label}"];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,184 @@
+"""What each block and stage kind accepts: keys, types, defaults, docs.
+
+This table is the single source of truth for the resolver and for the key
+reference in docs/language.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rldsl.compiler.types import (
+    COUNT, DURATION, SIZE, Bool, CallOf, EngineSpec, Enum, Float, Fraction, GpuRequest, GroupItem, Gpus, Int,
+    ListOf, LossSpec, RefTo, Str,
+)
+
+REQUIRED = object()  # a key without a default
+DERIVED = object()  # a default computed from other settings by a later pass
+
+
+@dataclass(frozen=True)
+class Key:
+    type: Any
+    default: Any = None
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    stage_kinds: tuple[str, ...]
+    args: dict
+    can_sleep_arg: str | None  # the bool argument that enables sleep/offload
+    gpu_only: bool
+    tp_per_actor: bool  # one actor drives a whole TP group (vLLM) vs one per GPU
+    doc: str
+
+
+_PARALLEL = {"tp": Int(low=1), "pp": Int(low=1)}
+_DTYPE = Enum(("fp32", "bf16", "fp16"))
+
+ENGINES: dict[str, EngineInfo] = {
+    "torch": EngineInfo(
+        ("generate", "logprob", "train"), {"dtype": _DTYPE, "offload": Bool()}, "offload", False, False,
+        "plain PyTorch on CPU or GPU; the builtin tiny model and local Hugging Face models"),
+    "vllm": EngineInfo(
+        ("generate", "logprob"),
+        {"tp": Int(low=1), "gpu_memory": Fraction(), "sleep": Bool(), "max_model_len": Int(low=1), "dtype": _DTYPE},
+        "sleep", True, True, "vLLM's offline engine; `gpu_memory` is the share of each GPU it reserves"),
+    "megatron": EngineInfo(
+        ("train", "logprob"),
+        {**_PARALLEL, "offload": Bool(), "dtype": _DTYPE, "distributed_optimizer": Bool()},
+        "offload", True, False, "megatron-core split-step trainer"),
+    "sim": EngineInfo(
+        ("generate", "logprob", "train"),
+        {"latency": DURATION, "tail": Fraction(), "tail_factor": Float(low=1), "jitter": Fraction(), "sleep": Bool(),
+         "tp": Int(low=1), "pp": Int(low=1)},
+        "sleep", False, False, "calibrated latencies without a model, for scheduler tests and benchmarks"),
+}
+
+ENGINE_ARG_DEFAULTS = {
+    "torch": {"dtype": "fp32", "offload": True},
+    "vllm": {"tp": 1, "gpu_memory": 0.9, "sleep": True, "dtype": "bf16"},
+    "megatron": {"tp": 1, "pp": 1, "offload": True, "dtype": "bf16", "distributed_optimizer": True},
+    "sim": {"latency": 0.01, "tail": 0.0, "tail_factor": 10.0, "jitter": 0.1, "sleep": True},
+}
+
+
+def _engine(name: str, args: dict, span, arg_spans) -> EngineSpec:
+    return EngineSpec(name, {**ENGINE_ARG_DEFAULTS[name], **args}, span, arg_spans)
+
+
+def _loss(name: str, args: dict, span, arg_spans) -> LossSpec:
+    return LossSpec(name, {**LOSS_DEFAULTS[name], **args}, span)
+
+
+ENGINE = CallOf("engine", {n: e.args for n, e in ENGINES.items()}, _engine)
+LOSSES = {"grpo": {"clip": Float(low=0), "kl": Float(low=0), "level": Enum(("token", "sequence"))}}
+LOSS_DEFAULTS = {"grpo": {"clip": 0.2, "kl": 0.0, "level": "token"}}
+LOSS = CallOf("loss", LOSSES, _loss)
+
+_GPU_PLACEMENT = {
+    "gpus": Key(Gpus(), GpuRequest(1, None, None), "GPU count (placed automatically) or GPU ids `0..3`"),
+    "colocate": Key(RefTo(("stage",)), None, "share the GPUs of another stage, sleeping/offloading in turn"),
+}
+
+STAGE_KEYS: dict[str, dict[str, Key]] = {
+    "generate": {
+        "model": Key(RefTo(("model",)), REQUIRED, "the model generated from"),
+        "engine": Key(ENGINE, EngineSpec("torch", dict(ENGINE_ARG_DEFAULTS["torch"]), None), "generation engine"),
+        **_GPU_PLACEMENT,
+        "samples_per_prompt": Key(Int(low=1), REQUIRED, "responses sampled per prompt (the GRPO group size)"),
+        "max_new_tokens": Key(Int(low=1), 64, "response length limit in tokens"),
+        "temperature": Key(Float(low=0), 1.0, "sampling temperature"),
+        "top_p": Key(Fraction(), 1.0, "nucleus sampling share"),
+        "logprobs": Key(Bool(), True, "return per-token behaviour logprobs"),
+    },
+    "reward": {
+        "fn": Key(Str(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "a `module:function` reference",
+                      'for example "rldsl.rewards:exact_match"'), REQUIRED, "the reward function, `module:function`"),
+        "workers": Key(Int(low=1), 1, "CPU worker processes"),
+        "timeout": Key(DURATION, 10.0, "per-sample limit; a slower reward drops the sample"),
+    },
+    "logprob": {
+        "model": Key(RefTo(("model",)), REQUIRED, "the model scored with"),
+        "frozen": Key(Bool(), False, "a frozen reference (ref_logprobs) rather than the policy (behaviour_logprobs)"),
+        "engine": Key(ENGINE, EngineSpec("torch", dict(ENGINE_ARG_DEFAULTS["torch"]), None), "logprob engine"),
+        **_GPU_PLACEMENT,
+        "micro_batch": Key(Int(low=1), 8, "rows per forward pass"),
+    },
+    "train": {
+        "model": Key(RefTo(("model",)), REQUIRED, "the model trained"),
+        "engine": Key(ENGINE, EngineSpec("torch", dict(ENGINE_ARG_DEFAULTS["torch"]), None), "training engine"),
+        **_GPU_PLACEMENT,
+        "prompts_per_step": Key(Int(low=1), REQUIRED, "prompt groups per optimizer step"),
+        "global_batch": Key(Int(low=1), DERIVED, "samples per optimizer step (prompts_per_step x samples_per_prompt)"),
+        "micro_batch": Key(Int(low=1), DERIVED, "samples per forward/backward on one rank (default: one group)"),
+        "loss": Key(LOSS, LossSpec("grpo", dict(LOSS_DEFAULTS["grpo"]), None), "`grpo(clip, kl, level)`"),
+        "lr": Key(Float(low=0), 1e-5, "AdamW learning rate"),
+        "weight_decay": Key(Float(low=0), 0.0, "AdamW weight decay"),
+        "max_grad_norm": Key(Float(low=0), 1.0, "gradient clipping (0 disables)"),
+    },
+    "sync": {
+        "from": Key(RefTo(("stage",)), REQUIRED, "the train stage whose weights are sent"),
+        "to": Key(ListOf(RefTo(("stage",))), REQUIRED, "the generate (or policy logprob) stages receiving them"),
+        "bucket": Key(SIZE, 256 * 2**20, "bytes per transfer bucket"),
+    },
+}
+
+BLOCK_KEYS: dict[str, dict[str, Key]] = {
+    "cluster": {
+        "nodes": Key(Int(low=1), 1, "machines"),
+        "gpus_per_node": Key(Int(low=0), REQUIRED, "GPUs on each machine (Ray logical GPUs on a CPU machine)"),
+        "gpu": Key(Str(), None, "GPU type, for the plan (for example \"H100\")"),
+        "gpu_memory": Key(SIZE, None, "memory of one GPU; enables the memory check"),
+        "cpus_per_node": Key(Int(low=1), None, "CPUs on each machine"),
+    },
+    "model": {
+        "source": Key(Str(r"(builtin:[\w\-]+|hf:.+)", "a model source",
+                          'use "builtin:tiny-lm" or "hf:/path/to/model"'), REQUIRED, "`builtin:tiny-lm` or `hf:<local path>`"),
+        "params": Key(COUNT, None, "parameter count (read from the model when omitted)"),
+        "dtype": Key(_DTYPE, None, "weights dtype (default: the engine's)"),
+    },
+    "dataset": {
+        "source": Key(Str(r"(builtin:[\w\-]+|jsonl:.+)", "a dataset source",
+                          'use "builtin:arith", "builtin:reverse" or "jsonl:path/to/file.jsonl"'), REQUIRED,
+                      "`builtin:arith`, `builtin:reverse` or `jsonl:<path>`"),
+        "prompt_field": Key(Str(), "prompt", "jsonl field holding the prompt"),
+        "answer_field": Key(Str(), "answer", "jsonl field holding the reference answer"),
+        "shuffle": Key(Bool(), True, "shuffle each epoch"),
+        "eval_size": Key(Int(low=0), 64, "held-out prompts for evaluation"),
+    },
+    "staleness": {
+        "max_lag": Key(Int(low=0), 0, "max trainer version minus generating version of a trained sample"),
+        "order": Key(Enum(("any", "in_order")), "any", "`any`: by lag then arrival; `in_order`: strictly by prompt"),
+        "too_stale": Key(Enum(("wait", "drop")), "wait",
+                         "`wait`: never dispatch what could go stale; `drop`: over-sample and drop stale groups"),
+        "max_stale_fraction": Key(Fraction(), None, "optional cap on the share of samples with lag > 0 per step"),
+    },
+    "buffer": {
+        "capacity": Key(Int(low=1), DERIVED, "prompt groups stored (default prompts_per_step x (max_lag + 1))"),
+        "max_inflight": Key(Int(low=1), DERIVED, "prompt groups being generated at once (default prompts_per_step)"),
+    },
+    "placement": {
+        "groups": Key(ListOf(GroupItem(), allow_single=False), None, "stage groups sharing a slice of the cluster"),
+        "ratios": Key(ListOf(Fraction(), allow_single=False), None, "each group's share of the cluster's GPUs"),
+    },
+    "run": {
+        "steps": Key(Int(low=1), 20, "training steps"),
+        "seed": Key(Int(low=0), 0, "random seed"),
+        "eval_every": Key(Int(low=0), 0, "held-out evaluation every N steps (0: start and end only)"),
+        "checkpoint_every": Key(Int(low=0), 0, "checkpoint every N steps (0: only on stop)"),
+        "watchdog": Key(DURATION, 120.0, "stop with a report when no pump progresses this long"),
+    },
+}
+
+NAMED_BLOCKS = ("model", "dataset")  # `model NAME { }`
+SINGLE_BLOCKS = ("staleness", "buffer", "placement", "run")  # at most one per pipeline
+STAGE_KINDS = tuple(STAGE_KEYS)
+BLOCK_KINDS = ("cluster", "stage", *NAMED_BLOCKS, *SINGLE_BLOCKS)
+
+
+def can_sleep(engine: EngineSpec) -> bool:
+    arg = ENGINES[engine.name].can_sleep_arg
+    return bool(arg and engine.args.get(arg))

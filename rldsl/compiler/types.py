@@ -1,0 +1,337 @@
+"""Value types of the language: each converts a syntax value or reports why not.
+
+A type is a small object with ``convert(value) -> (python value | INVALID,
+diagnostics)`` and a ``describe`` used in messages and the reference docs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rldsl.compiler import ast
+from rldsl.compiler.diagnostics import ERROR, Diagnostic, Span, did_you_mean
+from rldsl.compiler.units import COUNT_UNITS, DURATION_UNITS, PERCENT_UNITS, SIZE_UNITS
+
+INVALID = object()
+Result = tuple[Any, list[Diagnostic]]
+
+
+def _err(code: str, message: str, span: Span, help: str | None = None) -> list[Diagnostic]:
+    return [Diagnostic(code, ERROR, message, span, help=help)]
+
+
+def _kind_of(value: ast.Value) -> str:
+    return {
+        ast.Number: "a number", ast.String: "a string", ast.Name: "a name",
+        ast.Range: "a range", ast.ListValue: "a list", ast.Call: "a call",
+    }[type(value)]
+
+
+def _shown(value: ast.Value) -> str:
+    if isinstance(value, ast.Number):
+        return f"`{value.text}`"
+    if isinstance(value, ast.String):
+        return f'`"{value.value}"`'
+    if isinstance(value, ast.Name):
+        return f"`{value.id}`"
+    return _kind_of(value)
+
+
+def mismatch(expected: str, value: ast.Value, help: str | None = None) -> Result:
+    return INVALID, _err("RLP104", f"expected {expected}, found {_shown(value)}", value.span, help)
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A name that refers to another declaration; bound by the resolver."""
+
+    name: str
+    span: Span
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    args: dict
+    span: Span
+    arg_spans: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """`gpus = 2` (a count, placed automatically) or `gpus = [0..1, 4]` (ids)."""
+
+    count: int
+    ids: tuple[int, ...] | None
+    span: Span
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    name: str
+    args: dict
+    span: Span
+
+
+# ------------------------------------------------------------------ scalars
+
+
+@dataclass(frozen=True)
+class Int:
+    low: int | None = None
+    high: int | None = None
+    describe: str = "an integer"
+
+    def convert(self, value: ast.Value) -> Result:
+        if not isinstance(value, ast.Number) or not value.is_integer or value.unit:
+            help = "counts are whole numbers without units" if isinstance(value, ast.Number) else None
+            return mismatch(self.describe, value, help)
+        return _in_range(int(value.magnitude), self.low, self.high, value)
+
+
+@dataclass(frozen=True)
+class Float:
+    low: float | None = None
+    high: float | None = None
+    describe: str = "a number"
+
+    def convert(self, value: ast.Value) -> Result:
+        if not isinstance(value, ast.Number) or value.unit:
+            return mismatch(self.describe, value)
+        return _in_range(value.magnitude, self.low, self.high, value)
+
+
+def _in_range(number, low, high, value: ast.Number) -> Result:
+    if (low is not None and number < low) or (high is not None and number > high):
+        bounds = f"at least {low}" if high is None else f"between {low} and {high}" if low is not None else f"at most {high}"
+        return INVALID, _err("RLP106", f"`{value.text}` is out of range: must be {bounds}", value.span)
+    return number, []
+
+
+@dataclass(frozen=True)
+class Bool:
+    describe: str = "`true` or `false`"
+
+    def convert(self, value: ast.Value) -> Result:
+        if isinstance(value, ast.Name) and value.id in ("true", "false"):
+            return value.id == "true", []
+        return mismatch(self.describe, value)
+
+
+@dataclass(frozen=True)
+class Str:
+    pattern: str | None = None
+    describe: str = "a string"
+    hint: str | None = None
+
+    def convert(self, value: ast.Value) -> Result:
+        if not isinstance(value, ast.String):
+            help = f'quote it: "{value.id}"' if isinstance(value, ast.Name) else self.hint
+            return mismatch(self.describe, value, help)
+        if self.pattern and not re.fullmatch(self.pattern, value.value):
+            return INVALID, _err("RLP104", f'`"{value.value}"` is not {self.describe}', value.span, self.hint)
+        return value.value, []
+
+
+@dataclass(frozen=True)
+class Enum:
+    options: tuple[str, ...]
+
+    @property
+    def describe(self) -> str:
+        return "one of " + ", ".join(f"`{o}`" for o in self.options)
+
+    def convert(self, value: ast.Value) -> Result:
+        word = value.id if isinstance(value, ast.Name) else value.value if isinstance(value, ast.String) else None
+        if word is None:
+            return mismatch(self.describe, value)
+        if word not in self.options:
+            return INVALID, _err("RLP104", f"`{word}` is not {self.describe}", value.span, did_you_mean(word, self.options))
+        return word, []
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """A number with a unit from ``units`` (sizes, durations, counts)."""
+
+    units: dict
+    describe: str
+    example: str
+    unit_optional: bool = False
+
+    def convert(self, value: ast.Value) -> Result:
+        if not isinstance(value, ast.Number):
+            return mismatch(self.describe, value)
+        if value.unit == "" and not self.unit_optional:
+            return INVALID, _err("RLP105", f"`{value.text}` has no unit: expected {self.describe}", value.span,
+                                 f"add a unit, for example `{self.example}`")
+        if value.unit not in self.units:
+            known = [u for u in self.units if u]
+            return INVALID, _err("RLP105", f"unknown unit `{value.unit}` in `{value.text}`: expected {self.describe}",
+                                 value.span, did_you_mean(value.unit, known) or "units: " + ", ".join(known))
+        if value.magnitude < 0:
+            return INVALID, _err("RLP106", f"`{value.text}` is negative", value.span)
+        return value.magnitude * self.units[value.unit], []
+
+
+SIZE = Quantity(SIZE_UNITS, "a size such as `256MiB`", "256MiB")
+DURATION = Quantity(DURATION_UNITS, "a duration such as `30s`", "30s")
+COUNT = Quantity(COUNT_UNITS, "a count such as `7B` or `350M`", "1.5B", unit_optional=True)
+
+
+@dataclass(frozen=True)
+class Fraction:
+    """`80%` or `0.8`: a share in [0, 1]."""
+
+    describe: str = "a fraction such as `80%` or `0.8`"
+
+    def convert(self, value: ast.Value) -> Result:
+        if not isinstance(value, ast.Number) or value.unit not in ("", "%"):
+            return mismatch(self.describe, value)
+        share = value.magnitude * PERCENT_UNITS.get(value.unit, 1.0)
+        if not 0 <= share <= 1:
+            return INVALID, _err("RLP106", f"`{value.text}` is not a fraction between 0% and 100%", value.span)
+        return share, []
+
+
+# -------------------------------------------------------------- references
+
+
+@dataclass(frozen=True)
+class RefTo:
+    """A reference to a declaration of one of ``kinds`` (model, stage, ...)."""
+
+    kinds: tuple[str, ...]
+
+    @property
+    def describe(self) -> str:
+        return "the name of a " + " or ".join(self.kinds)
+
+    def convert(self, value: ast.Value) -> Result:
+        if isinstance(value, ast.Name):
+            return Ref(value.id, value.span), []
+        help = f"names are written without quotes: {value.value}" if isinstance(value, ast.String) else None
+        return mismatch(self.describe, value, help)
+
+
+@dataclass(frozen=True)
+class ListOf:
+    item: Any
+    allow_single: bool = True  # `to = rollout` is short for `to = [rollout]`
+
+    @property
+    def describe(self) -> str:
+        return f"a list of {self.item.describe.removeprefix('a ').removeprefix('an ')}"
+
+    def convert(self, value: ast.Value) -> Result:
+        items = value.items if isinstance(value, ast.ListValue) else (value,) if self.allow_single else None
+        if items is None:
+            return mismatch(self.describe, value)
+        out, diags = [], []
+        for item in items:
+            converted, errs = self.item.convert(item)
+            diags += errs
+            out.append(converted)
+        return (INVALID if diags else tuple(out)), diags
+
+
+@dataclass(frozen=True)
+class GroupItem:
+    """One member of `placement.groups`: a stage name or a list of them."""
+
+    describe: str = "a stage name or a list of stage names"
+
+    def convert(self, value: ast.Value) -> Result:
+        if isinstance(value, ast.ListValue):
+            return ListOf(RefTo(("stage",)), allow_single=False).convert(value)
+        converted, diags = RefTo(("stage",)).convert(value)
+        return (INVALID if diags else (converted,)), diags
+
+
+@dataclass(frozen=True)
+class Gpus:
+    describe: str = "a GPU count such as `2` or GPU ids such as `0..1` or `[0, 2..3]`"
+
+    def convert(self, value: ast.Value) -> Result:
+        if isinstance(value, ast.Number):
+            count, diags = Int(low=0, describe=self.describe).convert(value)
+            return (INVALID if diags else GpuRequest(count, None, value.span)), diags
+        parts = value.items if isinstance(value, ast.ListValue) else (value,) if isinstance(value, ast.Range) else None
+        if parts is None:
+            return mismatch(self.describe, value)
+        ids: list[int] = []
+        for part in parts:
+            got, diags = _gpu_ids(part)
+            if diags:
+                return INVALID, diags
+            ids += got
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            return INVALID, _err("RLP104", f"GPU {dupes[0]} is listed twice", value.span)
+        return GpuRequest(len(ids), tuple(ids), value.span), []
+
+
+def _gpu_ids(part: ast.Value) -> tuple[list[int], list[Diagnostic]]:
+    if isinstance(part, ast.Number) and part.is_integer and not part.unit and part.magnitude >= 0:
+        return [int(part.magnitude)], []
+    if isinstance(part, ast.Range):
+        ends = (part.low, part.high)
+        if all(e.is_integer and not e.unit and e.magnitude >= 0 for e in ends) and part.low.magnitude <= part.high.magnitude:
+            return list(range(int(part.low.magnitude), int(part.high.magnitude) + 1)), []
+        return [], _err("RLP104", "a GPU range is `low..high` with whole numbers, low <= high", part.span)
+    return [], _err("RLP104", f"expected a GPU id or range, found {_shown(part)}", part.span)
+
+
+# ------------------------------------------------------------------- calls
+
+
+@dataclass(frozen=True)
+class CallOf:
+    """`name(key = value, ...)`: engines and losses. ``signatures`` maps each
+    callee to its argument types; a bare name is a call with no arguments."""
+
+    what: str  # "engine" or "loss", for messages
+    signatures: dict  # name -> dict[arg name -> type]
+    build: Callable
+
+    @property
+    def describe(self) -> str:
+        return f"an {self.what} such as " + " or ".join(f"`{n}`" for n in self.signatures)
+
+    def convert(self, value: ast.Value) -> Result:
+        if isinstance(value, ast.Name):
+            func, args, span = ast.Word(value.id, value.span), (), value.span
+        elif isinstance(value, ast.Call):
+            func, args, span = value.func, value.args, value.span
+        else:
+            return mismatch(self.describe, value)
+        if func.text not in self.signatures:
+            return INVALID, _err("RLP103", f"unknown {self.what} `{func.text}`", func.span,
+                                 did_you_mean(func.text, self.signatures) or f"known: {', '.join(self.signatures)}")
+        return self._arguments(func, args, span)
+
+    def _arguments(self, func: ast.Word, args, span: Span) -> Result:
+        signature = self.signatures[func.text]
+        converted, spans, diags = {}, {}, []
+        for arg in args:
+            if arg.name is None:
+                diags += _err("RLP104", f"{self.what} arguments are named", arg.span,
+                              f"write `{func.text}({next(iter(signature), 'key')} = ...)`")
+                continue
+            key = arg.name.text
+            if key not in signature:
+                diags += _err("RLP103", f"`{func.text}` has no argument `{key}`", arg.name.span,
+                              did_you_mean(key, signature) or f"arguments: {', '.join(signature) or 'none'}")
+                continue
+            if key in converted:
+                diags += _err("RLP102", f"argument `{key}` given twice", arg.name.span)
+                continue
+            got, errs = signature[key].convert(arg.value)
+            diags += errs
+            if got is not INVALID:
+                converted[key], spans[key] = got, arg.value.span
+        if diags:
+            return INVALID, diags
+        return self.build(func.text, converted, span, spans), []

@@ -1,0 +1,123 @@
+"""A supervised warm start for ``builtin:tiny-lm`` on a builtin task.
+
+RL from random init cannot find a single correct answer to reward, so the
+builtin model first imitates correct answers on the task's train split for a
+short while: until its greedy accuracy on a slice of the train split reaches
+``target_accuracy`` (default 0.25), or ``max_steps``. It is stopped early on
+purpose: the model then writes answers in the right format and is right on
+some prompts, and RL has room to improve it. Evaluation prompts are never
+seen (the eval split is disjoint and not used to decide when to stop).
+
+The result is deterministic for (model config, task, seed, settings) and is
+cached under ``$RLDSL_CACHE_DIR`` (default ``~/.cache/rldsl/warmstart``),
+keyed by a hash of all of them; a file lock makes concurrent engines on one
+machine train it once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from rldsl.models.tiny import CausalLM, build_tiny_lm
+from rldsl.rewards import exact_match
+from rldsl.tasks import load_dataset
+
+CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class WarmStartSettings:
+    target_accuracy: float = 0.25
+    max_steps: int = 3000
+    batch_size: int = 64
+    lr: float = 3e-3
+    check_every: int = 25
+    check_prompts: int = 256
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RLDSL_CACHE_DIR", Path.home() / ".cache" / "rldsl")) / "warmstart"
+
+
+def cache_key(task: str, seed: int, model_config: dict, settings: WarmStartSettings) -> str:
+    payload = {"format": CACHE_FORMAT, "task": task, "seed": seed, "model": model_config, "settings": asdict(settings)}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_warm_started(
+    task: str, seed: int = 0, model_overrides: dict | None = None, settings: WarmStartSettings | None = None
+) -> CausalLM:
+    """The warm-started model, trained now if the cache has none."""
+    settings = settings or WarmStartSettings()
+    model = build_tiny_lm(seed, **(model_overrides or {}))
+    path = cache_dir() / f"{task.replace(':', '-')}-{cache_key(task, seed, model.config, settings)}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one trainer per machine; the others wait, then load
+        if not path.exists():
+            report = supervised_warm_start(model, task, seed, settings)
+            tmp = path.with_suffix(".tmp")
+            torch.save({"state_dict": model.module.state_dict(), "report": report}, tmp)
+            os.replace(tmp, path)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    model.module.load_state_dict(saved["state_dict"])
+    model.warm_start_report = saved["report"]
+    return model
+
+
+def supervised_warm_start(model: CausalLM, task: str, seed: int, settings: WarmStartSettings) -> dict:
+    """Teacher-forced cross-entropy on (prompt, answer + EOS) pairs until the
+    greedy accuracy on held-back train prompts reaches the target."""
+    from rldsl.runtime.engines.torch_common import response_logprobs
+
+    train = load_dataset(task, "train", seed=seed)
+    check, pool = train[: settings.check_prompts], train[settings.check_prompts :]
+    rng = random.Random(f"warmstart-{seed}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        optimizer = torch.optim.AdamW(model.module.parameters(), lr=settings.lr)
+        accuracy, step = 0.0, 0
+        for step in range(1, settings.max_steps + 1):
+            batch = answer_batch(model.tokenizer, rng.sample(pool, settings.batch_size))
+            model.module.train()
+            logprobs = response_logprobs(model, batch)
+            loss = -logprobs.sum() / batch["response_mask"].sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step % settings.check_every == 0:
+                accuracy = greedy_accuracy(model, check)
+                if accuracy >= settings.target_accuracy:
+                    break
+    model.module.eval()
+    return {"steps": step, "train_accuracy": accuracy}
+
+
+def answer_batch(tokenizer, prompts) -> dict:
+    """A batch whose responses are the reference answers followed by EOS."""
+    from rldsl.runtime.engines.torch_common import encode_prompts
+
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, [p.text for p in prompts])
+    answers = [tokenizer.encode(p.answer, add_eos=True) for p in prompts]
+    width = max(len(ids) for ids in answers)
+    response_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    response_mask = torch.zeros_like(response_ids)
+    for row, ids in enumerate(answers):
+        response_ids[row, : len(ids)] = torch.tensor(ids)
+        response_mask[row, : len(ids)] = 1
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids, "response_mask": response_mask}
+
+
+def greedy_accuracy(model: CausalLM, prompts, max_new_tokens: int = 8) -> float:
+    from rldsl.runtime.engines.torch_generate import TorchGenerator
+
+    responses = TorchGenerator(model, max_new_tokens=max_new_tokens).generate_greedy(prompts)
+    return sum(exact_match(r, p.answer) for r, p in zip(responses, prompts)) / max(len(prompts), 1)

@@ -1,0 +1,181 @@
+"""The ExecutionPlan: the one boundary between compiler and runtime.
+
+Plain dataclasses of JSON values; ``to_json`` / ``from_json`` round-trip
+exactly. The runtime reads nothing else (not the .rlp file, not the AST).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    nodes: int
+    gpus_per_node: int
+    gpu_type: str | None = None
+    gpu_memory_bytes: int | None = None
+    cpus_per_node: int | None = None
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    name: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    index: int
+    node: int
+    gpus: list[int]  # local GPU ids on ``node``; empty for CPU ranks
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    gpu_fraction: float = 0.0  # of each GPU in ``gpus``: colocated actors share a bundle
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    name: str
+    kind: str  # generate | reward | logprob | train | sync
+    engine: EnginePlan | None
+    model: str | None
+    settings: dict[str, Any]
+    ranks: list[RankPlan] = field(default_factory=list)
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    colocated_with: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EdgePlan:
+    src: str
+    dst: str
+    kind: str  # data | weights
+    fields: list[str] = field(default_factory=list)
+    via: str | None = None  # the sync stage of a weights edge
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    name: str
+    source: str
+    params: int | None = None
+    dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class DatasetPlan:
+    name: str
+    source: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StalenessPlan:
+    max_lag: int
+    order: str
+    too_stale: str
+    max_stale_fraction: float | None = None
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    train_stage: str
+    prompts_per_step: int
+    samples_per_prompt: int
+    global_batch: int
+    micro_batch: int
+    buffer_capacity: int
+    max_inflight: int
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    steps: int
+    seed: int
+    eval_every: int
+    checkpoint_every: int
+    watchdog_s: float
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    name: str
+    models: list[ModelPlan]
+    datasets: list[DatasetPlan]
+    stages: list[StagePlan]
+    edges: list[EdgePlan]
+    generations: list[list[str]]
+    staleness: StalenessPlan
+    batch: BatchPlan
+    run: RunPlan
+
+    def stage(self, name: str) -> StagePlan:
+        return next(s for s in self.stages if s.name == name)
+
+    def stages_of(self, kind: str) -> list[StagePlan]:
+        return [s for s in self.stages if s.kind == kind]
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    cluster: ClusterPlan
+    pipelines: list[PipelinePlan]
+    source_file: str = ""
+    source_sha256: str = ""
+    warnings: list[str] = field(default_factory=list)
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    def pipeline(self, name: str | None = None) -> PipelinePlan:
+        if name is None:
+            return self.pipelines[0]
+        return next(p for p in self.pipelines if p.name == name)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "ExecutionPlan":
+        data = json.loads(text)
+        version = data.get("schema_version")
+        if version != PLAN_SCHEMA_VERSION:
+            raise PlanFormatError(f"plan schema version {version}, this rldsl reads version {PLAN_SCHEMA_VERSION}; "
+                                  "re-create the plan with `rldsl plan --out`")
+        return _build(ExecutionPlan, data)
+
+
+class PlanFormatError(ValueError):
+    pass
+
+
+def _build(cls, data):
+    """Rebuild nested dataclasses from ``asdict`` output using the type hints."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _value(hints[f.name], data[f.name])
+    return cls(**kwargs)
+
+
+def _value(hint, value):
+    if value is None:
+        return None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value)
+    if origin is list:
+        return [_value(args[0], v) for v in value]
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        inner = [a for a in args if a is not type(None)]
+        return _value(inner[0], value) if len(inner) == 1 else value
+    return value

@@ -1,0 +1,107 @@
+"""Reward functions and the guard that runs user rewards safely.
+
+A reward is ``fn(response, answer, prompt) -> float``. Pipelines name one as
+``"module:function"``; ``load_reward`` resolves it with messages that say
+what is wrong. ``safe_reward`` turns a reward that raises, hangs or returns a
+non-number into a dropped sample with a reason instead of a dead run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import math
+import threading
+from typing import Callable
+
+RewardFn = Callable[[str, str, str], float]
+
+
+def exact_match(response: str, answer: str, prompt: str = "") -> float:
+    """1.0 when the response equals the answer, ignoring surrounding whitespace."""
+    return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+def char_match(response: str, answer: str, prompt: str = "") -> float:
+    """Partial credit in [0, 1]: characters equal at the same position,
+    divided by the longer length (so extra or missing characters cost)."""
+    response, answer = response.strip(), answer.strip()
+    longest = max(len(response), len(answer))
+    if longest == 0:
+        return 1.0
+    return sum(a == b for a, b in zip(response, answer)) / longest
+
+
+digit_match = char_match  # the name arithmetic users look for
+
+
+class RewardLoadError(ValueError):
+    pass
+
+
+def load_reward(spec: str) -> RewardFn:
+    """Resolve ``"package.module:function"`` to a callable."""
+    module_name, sep, function_name = spec.partition(":")
+    if not sep or not module_name or not function_name:
+        raise RewardLoadError(f"reward {spec!r}: expected 'module:function', e.g. 'rldsl.rewards:exact_match'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise RewardLoadError(f"reward {spec!r}: cannot import module {module_name!r}: {error}") from error
+    function = getattr(module, function_name, None)
+    if function is None:
+        public = [name for name in dir(module) if not name.startswith("_")]
+        close = difflib.get_close_matches(function_name, public, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise RewardLoadError(f"reward {spec!r}: module {module_name!r} has no function {function_name!r}{hint}")
+    if not callable(function):
+        raise RewardLoadError(f"reward {spec!r}: {function_name!r} is a {type(function).__name__}, not a function")
+    return function
+
+
+def safe_reward(
+    fn: RewardFn, response: str, answer: str, prompt: str, timeout_s: float | None = None
+) -> tuple[float | None, str | None]:
+    """``(value, None)`` on success, ``(None, reason)`` when the sample must be dropped.
+
+    With a timeout the reward runs in a daemon thread; a reward that overruns
+    is abandoned (Python cannot kill a thread), its sample dropped, and the
+    caller is never blocked longer than ``timeout_s``.
+    """
+    if timeout_s is None:
+        outcome = _call(fn, response, answer, prompt)
+    else:
+        outcome = _call_with_timeout(fn, (response, answer, prompt), timeout_s)
+        if outcome is None:
+            return None, f"reward timed out after {timeout_s:g}s"
+    value, error = outcome
+    if error is not None:
+        return None, f"reward raised {type(error).__name__}: {error}"
+    return _checked_value(value)
+
+
+def _call(fn, *args):
+    try:
+        return fn(*args), None
+    except Exception as error:  # noqa: BLE001 - any failure drops only this sample
+        return None, error
+
+
+def _call_with_timeout(fn, args, timeout_s: float):
+    result = []
+    worker = threading.Thread(target=lambda: result.append(_call(fn, *args)), daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return result[0] if result else None
+
+
+def _checked_value(value) -> tuple[float | None, str | None]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            value = float(value)  # numpy / torch scalars
+        except (TypeError, ValueError):
+            return None, f"reward returned {type(value).__name__}, not a number"
+    value = float(value)
+    if not math.isfinite(value):
+        return None, f"reward returned {value}"
+    return value, None

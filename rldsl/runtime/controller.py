@@ -1,0 +1,354 @@
+"""The single controller: three asyncio pumps that move only metadata.
+
+- rollout pump (pumps.py): prompts -> generate -> reward -> logprob, one
+  prompt group at a time, gated by buffer capacity, the in-flight limit and
+  the staleness quota;
+- train pump (here): the split-step trainer fed one ready group at a time;
+- sync pump (pumps.py): pushes weights to the generators after each step.
+
+A watchdog turns any stall into a ``PipelineStalled`` error that says what
+each pump is waiting on. Engines sit behind ``StageHandles``; the Ray layer
+provides them over actors, ``engines.sim`` in process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from rldsl.runtime import ledger as outcomes
+from rldsl.runtime.advantages import group_advantages
+from rldsl.runtime.buffer import Group, GroupState
+from rldsl.runtime.protocols import FIELD_ADVANTAGE, FIELD_REWARD, Prompt, StepResult
+from rldsl.runtime.pumps import RolloutPump, RunState, SyncPump, resolve
+from rldsl.runtime.settings import RunSettings
+
+StepCallback = Callable[[dict], None]
+
+
+@dataclass(frozen=True)
+class StageHandles:
+    """The async callables the controller drives; the Ray layer implements
+    them over actors, ``engines.sim.sim_stage_handles`` in process.
+
+    Only keys and metadata cross this boundary: engines read and write the
+    sample fields in the data plane themselves.
+
+    - ``generate(prompts, keys, samples_per_prompt, seed) -> version``:
+      generate ``samples_per_prompt`` responses per prompt, write them under
+      ``keys`` (prompt-major), and return the weight version used. The
+      controller calls it once per prompt group and never while a weight
+      push is in progress.
+    - ``reward(stage, keys) -> [float | None]``: one reward per key; ``None``
+      (or NaN) marks a sample whose reward failed. An exception fails all.
+    - ``logprob(stage, keys)``: compute and store the stage's logprob field.
+    - ``begin_train_step(step)``, ``train_microbatch(step, keys) -> metrics``,
+      ``finish_train_step(step) -> StepResult``, ``abort_train_step(step)``:
+      the split-step trainer; microbatches read their fields (``advantage``
+      included) from the data plane.
+    - ``push_weights(version)``: bucketed transfer trainer -> every generator;
+      the new version takes effect when the last bucket lands.
+    - ``generator_version() -> int``: the generators' weight version at start.
+    """
+
+    generate: Callable[[Sequence[Prompt], Sequence[str], int, int], Awaitable[int]]
+    reward: Callable[[str, Sequence[str]], Awaitable[Sequence[float | None]]]
+    logprob: Callable[[str, Sequence[str]], Awaitable[None]]
+    begin_train_step: Callable[[int], Awaitable[None]]
+    train_microbatch: Callable[[int, Sequence[str]], Awaitable[Mapping[str, float]]]
+    finish_train_step: Callable[[int], Awaitable[StepResult]]
+    abort_train_step: Callable[[int], Awaitable[None]]
+    push_weights: Callable[[int], Awaitable[None]]
+    generator_version: Callable[[], Awaitable[int]]
+
+
+
+class PipelineStalled(RuntimeError):
+    """No pump made progress for ``watchdog_timeout_s``."""
+
+
+class StepFailed(RuntimeError):
+    """Too many consecutive train steps aborted."""
+
+
+class TrainCallFailed(Exception):
+    """A trainer or data-plane call of the open step raised."""
+
+    def __init__(self, call: str, error: BaseException):
+        super().__init__(f"{call} failed: {error!r}")
+        self.error = error
+
+
+@dataclass
+class StepBuild:
+    batch_index: int
+    version: int  # trainer version the step trains at
+    started_at: float
+    groups: list[Group] = field(default_factory=list)
+    begun: bool = False
+
+
+class TrainPump:
+    """Builds each step from ready groups: lazy begin, one microbatch per group
+    as it arrives, one finish and one data-plane clear; abort on failure."""
+
+    def __init__(self, state: RunState, on_step: StepCallback | None) -> None:
+        self.state = state
+        self.on_step = on_step
+        self.step: StepBuild | None = None
+        self.call: str | None = None  # the trainer call in progress, for the watchdog
+        self.aborted_steps = 0
+        self._aborted_in_row = 0
+
+    async def run(self) -> None:
+        state = self.state
+        try:
+            while state.finished_steps < state.settings.steps:
+                step = self.step = StepBuild(state.batch_index, state.trainer_version, state.clock())
+                try:
+                    await self._fill(step)
+                    if not step.groups:
+                        if state.prompts_exhausted and state.buffer.outstanding == 0:
+                            return
+                        state.batch_index += 1  # an in-order batch whose groups were all dropped
+                        continue
+                    result = await self._call("finish_train_step", state.stages.finish_train_step, step.batch_index)
+                except TrainCallFailed as failure:
+                    await self._abort(step, failure)
+                    continue
+                await self._close_step(step, result)
+        finally:
+            state.training_done = True
+            state.changed.notify()
+
+    def describe(self) -> str:
+        state, step = self.state, self.step
+        if state.training_done:
+            return "finished"
+        if step is None:
+            return "starting"
+        if self.call is not None:
+            return f"step {step.batch_index}: in {self.call}"
+        per_step = state.settings.prompts_per_step
+        have = len(step.groups)
+        eligible = state.sampler.count_eligible(state.buffer, state.trainer_version, step.batch_index)
+        text = (
+            f"step {step.batch_index} has {have}/{per_step} groups; waiting for {per_step - have} more "
+            f"{state.sampler.describe_wait(state.trainer_version, step.batch_index)}, "
+            f"have {eligible} eligible of {state.buffer.count(GroupState.READY)} ready"
+        )
+        if "train" in state.last_error:
+            text += f"; last failure {state.last_error['train']}"
+        return text
+
+    async def _fill(self, step: StepBuild) -> None:
+        state = self.state
+        while not self._step_complete(step):
+            for stale in state.sampler.evict(state.buffer, state.trainer_version):
+                state.drop(stale, outcomes.TOO_STALE, pump="train")
+            open_slots = state.settings.prompts_per_step - len(step.groups)
+            group = state.sampler.select(state.buffer, state.trainer_version, step.batch_index, open_slots)
+            if group is None:
+                await state.changed.wait()
+            else:
+                await self._train_group(step, group)
+
+    def _step_complete(self, step: StepBuild) -> bool:
+        state, per_step = self.state, self.state.settings.prompts_per_step
+        if state.settings.order == "in_order":
+            batch_dispatched = state.prompts_exhausted or state.groups_dispatched >= (step.batch_index + 1) * per_step
+            return batch_dispatched and not any(
+                g.target_step == step.batch_index and g.state is not GroupState.CONSUMED for g in state.buffer.groups()
+            )
+        return len(step.groups) >= per_step or (state.prompts_exhausted and state.buffer.outstanding == 0)
+
+    async def _train_group(self, step: StepBuild, group: Group) -> None:
+        state = self.state
+        state.buffer.consume(group.group_id)
+        step.groups.append(group)
+        state.consumed_in_step += 1
+        state.changed.notify()
+        if not step.begun:
+            step.begun = True
+            await self._call("begin_train_step", state.stages.begin_train_step, step.batch_index)
+        advantages = group_advantages(group.rewards, state.settings.advantage_eps)
+        fields = {
+            FIELD_REWARD: torch.tensor(group.rewards, dtype=torch.float32),
+            FIELD_ADVANTAGE: torch.tensor(advantages, dtype=torch.float32),
+        }
+        await self._call("data-plane put of advantages", state.put, group.keys, fields, metered=False)
+        await self._call("train_microbatch", state.stages.train_microbatch, step.batch_index, list(group.keys))
+        state.progress()
+
+    async def _call(self, name: str, fn: Callable[..., Any], *args: Any, metered: bool = True) -> Any:
+        self.call = f"{name}({args[0]!r})" if args and not isinstance(args[0], tuple) else name
+        try:
+            if not metered:
+                return await resolve(fn(*args))
+            with self.state.meter("train").track():
+                return await resolve(fn(*args))
+        except Exception as error:
+            raise TrainCallFailed(name, error) from error
+        finally:
+            self.call = None
+
+    async def _close_step(self, step: StepBuild, result: StepResult) -> None:
+        state = self.state
+        lags: Counter[int] = Counter()
+        for group in step.groups:
+            lag = group.lag_at(step.version)
+            state.ledger.trained(group.keys, lag)
+            lags[lag] += len(group.keys)
+        state.trainer_version = int(result.version)
+        state.finished_steps += 1
+        state.batch_index += 1
+        state.consumed_in_step = 0
+        self._aborted_in_row = 0
+        state.progress()  # the sync pump starts its push while the clear runs
+        await self._clear_and_release(step.groups)
+        self._report(step, result, lags)
+
+    async def _abort(self, step: StepBuild, failure: TrainCallFailed) -> None:
+        state = self.state
+        state.last_error["train"] = str(failure)
+        await resolve(state.stages.abort_train_step(step.batch_index))  # idempotent; a raise here is fatal
+        for group in step.groups:
+            state.ledger.dropped(group.keys, outcomes.STEP_ABORTED)
+        state.consumed_in_step = 0
+        await self._clear_and_release(step.groups)
+        self.aborted_steps += 1
+        self._aborted_in_row += 1
+        if self._aborted_in_row >= state.settings.max_aborted_steps:
+            raise StepFailed(f"{self._aborted_in_row} consecutive train steps aborted; last: {failure}") from failure.error
+
+    async def _clear_and_release(self, groups: list[Group]) -> None:
+        """The step's one data-plane clear (with keys dropped since the last
+        one); slots are freed only once their samples are gone."""
+        state = self.state
+        await state.clear([key for group in groups for key in group.keys] + state.take_pending_clear())
+        for group in groups:
+            state.buffer.release(group.group_id)
+        state.changed.notify()
+
+    def _report(self, step: StepBuild, result: StepResult, lags: Counter[int]) -> None:
+        if self.on_step is None:
+            return
+        state = self.state
+        now = state.clock()
+        elapsed = max(now - state.started_at, 1e-9)
+        self.on_step(
+            {
+                "step": state.finished_steps,
+                "batch": step.batch_index,
+                "version": state.trainer_version,
+                "groups": len(step.groups),
+                "samples": sum(lags.values()),
+                "lag_histogram": dict(sorted(lags.items())),
+                "step_time_s": now - step.started_at,
+                "elapsed_s": elapsed,
+                "samples_per_s": state.ledger.trained_count / elapsed,
+                "busy": state.busy_fractions(),
+                "dropped": state.ledger.summary()["dropped"],
+                "trainer": dict(result.metrics),
+            }
+        )
+
+
+class Controller:
+    """Runs ``settings.steps`` training steps and returns a summary.
+
+    ``on_step`` receives one dict per finished step (see ``TrainPump._report``);
+    ``clock`` is injectable for tests. The data plane needs ``put`` and
+    ``clear``; its methods may be plain or async."""
+
+    def __init__(
+        self,
+        settings: RunSettings,
+        stages: StageHandles,
+        dataplane: Any,
+        prompts: Iterable[Prompt],
+        *,
+        on_step: StepCallback | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.state = RunState(settings, stages, dataplane, clock)
+        self.rollout = RolloutPump(self.state, prompts)
+        self.train = TrainPump(self.state, on_step)
+        self.sync = SyncPump(self.state)
+
+    async def run(self) -> dict:
+        state = self.state
+        state.trainer_version = state.generator_version = int(await resolve(state.stages.generator_version()))
+        state.started_at = state.last_progress = state.clock()
+        await self._supervise()
+        await self._settle_leftovers()
+        state.ledger.check()
+        return self.summary()
+
+    def describe_waits(self) -> str:
+        return (
+            f"rollout pump: {self.rollout.describe()} ; "
+            f"train pump: {self.train.describe()} ; "
+            f"sync pump: {self.sync.phase}"
+        )
+
+    def summary(self) -> dict:
+        state = self.state
+        elapsed = max(state.clock() - state.started_at, 1e-9)
+        return {
+            "pipeline": self.settings.pipeline,
+            "steps": state.finished_steps,
+            "requested_steps": self.settings.steps,
+            "version": state.trainer_version,
+            "aborted_steps": self.train.aborted_steps,
+            "weight_pushes": self.sync.pushes,
+            "elapsed_s": elapsed,
+            "steps_per_s": state.finished_steps / elapsed,
+            "samples_per_s": state.ledger.trained_count / elapsed,
+            "max_lag": state.ledger.max_lag,
+            "ledger": state.ledger.summary(),
+            "busy": state.busy_fractions(),
+        }
+
+    async def _supervise(self) -> None:
+        pumps = [
+            asyncio.create_task(self.rollout.run(), name="rollout pump"),
+            asyncio.create_task(self.train.run(), name="train pump"),
+            asyncio.create_task(self.sync.run(), name="sync pump"),
+        ]
+        watchdog = asyncio.create_task(self._watchdog(), name="watchdog")
+        try:
+            while not all(task.done() for task in pumps):
+                running = {task for task in pumps if not task.done()}
+                done, _ = await asyncio.wait(running | {watchdog}, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()
+        finally:
+            leftovers = pumps + [watchdog] + list(self.rollout.tasks)
+            for task in leftovers:
+                task.cancel()
+            await asyncio.gather(*leftovers, return_exceptions=True)
+
+    async def _watchdog(self) -> None:
+        timeout = self.settings.watchdog_timeout_s
+        while True:
+            await asyncio.sleep(min(timeout / 10, 1.0))
+            idle = self.state.clock() - self.state.last_progress
+            if idle >= timeout:
+                raise PipelineStalled(f"no progress for {idle:.1f}s (watchdog {timeout:g}s): {self.describe_waits()}")
+
+    async def _settle_leftovers(self) -> None:
+        """Groups generated after the last step needed them end as run_finished."""
+        state = self.state
+        leftovers = state.buffer.groups()
+        for group in leftovers:
+            state.ledger.dropped(group.keys, outcomes.RUN_FINISHED)
+            state.buffer.release(group.group_id)
+        await state.clear([key for group in leftovers for key in group.keys] + state.take_pending_clear())

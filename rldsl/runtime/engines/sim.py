@@ -1,0 +1,318 @@
+"""The ``sim`` engine family: the engine protocols without models.
+
+Every engine draws its latency from a seeded ``Latency`` and produces data of
+the real shapes, so the controller, the data plane and the Ray layer can be
+exercised and benchmarked without a model.
+
+Sleeping: each protocol method (``generate``, ``train_microbatch``, ...) is
+synchronous and blocks with ``time.sleep``, as a real engine inside a Ray
+actor would. Each also has an ``*_async`` twin that awaits
+``asyncio.sleep`` instead, which ``SimStages`` uses so that one event loop
+can simulate many concurrent workers in one process.
+
+``SimTrainer`` is a dry-run trainer that enforces the split-step protocol
+(seed 001): ``begin`` while a step is open raises, ``microbatch``/``finish``
+without an open step or for another step raise, ``abort`` is idempotent; it
+records every call for tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Collection, Iterator, Mapping, Sequence
+
+import torch
+
+from rldsl.runtime import protocols as p
+from rldsl.runtime.controller import StageHandles
+from rldsl.runtime.pumps import resolve
+from rldsl.runtime.settings import MIB, RunSettings
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Seconds per call: constant, uniform or lognormal, plus an optional
+    long tail (with probability ``tail_prob`` the draw is multiplied by
+    ``tail_mult``)."""
+
+    kind: str = "constant"  # "constant" | "uniform" | "lognormal"
+    seconds: float = 0.0  # the constant, the uniform low end, or the lognormal median
+    high: float = 0.0  # uniform high end
+    sigma: float = 0.0  # lognormal spread
+    tail_prob: float = 0.0
+    tail_mult: float = 1.0
+
+    @classmethod
+    def constant(cls, seconds: float, tail_prob: float = 0.0, tail_mult: float = 1.0) -> "Latency":
+        return cls("constant", seconds, tail_prob=tail_prob, tail_mult=tail_mult)
+
+    @classmethod
+    def uniform(cls, low: float, high: float, tail_prob: float = 0.0, tail_mult: float = 1.0) -> "Latency":
+        return cls("uniform", low, high=high, tail_prob=tail_prob, tail_mult=tail_mult)
+
+    @classmethod
+    def lognormal(cls, median: float, sigma: float = 0.5, tail_prob: float = 0.0, tail_mult: float = 1.0) -> "Latency":
+        return cls("lognormal", median, sigma=sigma, tail_prob=tail_prob, tail_mult=tail_mult)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("constant", "uniform", "lognormal"):
+            raise ValueError(f"unknown latency kind {self.kind!r}")
+        if self.seconds < 0 or self.high < 0 or not 0 <= self.tail_prob <= 1 or self.tail_mult < 0:
+            raise ValueError(f"invalid latency {self}")
+
+    def sample(self, rng: random.Random) -> float:
+        if self.kind == "uniform":
+            value = rng.uniform(self.seconds, max(self.high, self.seconds))
+        elif self.kind == "lognormal":
+            value = self.seconds * math.exp(self.sigma * rng.gauss(0.0, 1.0))
+        else:
+            value = self.seconds
+        if self.tail_prob and rng.random() < self.tail_prob:
+            value *= self.tail_mult
+        return value
+
+
+class SimFailure(RuntimeError):
+    """An injected engine failure."""
+
+
+class SplitStepError(RuntimeError):
+    """A split-step protocol violation caught by the dry-run trainer."""
+
+
+class _Timed:
+    def __init__(self, latency: Latency, seed: int) -> None:
+        self.latency = latency
+        self._rng = random.Random(seed)
+
+    def _draw(self) -> float:
+        return self.latency.sample(self._rng)
+
+    def _chance(self, probability: float) -> bool:
+        return probability > 0 and self._rng.random() < probability
+
+
+class SimGenerator(_Timed):
+    """``GenerationEngine``: random tokens of realistic shapes."""
+
+    def __init__(
+        self,
+        latency: Latency = Latency(),
+        vocab_size: int = 64,
+        prompt_len: int = 8,
+        max_new_tokens: int = 16,
+        fail_prob: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(latency, seed)
+        self.vocab_size, self.prompt_len, self.max_new_tokens = vocab_size, prompt_len, max_new_tokens
+        self.fail_prob = fail_prob
+        self.version = 0
+        self.generating = False
+        self.asleep = False
+        self._incoming: int | None = None  # version of a push in progress
+
+    def generate(self, prompts: list[p.Prompt], samples_per_prompt: int, seed: int) -> p.Batch:
+        self._start()
+        try:
+            time.sleep(self._draw())
+            return self._batch(prompts, samples_per_prompt, seed)
+        finally:
+            self.generating = False
+
+    async def generate_async(self, prompts: Sequence[p.Prompt], samples_per_prompt: int, seed: int) -> p.Batch:
+        self._start()
+        try:
+            await asyncio.sleep(self._draw())
+            return self._batch(prompts, samples_per_prompt, seed)
+        finally:
+            self.generating = False
+
+    def update_weights(self, bucket: Mapping[str, Any], version: int, last: bool) -> None:
+        if self.generating:
+            raise SplitStepError(f"weights version {version} pushed while a group is mid-generation")
+        self._incoming = version
+        if last:
+            self.version, self._incoming = version, None
+
+    def sleep(self) -> None:
+        self.asleep = True
+
+    def wake(self) -> None:
+        self.asleep = False
+
+    def _start(self) -> None:
+        if self._incoming is not None:
+            raise SplitStepError("generate while a weight push is half done (mixed weights)")
+        if self._chance(self.fail_prob):
+            raise SimFailure("injected generation failure")
+        self.generating = True
+
+    def _batch(self, prompts: Sequence[p.Prompt], samples_per_prompt: int, seed: int) -> p.Batch:
+        rows = len(prompts) * samples_per_prompt
+        rng = torch.Generator().manual_seed(seed)
+        prompt_lens = torch.randint(1, self.prompt_len + 1, (len(prompts),), generator=rng)
+        prompt_lens = prompt_lens.repeat_interleave(samples_per_prompt)  # a group shares its prompt
+        response_lens = torch.randint(1, self.max_new_tokens + 1, (rows,), generator=rng)
+        columns_p = torch.arange(self.prompt_len)
+        prompt_mask = (columns_p >= self.prompt_len - prompt_lens[:, None]).long()  # left-padded
+        response_mask = (torch.arange(self.max_new_tokens) < response_lens[:, None]).long()  # right-padded
+        return {
+            p.FIELD_PROMPT_IDS: torch.randint(1, self.vocab_size, (rows, self.prompt_len), generator=rng) * prompt_mask,
+            p.FIELD_PROMPT_MASK: prompt_mask,
+            p.FIELD_RESPONSE_IDS: torch.randint(1, self.vocab_size, (rows, self.max_new_tokens), generator=rng)
+            * response_mask,
+            p.FIELD_RESPONSE_MASK: response_mask,
+            p.FIELD_BEHAVIOUR_LOGPROBS: _fake_logprobs(response_mask, rng),
+            p.FIELD_VERSION: torch.full((rows,), self.version, dtype=torch.int64),
+        }
+
+
+class SimRewardWorker(_Timed):
+    """Scores samples: 1.0 with ``success_prob``, else 0.0; ``None`` (a failed
+    sample) with ``fail_prob``; the whole call raises with ``call_fail_prob``."""
+
+    def __init__(
+        self,
+        latency: Latency = Latency(),
+        success_prob: float = 0.5,
+        fail_prob: float = 0.0,
+        call_fail_prob: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(latency, seed)
+        self.success_prob, self.fail_prob, self.call_fail_prob = success_prob, fail_prob, call_fail_prob
+
+    def score(self, count: int) -> list[float | None]:
+        time.sleep(self._draw())
+        return self._scores(count)
+
+    async def score_async(self, count: int) -> list[float | None]:
+        await asyncio.sleep(self._draw())
+        return self._scores(count)
+
+    def _scores(self, count: int) -> list[float | None]:
+        if self._chance(self.call_fail_prob):
+            raise SimFailure("injected reward worker failure")
+        return [None if self._chance(self.fail_prob) else float(self._chance(self.success_prob)) for _ in range(count)]
+
+
+class SimLogprob(_Timed):
+    """``LogprobEngine``: random log-probabilities, 0 off the response mask."""
+
+    def logprobs(self, batch: p.Batch) -> torch.Tensor:
+        time.sleep(self._draw())
+        return _fake_logprobs(batch[p.FIELD_RESPONSE_MASK], torch.Generator().manual_seed(self._rng.getrandbits(31)))
+
+    async def logprobs_async(self, batch: p.Batch) -> torch.Tensor:
+        await asyncio.sleep(self._draw())
+        return _fake_logprobs(batch[p.FIELD_RESPONSE_MASK], torch.Generator().manual_seed(self._rng.getrandbits(31)))
+
+
+class SimTrainer:
+    """``Trainer``: a dry-run split-step trainer.
+
+    ``fail_on`` holds (call, step) pairs that raise ``SimFailure`` once each;
+    ``fail_prob`` makes any microbatch or finish raise at random. ``calls``
+    records (call, step, rows) in order."""
+
+    def __init__(
+        self,
+        microbatch_latency: Latency = Latency(),
+        finish_latency: Latency = Latency(),
+        fail_on: Collection[tuple[str, int]] = (),
+        fail_prob: float = 0.0,
+        weight_bytes: int = MIB,
+        seed: int = 0,
+    ) -> None:
+        self._microbatch = _Timed(microbatch_latency, seed)
+        self._finish = _Timed(finish_latency, seed + 1)
+        self._fail_on = set(fail_on)
+        self.fail_prob = fail_prob
+        self.weight_bytes = weight_bytes
+        self.version = 0
+        self.open_step: int | None = None
+        self.calls: list[tuple[str, int, int]] = []
+        self._rows_in_step = 0
+
+    def begin_train_step(self, step: int) -> None:
+        self.calls.append(("begin_train_step", step, 0))
+        if self.open_step is not None:
+            raise SplitStepError(f"begin_train_step({step}) while step {self.open_step} is open")
+        self.open_step, self._rows_in_step = step, 0
+
+    def train_microbatch(self, step: int, batch: p.Batch) -> dict[str, float]:
+        time.sleep(self._before_microbatch(step, batch))
+        return self._after_microbatch(batch)
+
+    async def train_microbatch_async(self, step: int, batch: p.Batch) -> dict[str, float]:
+        await asyncio.sleep(self._before_microbatch(step, batch))
+        return self._after_microbatch(batch)
+
+    def finish_train_step(self, step: int) -> p.StepResult:
+        time.sleep(self._before_finish(step))
+        return self._after_finish()
+
+    async def finish_train_step_async(self, step: int) -> p.StepResult:
+        await asyncio.sleep(self._before_finish(step))
+        return self._after_finish()
+
+    def abort_train_step(self, step: int) -> None:
+        self.calls.append(("abort_train_step", step, 0))
+        self.open_step, self._rows_in_step = None, 0
+
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Fake float32 parameters of ``weight_bytes`` in total, bucketed."""
+        floats_per_bucket = max(1, bucket_bytes // 4)
+        remaining, index = self.weight_bytes // 4, 0
+        while remaining > 0:
+            size = min(remaining, floats_per_bucket)
+            yield {f"layer{index}.weight": torch.full((size,), float(self.version))}
+            remaining, index = remaining - size, index + 1
+
+    def _require_open(self, call: str, step: int) -> None:
+        if self.open_step is None:
+            raise SplitStepError(f"{call}({step}) with no open step")
+        if self.open_step != step:
+            raise SplitStepError(f"{call}({step}) but the open step is {self.open_step}")
+
+    def _maybe_fail(self, call: str, step: int) -> None:
+        if (call, step) in self._fail_on:
+            self._fail_on.discard((call, step))
+            raise SimFailure(f"injected {call} failure at step {step}")
+        if self._microbatch._chance(self.fail_prob):
+            raise SimFailure(f"injected random {call} failure at step {step}")
+
+    def _before_microbatch(self, step: int, batch: p.Batch) -> float:
+        self._require_open("train_microbatch", step)
+        rows = len(batch[p.FIELD_RESPONSE_MASK])
+        if p.FIELD_ADVANTAGE not in batch:
+            raise SplitStepError(f"train_microbatch({step}) without the {p.FIELD_ADVANTAGE} field")
+        self.calls.append(("train_microbatch", step, rows))
+        self._maybe_fail("train_microbatch", step)
+        return self._microbatch._draw()
+
+    def _after_microbatch(self, batch: p.Batch) -> dict[str, float]:
+        rows = len(batch[p.FIELD_RESPONSE_MASK])
+        self._rows_in_step += rows
+        return {"rows": float(rows), "tokens": float(batch[p.FIELD_RESPONSE_MASK].sum())}
+
+    def _before_finish(self, step: int) -> float:
+        self._require_open("finish_train_step", step)
+        self.calls.append(("finish_train_step", step, self._rows_in_step))
+        self._maybe_fail("finish_train_step", step)
+        return self._finish._draw()
+
+    def _after_finish(self) -> p.StepResult:
+        self.version += 1
+        rows, self.open_step, self._rows_in_step = self._rows_in_step, None, 0
+        return p.StepResult(self.version, {"rows": float(rows)})
+
+
+def _fake_logprobs(response_mask: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
+    values = -3.0 * torch.rand(response_mask.shape, generator=rng)
+    return values * response_mask

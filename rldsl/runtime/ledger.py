@@ -1,0 +1,103 @@
+"""Every sample ends exactly once: trained, or dropped with a reason.
+
+The controller registers a group's sample keys when it dispatches the group
+and records one outcome per key. Violations (an outcome for an unknown key,
+a second outcome) are collected rather than raised on the spot, so one
+``check()`` reports all of them together with the samples left open.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable
+
+TRAINED = "trained"
+
+# Drop reasons the runtime uses; engines and layers may add their own.
+TOO_STALE = "too_stale"
+REWARD_FAILED = "reward_failed"
+LOGPROB_FAILED = "logprob_failed"
+GENERATION_FAILED = "generation_failed"
+STEP_ABORTED = "step_aborted"
+RUN_FINISHED = "run_finished"  # generated after the last step needed it
+
+
+class LedgerError(AssertionError):
+    """Some sample was not accounted for exactly once."""
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self._outcome: dict[str, str | None] = {}  # key -> None while open
+        self._lag_histogram: Counter[int] = Counter()
+        self._dropped: Counter[str] = Counter()
+        self._violations: list[str] = []
+
+    def register(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            if key in self._outcome:
+                self._violations.append(f"{key}: generated twice")
+            else:
+                self._outcome[key] = None
+
+    def trained(self, keys: Iterable[str], lag: int) -> None:
+        for key in keys:
+            if self._close(key, TRAINED):
+                self._lag_histogram[lag] += 1
+
+    def dropped(self, keys: Iterable[str], reason: str) -> None:
+        if not reason or reason == TRAINED:
+            raise ValueError(f"invalid drop reason {reason!r}")
+        for key in keys:
+            if self._close(key, reason):
+                self._dropped[reason] += 1
+
+    def open_keys(self) -> list[str]:
+        return [key for key, outcome in self._outcome.items() if outcome is None]
+
+    def check(self) -> None:
+        """Raise ``LedgerError`` unless every sample ended exactly once."""
+        problems = list(self._violations)
+        open_keys = self.open_keys()
+        if open_keys:
+            shown = ", ".join(open_keys[:5]) + (" ..." if len(open_keys) > 5 else "")
+            problems.append(f"{len(open_keys)} samples neither trained nor dropped: {shown}")
+        if problems:
+            raise LedgerError("ledger does not balance:\n  " + "\n  ".join(problems))
+
+    @property
+    def generated(self) -> int:
+        return len(self._outcome)
+
+    @property
+    def trained_count(self) -> int:
+        return sum(self._lag_histogram.values())
+
+    @property
+    def max_lag(self) -> int | None:
+        return max(self._lag_histogram) if self._lag_histogram else None
+
+    @property
+    def lag_histogram(self) -> dict[int, int]:
+        return dict(sorted(self._lag_histogram.items()))
+
+    def summary(self) -> dict:
+        return {
+            "generated": self.generated,
+            "trained": self.trained_count,
+            "dropped": dict(sorted(self._dropped.items())),
+            "open": len(self.open_keys()),
+            "max_lag": self.max_lag,
+            "lag_histogram": self.lag_histogram,
+        }
+
+    def _close(self, key: str, outcome: str) -> bool:
+        if key not in self._outcome:
+            self._violations.append(f"{key}: {outcome} but never generated")
+            return False
+        previous = self._outcome[key]
+        if previous is not None:
+            self._violations.append(f"{key}: {outcome} after already {previous}")
+            return False
+        self._outcome[key] = outcome
+        return True

@@ -1,0 +1,130 @@
+"""The staleness sampler and the per-version dispatch quota.
+
+Both sides of the staleness bound live here, so they agree on the arithmetic:
+
+- the rollout side (``plan_dispatch``): a prompt group is dispatched only if
+  it can be trained within ``max_lag``. Groups already outstanding (reserved
+  or ready) fill the open step and the steps after it, ``prompts_per_step``
+  each, so a new group is expected to train ``k`` steps ahead of the trainer;
+  it is generated with the generator's current weights, so its lag will be
+  ``trainer_version + k - generator_version``, and it waits if that exceeds
+  ``max_lag``. With ``order = "in_order"`` the planned step is fixed at
+  dispatch (strictly in prompt order) and the train pump honours it.
+- the train side (``select`` / ``evict``): one ready group at a time for the
+  open step, eligible iff its lag is within bound, ordered by (lag, arrival).
+
+A step is identified by its *batch index*: the count of steps attempted so
+far, aborted and skipped ones included. The trainer version only moves when a
+step finishes, so the two differ after an abort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rldsl.runtime.buffer import Group, GroupState, ReplayBuffer
+from rldsl.runtime.settings import RunSettings
+
+
+@dataclass(frozen=True)
+class TrainProgress:
+    """Where the train pump stands, as the rollout side needs to see it."""
+
+    trainer_version: int
+    batch_index: int  # the open (or next) step's batch index
+    consumed_in_step: int  # groups the open step has taken so far
+    finished_steps: int
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    target_step: int  # batch index the group is planned for
+    train_version: int  # trainer version it is expected to be trained at
+    blocked: str | None  # why it may not be dispatched now; None = go
+
+
+class StalenessSampler:
+    def __init__(self, settings: RunSettings) -> None:
+        self.max_lag = settings.max_lag
+        self.in_order = settings.order == "in_order"
+        self.wait_for_expiring = settings.too_stale == "wait"
+        self.per_step = settings.prompts_per_step
+        self.total_steps = settings.steps
+
+    # -- rollout side ---------------------------------------------------------
+
+    def plan_dispatch(
+        self, buffer: ReplayBuffer, progress: TrainProgress, generator_version: int, groups_dispatched: int
+    ) -> DispatchPlan:
+        """Plan the next prompt group; ``groups_dispatched`` counts groups
+        dispatched so far (only used for in-order targets)."""
+        if self.in_order:
+            target = groups_dispatched // self.per_step
+            steps_ahead = target - progress.batch_index
+        else:
+            steps_ahead = (progress.consumed_in_step + buffer.outstanding) // self.per_step
+            target = progress.batch_index + steps_ahead
+        train_version = progress.trainer_version + steps_ahead
+        blocked = None
+        if progress.finished_steps + steps_ahead >= self.total_steps:
+            blocked = f"enough groups dispatched for the remaining {self.total_steps - progress.finished_steps} steps"
+        elif train_version - generator_version > self.max_lag:
+            blocked = (
+                f"staleness bound: the next group would train at version {train_version} with generator "
+                f"version {generator_version} (lag {train_version - generator_version} > max_lag {self.max_lag})"
+            )
+        return DispatchPlan(target, train_version, blocked)
+
+    # -- train side -------------------------------------------------------------
+
+    def evict(self, buffer: ReplayBuffer, trainer_version: int) -> list[Group]:
+        """Ready groups that can no longer be trained within the bound.
+
+        Lag only grows, so keeping them would waste slots forever. With
+        ``too_stale = "wait"`` selection never lets a group expire, so this
+        returns nothing unless an engine reported an unexpected version."""
+        return [g for g in buffer.groups(GroupState.READY) if g.lag_at(trainer_version) > self.max_lag]
+
+    def select(
+        self, buffer: ReplayBuffer, trainer_version: int, batch_index: int, open_slots: int
+    ) -> Group | None:
+        """The best ready group for the open step, or None to wait."""
+        candidates = [g for g in buffer.groups(GroupState.READY) if self._eligible(g, trainer_version, batch_index)]
+        candidates.sort(key=lambda g: (g.lag_at(trainer_version), g.arrival))
+        if self.wait_for_expiring and not self.in_order:
+            outstanding = buffer.groups(GroupState.RESERVED) + buffer.groups(GroupState.READY)
+            candidates = [
+                g for g in candidates if self._keeps_deadlines(g, outstanding, trainer_version, open_slots)
+            ]
+        return candidates[0] if candidates else None
+
+    def count_eligible(self, buffer: ReplayBuffer, trainer_version: int, batch_index: int) -> int:
+        return sum(self._eligible(g, trainer_version, batch_index) for g in buffer.groups(GroupState.READY))
+
+    def describe_wait(self, trainer_version: int, batch_index: int) -> str:
+        if self.in_order:
+            return f"groups planned for step {batch_index} (in order) at version {trainer_version}"
+        return f"ready groups with lag <= {self.max_lag} at version {trainer_version}"
+
+    def _eligible(self, group: Group, trainer_version: int, batch_index: int) -> bool:
+        if group.lag_at(trainer_version) > self.max_lag:
+            return False
+        return not self.in_order or group.target_step == batch_index
+
+    def _keeps_deadlines(
+        self, candidate: Group, outstanding: list[Group], trainer_version: int, open_slots: int
+    ) -> bool:
+        """Earliest-deadline feasibility: after taking ``candidate``, every
+        other outstanding group must still fit a step no later than its
+        deadline (version + max_lag). Fresher groups may jump the queue only
+        while that holds, so under ``too_stale = "wait"`` nothing expires."""
+        deadlines = sorted(
+            g.version + self.max_lag
+            for g in outstanding
+            if g is not candidate and g.version + self.max_lag >= trainer_version
+        )
+        for count, deadline in enumerate(deadlines, start=1):
+            slots_until_deadline = (open_slots - 1) + (deadline - trainer_version) * self.per_step
+            if count > slots_until_deadline:
+                return False
+        return True

@@ -1,0 +1,93 @@
+"""What the controller's pumps need to know, and nothing else.
+
+The runtime fills a ``RunSettings`` from the compiled ExecutionPlan; tests and
+benchmarks build one by hand. Only local sanity is checked here (positive
+sizes, known enum values): cross-field rules such as "the buffer holds at
+least one step" are the compiler's job, and the controller's watchdog is the
+safety net when a plan skips them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Order = Literal["any", "in_order"]
+TooStale = Literal["drop", "wait"]
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Knobs of one run.
+
+    Staleness vocabulary (DESIGN.md section 2): a sample's lag is the
+    trainer's version when it is trained minus the weight version that
+    generated it; ``max_lag = 0`` is on-policy.
+
+    - ``order``: ``"any"`` trains whichever ready groups fit the bound
+      (lowest lag first, then arrival); ``"in_order"`` assigns every prompt
+      group a target step at dispatch, strictly in prompt order, and a step
+      trains exactly its own groups.
+    - ``too_stale``: ``"drop"`` evicts ready groups whose lag has grown past
+      ``max_lag`` (ledger reason ``too_stale``); ``"wait"`` makes the train
+      pump wait for groups that would otherwise expire, so nothing goes stale
+      (eviction stays as a last resort and should never happen).
+    - ``buffer_capacity`` counts prompt groups that are reserved (dispatched),
+      ready, or consumed by the open step; ``max_inflight`` counts groups
+      dispatched but not yet ready. Both default to one staleness window,
+      ``(max_lag + 1) * prompts_per_step``.
+    - ``reward_stages`` / ``logprob_stages``: stage names, each in flow order.
+      Rewards run first, so a group whose rewards all failed skips logprobs.
+    """
+
+    pipeline: str
+    prompts_per_step: int
+    samples_per_prompt: int
+    steps: int
+    max_lag: int = 1
+    order: Order = "any"
+    too_stale: TooStale = "drop"
+    buffer_capacity: int = 0  # 0 = one staleness window
+    max_inflight: int = 0  # 0 = buffer_capacity
+    reward_stages: tuple[str, ...] = ()
+    logprob_stages: tuple[str, ...] = ()
+    sync_bucket_bytes: int = 256 * MIB
+    watchdog_timeout_s: float = 300.0
+    advantage_eps: float = 1e-6
+    seed: int = 0
+    max_aborted_steps: int = 3  # consecutive aborts before the run gives up
+
+    def __post_init__(self) -> None:
+        _require(bool(self.pipeline), "pipeline name must not be empty")
+        for name in ("prompts_per_step", "samples_per_prompt", "max_aborted_steps"):
+            _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("steps", "max_lag", "buffer_capacity", "max_inflight", "seed"):
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        _require(self.order in ("any", "in_order"), f"order must be 'any' or 'in_order', got {self.order!r}")
+        _require(self.too_stale in ("drop", "wait"), f"too_stale must be 'drop' or 'wait', got {self.too_stale!r}")
+        _require(self.sync_bucket_bytes >= 1, "sync_bucket_bytes must be >= 1")
+        _require(self.watchdog_timeout_s > 0, "watchdog_timeout_s must be > 0")
+        _require(self.advantage_eps >= 0, "advantage_eps must be >= 0")
+        object.__setattr__(self, "reward_stages", tuple(self.reward_stages))
+        object.__setattr__(self, "logprob_stages", tuple(self.logprob_stages))
+        if self.buffer_capacity == 0:
+            object.__setattr__(self, "buffer_capacity", self.window_groups)
+        if self.max_inflight == 0:
+            object.__setattr__(self, "max_inflight", self.buffer_capacity)
+
+    @property
+    def window_groups(self) -> int:
+        """Prompt groups in one staleness window: the most that can usefully
+        be outstanding at once."""
+        return (self.max_lag + 1) * self.prompts_per_step
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(f"RunSettings: {message}")

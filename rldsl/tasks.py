@@ -1,0 +1,133 @@
+"""Prompt datasets: builtin verifiable tasks and JSON-lines files.
+
+``load_dataset(source, split)`` returns ``list[Prompt]`` for
+
+- ``builtin:arith``   additions such as ``"12+7="`` -> ``"19"``;
+- ``builtin:reverse`` ``"reverse abc:"`` -> ``"cba"``;
+- ``jsonl:<path>``    one JSON object per line; ``{split}`` in the path is
+  replaced by the split name (``jsonl:data/{split}.jsonl``).
+
+Builtin splits are decided by a hash of the prompt text, so train and eval
+are disjoint for every seed and every size; the seed only orders (and, for
+``reverse``, draws) the prompts. No torch here: the controller imports this.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+import zlib
+from pathlib import Path
+
+from rldsl.runtime.protocols import Prompt
+
+SPLITS = ("train", "eval")
+EVAL_PER_MILLE = 50  # share of the prompt space held out for evaluation
+
+
+class DatasetError(ValueError):
+    """A dataset source that cannot be read; the message names file and line."""
+
+
+def is_eval_text(text: str) -> bool:
+    """The deterministic split rule shared by every builtin task."""
+    return zlib.crc32(text.encode()) % 1000 < EVAL_PER_MILLE
+
+
+def _in_split(text: str, split: str) -> bool:
+    return is_eval_text(text) == (split == "eval")
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise DatasetError(f"unknown split {split!r}: expected one of {', '.join(SPLITS)}")
+
+
+def _as_prompts(pairs, task: str) -> list[Prompt]:
+    return [Prompt(index=i, text=text, answer=answer, meta={"task": task}) for i, (text, answer) in enumerate(pairs)]
+
+
+def arith_prompts(split: str, seed: int = 0, size: int | None = None, max_operand: int = 99) -> list[Prompt]:
+    """Every ``a+b=`` with 0 <= a, b <= max_operand in the split, shuffled by seed."""
+    pairs = [
+        (f"{a}+{b}=", str(a + b))
+        for a in range(max_operand + 1)
+        for b in range(max_operand + 1)
+        if _in_split(f"{a}+{b}=", split)
+    ]
+    random.Random(f"arith-{split}-{seed}").shuffle(pairs)
+    return _as_prompts(pairs[:size], "arith")
+
+
+def reverse_prompts(
+    split: str,
+    seed: int = 0,
+    size: int | None = None,
+    min_length: int = 3,
+    max_length: int = 5,
+    alphabet: str = string.ascii_lowercase[:8],
+) -> list[Prompt]:
+    """``size`` distinct random strings of the split (default 20000 train, 500 eval)."""
+    size = size or (20000 if split == "train" else 500)
+    rng = random.Random(f"reverse-{split}-{seed}")
+    seen, pairs = set(), []
+    for _ in range(size * 200):
+        word = "".join(rng.choice(alphabet) for _ in range(rng.randint(min_length, max_length)))
+        text = f"reverse {word}:"
+        if word not in seen and _in_split(text, split):
+            seen.add(word)
+            pairs.append((text, word[::-1]))
+            if len(pairs) == size:
+                return _as_prompts(pairs, "reverse")
+    raise DatasetError(f"builtin:reverse found only {len(pairs)} distinct {split} strings; lower size")
+
+
+def jsonl_prompts(path: str, split: str, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Prompt]:
+    """Rows of a JSON-lines file, in file order; blank lines are skipped."""
+    path = path.replace("{split}", split)
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise DatasetError(f"jsonl:{path}: cannot read the file ({error.strerror or error})") from error
+    prompts = []
+    for line_number, line in enumerate(lines, start=1):
+        if line.strip():
+            row = _parse_row(path, line_number, line, (prompt_field, answer_field))
+            meta = {"file": path, "line": line_number}
+            prompts.append(Prompt(len(prompts), str(row[prompt_field]), str(row[answer_field]), meta))
+    if not prompts:
+        raise DatasetError(f"{path}: the file has no rows")
+    return prompts
+
+
+def _parse_row(path: str, line_number: int, line: str, required: tuple[str, ...]) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DatasetError(f"{path}:{line_number}: invalid JSON: {error.msg} (column {error.colno})") from None
+    if not isinstance(row, dict):
+        raise DatasetError(f"{path}:{line_number}: expected a JSON object, got {type(row).__name__}")
+    for name in required:
+        if name not in row:
+            present = ", ".join(sorted(row)) or "none"
+            raise DatasetError(f"{path}:{line_number}: missing field {name!r} (fields present: {present})")
+    return row
+
+
+BUILTIN_TASKS = {"builtin:arith": arith_prompts, "builtin:reverse": reverse_prompts}
+
+
+def load_dataset(source: str, split: str = "train", **options) -> list[Prompt]:
+    """The prompts of ``source`` for ``split`` ("train" or "eval").
+
+    Builtin options: ``seed``, ``size`` and the task's own parameters;
+    jsonl options: ``prompt_field``, ``answer_field``.
+    """
+    _check_split(split)
+    if source in BUILTIN_TASKS:
+        return BUILTIN_TASKS[source](split, **options)
+    if source.startswith("jsonl:"):
+        return jsonl_prompts(source[len("jsonl:"):], split, **options)
+    known = ", ".join([*BUILTIN_TASKS, "jsonl:<path>"])
+    raise DatasetError(f"unknown dataset source {source!r}: expected one of {known}")

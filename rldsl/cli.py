@@ -174,31 +174,33 @@ def cmd_report(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rldsl", description="Checked pipelines for asynchronous RL post-training.")
-    parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                        help="colour diagnostics (auto: only on a terminal)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("check", help="prove a pipeline file sane")
+    p = sub.add_parser("check", parents=[common], help="prove a pipeline file sane")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--format", choices=("text", "json", "sarif"), default="text")
     p.add_argument("--strict", action="store_true", help="warnings fail too (exit 1)")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("plan", help="show where every rank of every stage lands")
+    p = sub.add_parser("plan", parents=[common], help="show where every rank of every stage lands")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--out", metavar="PLAN_JSON", help="save the plan for `rldsl run --plan`")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("graph", help="the dataflow as a diagram")
+    p = sub.add_parser("graph", parents=[common], help="the dataflow as a diagram")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--format", choices=("mermaid", "dot"), default="mermaid")
     p.set_defaults(func=cmd_graph)
 
-    p = sub.add_parser("explain", help="the long explanation of a rule code")
+    p = sub.add_parser("explain", parents=[common], help="the long explanation of a rule code")
     p.add_argument("code", metavar="CODE")
     p.set_defaults(func=cmd_explain)
 
-    p = sub.add_parser("run", help="compile and run a pipeline on Ray")
+    p = sub.add_parser("run", parents=[common], help="compile and run a pipeline on Ray")
     p.add_argument("file", nargs="?", metavar="FILE")
     p.add_argument("--plan", metavar="PLAN_JSON", help="run a saved plan exactly")
     p.add_argument("--steps", type=int, help="override the file's run.steps")
@@ -207,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a previous run from its last checkpoint")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("report", help="plot and summarise a finished run")
+    p = sub.add_parser("report", parents=[common], help="plot and summarise a finished run")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.set_defaults(func=cmd_report)
     return parser

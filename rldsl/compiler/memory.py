@@ -110,10 +110,10 @@ def check_memory(program: Program, placement: Placement, base_dir: Path) -> list
         pipeline, stage = biggest.split("/")
         decl = next(p for p in program.pipelines if p.name == pipeline).stages[stage]
         parts = ", ".join(f"{name.split('/')[1]} {format_bytes(b)}" for name, b in mem.by_stage)
-        how = "the largest of" if mem.shared_by_sleep else "the sum of"
+        how = "" if len(mem.by_stage) == 1 else "the largest of " if mem.shared_by_sleep else "the sum of "
         out.append(Diagnostic(
             "RLP506", ERROR, f"GPU {mem.gpu} needs about {format_bytes(mem.used)}, more than its "
             f"{format_bytes(capacity)}", decl.name_span,
-            notes=(f"estimate: {how} {parts}",),
+            notes=(f"estimate: {how}{parts}",),
             help="shard it wider (more GPUs, tp/pp), enable the distributed optimizer or offload, or use a larger GPU"))
     return out

@@ -316,3 +316,155 @@ class SimTrainer:
 def _fake_logprobs(response_mask: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
     values = -3.0 * torch.rand(response_mask.shape, generator=rng)
     return values * response_mask
+
+
+# -- in-process stage handles -------------------------------------------------
+
+TRAIN_FIELDS = (
+    p.FIELD_RESPONSE_IDS,
+    p.FIELD_RESPONSE_MASK,
+    p.FIELD_BEHAVIOUR_LOGPROBS,
+    p.FIELD_VERSION,
+    p.FIELD_REWARD,
+    p.FIELD_ADVANTAGE,
+)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Latencies are per call: one prompt group per generate / reward /
+    logprob call, one group per microbatch, one push per bucket."""
+
+    generate: Latency = Latency()
+    reward: Latency = Latency()
+    logprob: Latency = Latency()
+    microbatch: Latency = Latency()
+    finish: Latency = Latency()
+    push_bucket: Latency = Latency()
+    generators: int = 1  # generator engines; each holds one group at a time
+    reward_workers: int = 1
+    reward_fail_prob: float = 0.0  # per sample
+    reward_call_fail_prob: float = 0.0  # the whole call raises
+    generate_fail_prob: float = 0.0
+    trainer_fail_prob: float = 0.0
+    trainer_fail_on: tuple[tuple[str, int], ...] = ()
+    weight_bytes: int = MIB
+    logprob_fields: Mapping[str, str] = field(default_factory=dict)  # stage -> field; default ref_logprobs
+    vocab_size: int = 64
+    prompt_len: int = 8
+    max_new_tokens: int = 16
+
+
+class SimStages:
+    """Sim engines in this process and the ``StageHandles`` that drive them.
+
+    Generators and reward workers are pools: a call waits for an idle engine,
+    so ``generators`` bounds generation concurrency like real workers do.
+    ``microbatch_keys`` records (step, keys) for every microbatch."""
+
+    def __init__(self, settings: RunSettings, dataplane: Any, config: SimConfig = SimConfig()) -> None:
+        self.settings, self.dataplane, self.config = settings, dataplane, config
+        seed = settings.seed
+        self.generators = [
+            SimGenerator(config.generate, config.vocab_size, config.prompt_len, config.max_new_tokens,
+                         config.generate_fail_prob, seed=seed * 7919 + i)
+            for i in range(config.generators)
+        ]
+        self.reward_workers = [
+            SimRewardWorker(config.reward, fail_prob=config.reward_fail_prob,
+                            call_fail_prob=config.reward_call_fail_prob, seed=seed * 7919 + 1000 + i)
+            for i in range(config.reward_workers)
+        ]
+        self.logprob_engine = SimLogprob(config.logprob, seed * 7919 + 2000)
+        self.trainer = SimTrainer(config.microbatch, config.finish, config.trainer_fail_on,
+                                  config.trainer_fail_prob, config.weight_bytes, seed * 7919 + 3000)
+        self._push_timer = _Timed(config.push_bucket, seed * 7919 + 4000)
+        self._idle_generators: asyncio.Queue[SimGenerator] | None = None
+        self._idle_rewards: asyncio.Queue[SimRewardWorker] | None = None
+        self.microbatch_keys: list[tuple[int, tuple[str, ...]]] = []
+        self.handles = StageHandles(
+            generate=self.generate,
+            reward=self.reward,
+            logprob=self.logprob,
+            begin_train_step=self.begin_train_step,
+            train_microbatch=self.train_microbatch,
+            finish_train_step=self.finish_train_step,
+            abort_train_step=self.abort_train_step,
+            push_weights=self.push_weights,
+            generator_version=self.generator_version,
+        )
+
+    async def generate(self, prompts: Sequence[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int) -> int:
+        async with _borrow(self._pool("generators")) as generator:
+            batch = await generator.generate_async(prompts, samples_per_prompt, seed)
+        await self._put(keys, batch)
+        return int(batch[p.FIELD_VERSION][0])
+
+    async def reward(self, stage: str, keys: Sequence[str]) -> list[float | None]:
+        async with _borrow(self._pool("rewards")) as worker:
+            return await worker.score_async(len(keys))
+
+    async def logprob(self, stage: str, keys: Sequence[str]) -> None:
+        batch = await self._get(keys, (p.FIELD_RESPONSE_MASK,))
+        values = await self.logprob_engine.logprobs_async(batch)
+        await self._put(keys, {self.config.logprob_fields.get(stage, p.FIELD_REF_LOGPROBS): values})
+
+    async def begin_train_step(self, step: int) -> None:
+        self.trainer.begin_train_step(step)
+
+    async def train_microbatch(self, step: int, keys: Sequence[str]) -> dict[str, float]:
+        self.microbatch_keys.append((step, tuple(keys)))
+        batch = await self._get(keys, TRAIN_FIELDS)
+        return await self.trainer.train_microbatch_async(step, batch)
+
+    async def finish_train_step(self, step: int) -> p.StepResult:
+        return await self.trainer.finish_train_step_async(step)
+
+    async def abort_train_step(self, step: int) -> None:
+        self.trainer.abort_train_step(step)
+
+    async def push_weights(self, version: int) -> None:
+        buckets = list(self.trainer.weight_buckets(self.settings.sync_bucket_bytes))
+        for index, bucket in enumerate(buckets):
+            await asyncio.sleep(self._push_timer._draw())
+            for generator in self.generators:
+                generator.update_weights(bucket, version, last=index == len(buckets) - 1)
+
+    async def generator_version(self) -> int:
+        return min(generator.version for generator in self.generators)
+
+    def _pool(self, name: str) -> asyncio.Queue:
+        # built lazily so the queues belong to the loop that runs the controller
+        if self._idle_generators is None:
+            self._idle_generators, self._idle_rewards = asyncio.Queue(), asyncio.Queue()
+            for generator in self.generators:
+                self._idle_generators.put_nowait(generator)
+            for worker in self.reward_workers:
+                self._idle_rewards.put_nowait(worker)
+        return self._idle_generators if name == "generators" else self._idle_rewards
+
+    async def _put(self, keys: Sequence[str], fields: dict) -> None:
+        await resolve(self.dataplane.put(list(keys), self.settings.pipeline, fields, None))
+
+    async def _get(self, keys: Sequence[str], fields: Sequence[str]) -> dict:
+        return await resolve(self.dataplane.get(list(keys), self.settings.pipeline, list(fields)))
+
+
+class _borrow:
+    """``async with _borrow(queue) as engine``: take an idle engine, give it back."""
+
+    def __init__(self, pool: asyncio.Queue) -> None:
+        self.pool = pool
+
+    async def __aenter__(self) -> Any:
+        self.engine = await self.pool.get()
+        return self.engine
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.pool.put_nowait(self.engine)
+
+
+def sim_stage_handles(settings: RunSettings, dataplane: Any, config: SimConfig = SimConfig()) -> StageHandles:
+    """In-process ``StageHandles`` over fresh sim engines (see ``SimStages``
+    to keep a hold of the engines)."""
+    return SimStages(settings, dataplane, config).handles

@@ -25,11 +25,11 @@ def _color(args) -> bool:
     return sys.stderr.isatty()
 
 
-def _compile(path: str):
+def _compile(path: str, want_plan: bool = True):
     from rldsl.compiler.driver import compile_file
 
     try:
-        return compile_file(path)
+        return compile_file(path, want_plan=want_plan)
     except FileNotFoundError:
         _usage_error(f"no such file: {path}", "check the path; pipelines live in pipelines/*.rlp")
     except IsADirectoryError:
@@ -65,7 +65,7 @@ def cmd_check(args) -> int:
     from rldsl.compiler.diagnostics import render_text, to_json, to_sarif
     from rldsl.compiler.rules.catalog import RULES
 
-    results = [_compile(path) for path in args.files]
+    results = [_compile(path, want_plan=False) for path in args.files]
     if args.format == "json":
         payload = [to_json(r.diagnostics, r.filename) for r in results]
         print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))

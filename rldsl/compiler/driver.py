@@ -18,13 +18,11 @@ from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Program
 from rldsl.compiler.diagnostics import Diagnostic, sort_diagnostics
 from rldsl.compiler.ir import build_ir
-from rldsl.compiler.lowering import lower
 from rldsl.compiler.memory import GpuMemory, check_memory, estimate, model_params
 from rldsl.compiler.parser import parse
 from rldsl.compiler.placement import Placement, place
 from rldsl.compiler.resolve import resolve
 from rldsl.compiler.rules import batching, dataflow, sharing
-from rldsl.plan import ExecutionPlan
 
 PIPELINE_PASSES = dataflow.PASSES
 PLACED_PASSES = (batching.check_batch_sizes, batching.check_buffer, sharing.check_on_policy_disjoint)
@@ -39,14 +37,15 @@ class CompileResult:
     contexts: list[Context] = field(default_factory=list)
     placement: Placement | None = None
     memory: list[GpuMemory] = field(default_factory=list)
-    plan: ExecutionPlan | None = None
+    plan: "ExecutionPlan | None" = None  # rldsl.plan.ExecutionPlan
 
     @property
     def ok(self) -> bool:
         return not any(d.is_error for d in self.diagnostics)
 
 
-def compile_source(text: str, filename: str = "<input>", base_dir: Path | None = None) -> CompileResult:
+def compile_source(text: str, filename: str = "<input>", base_dir: Path | None = None,
+                   want_plan: bool = True) -> CompileResult:
     base_dir = base_dir or Path(".")
     result = CompileResult(filename, text)
     tree, diags = parse(text)
@@ -78,12 +77,14 @@ def compile_source(text: str, filename: str = "<input>", base_dir: Path | None =
         diags += check_memory(program, placement, base_dir)
         result.memory = estimate(program, placement, base_dir)
     result.diagnostics = sort_diagnostics(diags)
-    if result.ok:
+    if result.ok and want_plan:
         result.plan = _lower(result, base_dir)
     return result
 
 
-def _lower(result: CompileResult, base_dir: Path) -> ExecutionPlan:
+def _lower(result: CompileResult, base_dir: Path):
+    from rldsl.compiler.lowering import lower  # imported here: `check` needs no plan
+
     program = result.program
     params = {f"{pipe.name}/{m.name}": model_params(m, base_dir) for pipe in program.pipelines for m in pipe.models.values()}
     warnings = [f"warning[{d.code}]: {d.message}" for d in result.diagnostics]
@@ -91,8 +92,8 @@ def _lower(result: CompileResult, base_dir: Path) -> ExecutionPlan:
     return lower(program, result.contexts, result.placement, params, warnings, digest)
 
 
-def compile_file(path: str | Path) -> CompileResult:
+def compile_file(path: str | Path, want_plan: bool = True) -> CompileResult:
     """Raises OSError / UnicodeDecodeError for an unreadable file (a usage error)."""
     path = Path(path)
     text = path.read_text(encoding="utf-8")
-    return compile_source(text, str(path), base_dir=path.parent)
+    return compile_source(text, str(path), base_dir=path.parent, want_plan=want_plan)

@@ -1,5 +1,8 @@
 """Value types of the language: each converts a syntax value or reports why not.
 
+Type specs are plain classes, not dataclasses: building a dataclass costs about
+a millisecond at import, and `rldsl check` must start fast.
+
 A type is a small object with ``convert(value) -> (python value | INVALID,
 diagnostics)`` and a ``describe`` used in messages and the reference docs.
 """
@@ -78,11 +81,9 @@ class LossSpec:
 # ------------------------------------------------------------------ scalars
 
 
-@dataclass(frozen=True)
 class Int:
-    low: int | None = None
-    high: int | None = None
-    describe: str = "an integer"
+    def __init__(self, low: int | None = None, high: int | None = None, describe: str = "an integer"):
+        self.low, self.high, self.describe = low, high, describe
 
     def convert(self, value: ast.Value) -> Result:
         if not isinstance(value, ast.Number) or not value.is_integer or value.unit:
@@ -91,11 +92,9 @@ class Int:
         return _in_range(int(value.magnitude), self.low, self.high, value)
 
 
-@dataclass(frozen=True)
 class Float:
-    low: float | None = None
-    high: float | None = None
-    describe: str = "a number"
+    def __init__(self, low: float | None = None, high: float | None = None, describe: str = "a number"):
+        self.low, self.high, self.describe = low, high, describe
 
     def convert(self, value: ast.Value) -> Result:
         if not isinstance(value, ast.Number) or value.unit:
@@ -110,9 +109,8 @@ def _in_range(number, low, high, value: ast.Number) -> Result:
     return number, []
 
 
-@dataclass(frozen=True)
 class Bool:
-    describe: str = "`true` or `false`"
+    describe = "`true` or `false`"
 
     def convert(self, value: ast.Value) -> Result:
         if isinstance(value, ast.Name) and value.id in ("true", "false"):
@@ -120,11 +118,9 @@ class Bool:
         return mismatch(self.describe, value)
 
 
-@dataclass(frozen=True)
 class Str:
-    pattern: str | None = None
-    describe: str = "a string"
-    hint: str | None = None
+    def __init__(self, pattern: str | None = None, describe: str = "a string", hint: str | None = None):
+        self.pattern, self.describe, self.hint = pattern, describe, hint
 
     def convert(self, value: ast.Value) -> Result:
         if not isinstance(value, ast.String):
@@ -135,9 +131,9 @@ class Str:
         return value.value, []
 
 
-@dataclass(frozen=True)
 class Enum:
-    options: tuple[str, ...]
+    def __init__(self, options: tuple[str, ...]):
+        self.options = options
 
     @property
     def describe(self) -> str:
@@ -152,14 +148,11 @@ class Enum:
         return word, []
 
 
-@dataclass(frozen=True)
 class Quantity:
     """A number with a unit from ``units`` (sizes, durations, counts)."""
 
-    units: dict
-    describe: str
-    example: str
-    unit_optional: bool = False
+    def __init__(self, units: dict, describe: str, example: str, unit_optional: bool = False):
+        self.units, self.describe, self.example, self.unit_optional = units, describe, example, unit_optional
 
     def convert(self, value: ast.Value) -> Result:
         if not isinstance(value, ast.Number):
@@ -181,11 +174,10 @@ DURATION = Quantity(DURATION_UNITS, "a duration such as `30s`", "30s")
 COUNT = Quantity(COUNT_UNITS, "a count such as `7B` or `350M`", "1.5B", unit_optional=True)
 
 
-@dataclass(frozen=True)
 class Fraction:
     """`80%` or `0.8`: a share in [0, 1]."""
 
-    describe: str = "a fraction such as `80%` or `0.8`"
+    describe = "a fraction such as `80%` or `0.8`"
 
     def convert(self, value: ast.Value) -> Result:
         if not isinstance(value, ast.Number) or value.unit not in ("", "%"):
@@ -199,11 +191,11 @@ class Fraction:
 # -------------------------------------------------------------- references
 
 
-@dataclass(frozen=True)
 class RefTo:
     """A reference to a declaration of one of ``kinds`` (model, stage, ...)."""
 
-    kinds: tuple[str, ...]
+    def __init__(self, kinds: tuple[str, ...]):
+        self.kinds = kinds
 
     @property
     def describe(self) -> str:
@@ -216,10 +208,10 @@ class RefTo:
         return mismatch(self.describe, value, help)
 
 
-@dataclass(frozen=True)
 class ListOf:
-    item: Any
-    allow_single: bool = True  # `to = rollout` is short for `to = [rollout]`
+    def __init__(self, item: Any, allow_single: bool = True):
+        self.item = item
+        self.allow_single = allow_single  # `to = rollout` is short for `to = [rollout]`
 
     @property
     def describe(self) -> str:
@@ -237,11 +229,10 @@ class ListOf:
         return (INVALID if diags else tuple(out)), diags
 
 
-@dataclass(frozen=True)
 class GroupItem:
     """One member of `placement.groups`: a stage name or a list of them."""
 
-    describe: str = "a stage name or a list of stage names"
+    describe = "a stage name or a list of stage names"
 
     def convert(self, value: ast.Value) -> Result:
         if isinstance(value, ast.ListValue):
@@ -250,9 +241,8 @@ class GroupItem:
         return (INVALID if diags else (converted,)), diags
 
 
-@dataclass(frozen=True)
 class Gpus:
-    describe: str = "a GPU count such as `2` or GPU ids such as `0..1` or `[0, 2..3]`"
+    describe = "a GPU count such as `2` or GPU ids such as `0..1` or `[0, 2..3]`"
 
     def convert(self, value: ast.Value) -> Result:
         if isinstance(value, ast.Number):
@@ -287,14 +277,14 @@ def _gpu_ids(part: ast.Value) -> tuple[list[int], list[Diagnostic]]:
 # ------------------------------------------------------------------- calls
 
 
-@dataclass(frozen=True)
 class CallOf:
     """`name(key = value, ...)`: engines and losses. ``signatures`` maps each
     callee to its argument types; a bare name is a call with no arguments."""
 
-    what: str  # "engine" or "loss", for messages
-    signatures: dict  # name -> dict[arg name -> type]
-    build: Callable
+    def __init__(self, what: str, signatures: dict, build: Callable):
+        self.what = what  # "engine" or "loss", for messages
+        self.signatures = signatures  # name -> dict[arg name -> type]
+        self.build = build
 
     @property
     def describe(self) -> str:

@@ -30,6 +30,10 @@ def check_structure(ctx: Context) -> list[Diagnostic]:
         if not present:
             out.append(Diagnostic("RLP208", ERROR, f"pipeline `{pipe.name}` has no {what}", pipe.name_span,
                                   help=f"add {how}"))
+    train = ctx.train_stage()
+    if train is not None and pipe.stages_of("generate") and ctx.generator_for(train) is None:
+        out.append(Diagnostic("RLP208", ERROR, f"no generate stage feeds `{train.name}`", train.name_span,
+                              help=f"put it at the end of a flow: `flow prompts -> rollout -> ... -> {train.name}`"))
     extra = pipe.stages_of("train")[1:]
     for stage in extra:
         out.append(Diagnostic("RLP208", ERROR, "a pipeline trains one model with one train stage", stage.name_span,

@@ -88,9 +88,21 @@ class _Timed:
     def __init__(self, latency: Latency, seed: int) -> None:
         self.latency = latency
         self._rng = random.Random(seed)
+        self._busy_until = 0.0
 
     def _draw(self) -> float:
         return self.latency.sample(self._rng)
+
+    async def _hold(self, seconds: float, requested_at: float | None = None) -> None:
+        """Sleep so the call ends ``seconds`` after it could start: when it
+        was requested or when this engine's previous call ended, whichever is
+        later. Back-to-back calls thus keep an exact timeline instead of
+        adding up the event loop's wake-up jitter (1-3 ms per sleep here)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        start = min(now, max(now if requested_at is None else requested_at, self._busy_until))
+        self._busy_until = start + seconds
+        await asyncio.sleep(max(0.0, self._busy_until - now))
 
     def _chance(self, probability: float) -> bool:
         return probability > 0 and self._rng.random() < probability
@@ -124,10 +136,12 @@ class SimGenerator(_Timed):
         finally:
             self.generating = False
 
-    async def generate_async(self, prompts: Sequence[p.Prompt], samples_per_prompt: int, seed: int) -> p.Batch:
+    async def generate_async(
+        self, prompts: Sequence[p.Prompt], samples_per_prompt: int, seed: int, requested_at: float | None = None
+    ) -> p.Batch:
         self._start()
         try:
-            await asyncio.sleep(self._draw())
+            await self._hold(self._draw(), requested_at)
             return self._batch(prompts, samples_per_prompt, seed)
         finally:
             self.generating = False
@@ -191,8 +205,8 @@ class SimRewardWorker(_Timed):
         time.sleep(self._draw())
         return self._scores(count)
 
-    async def score_async(self, count: int) -> list[float | None]:
-        await asyncio.sleep(self._draw())
+    async def score_async(self, count: int, requested_at: float | None = None) -> list[float | None]:
+        await self._hold(self._draw(), requested_at)
         return self._scores(count)
 
     def _scores(self, count: int) -> list[float | None]:
@@ -209,7 +223,7 @@ class SimLogprob(_Timed):
         return _fake_logprobs(batch[p.FIELD_RESPONSE_MASK], torch.Generator().manual_seed(self._rng.getrandbits(31)))
 
     async def logprobs_async(self, batch: p.Batch) -> torch.Tensor:
-        await asyncio.sleep(self._draw())
+        await self._hold(self._draw())
         return _fake_logprobs(batch[p.FIELD_RESPONSE_MASK], torch.Generator().manual_seed(self._rng.getrandbits(31)))
 
 
@@ -238,6 +252,7 @@ class SimTrainer:
         self.open_step: int | None = None
         self.calls: list[tuple[str, int, int]] = []
         self._rows_in_step = 0
+        self._weights: torch.Tensor | None = None
 
     def begin_train_step(self, step: int) -> None:
         self.calls.append(("begin_train_step", step, 0))
@@ -250,7 +265,7 @@ class SimTrainer:
         return self._after_microbatch(batch)
 
     async def train_microbatch_async(self, step: int, batch: p.Batch) -> dict[str, float]:
-        await asyncio.sleep(self._before_microbatch(step, batch))
+        await self._microbatch._hold(self._before_microbatch(step, batch))
         return self._after_microbatch(batch)
 
     def finish_train_step(self, step: int) -> p.StepResult:
@@ -258,7 +273,7 @@ class SimTrainer:
         return self._after_finish()
 
     async def finish_train_step_async(self, step: int) -> p.StepResult:
-        await asyncio.sleep(self._before_finish(step))
+        await self._finish._hold(self._before_finish(step))
         return self._after_finish()
 
     def abort_train_step(self, step: int) -> None:
@@ -266,13 +281,12 @@ class SimTrainer:
         self.open_step, self._rows_in_step = None, 0
 
     def weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        """Fake float32 parameters of ``weight_bytes`` in total, bucketed."""
-        floats_per_bucket = max(1, bucket_bytes // 4)
-        remaining, index = self.weight_bytes // 4, 0
-        while remaining > 0:
-            size = min(remaining, floats_per_bucket)
-            yield {f"layer{index}.weight": torch.full((size,), float(self.version))}
-            remaining, index = remaining - size, index + 1
+        """Views of ``weight_bytes`` of fake float32 parameters, bucketed."""
+        if self._weights is None:
+            self._weights = torch.zeros(max(1, self.weight_bytes // 4))  # allocated once: pushes stay cheap
+        per_bucket = max(1, bucket_bytes // 4)
+        for index, start in enumerate(range(0, len(self._weights), per_bucket)):
+            yield {f"layer{index}.weight": self._weights[start : start + per_bucket]}
 
     def _require_open(self, call: str, step: int) -> None:
         if self.open_step is None:
@@ -395,14 +409,16 @@ class SimStages:
         )
 
     async def generate(self, prompts: Sequence[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int) -> int:
+        requested_at = asyncio.get_running_loop().time()
         async with _borrow(self._pool("generators")) as generator:
-            batch = await generator.generate_async(prompts, samples_per_prompt, seed)
+            batch = await generator.generate_async(prompts, samples_per_prompt, seed, requested_at)
         await self._put(keys, batch)
         return int(batch[p.FIELD_VERSION][0])
 
     async def reward(self, stage: str, keys: Sequence[str]) -> list[float | None]:
+        requested_at = asyncio.get_running_loop().time()
         async with _borrow(self._pool("rewards")) as worker:
-            return await worker.score_async(len(keys))
+            return await worker.score_async(len(keys), requested_at)
 
     async def logprob(self, stage: str, keys: Sequence[str]) -> None:
         batch = await self._get(keys, (p.FIELD_RESPONSE_MASK,))
@@ -426,7 +442,7 @@ class SimStages:
     async def push_weights(self, version: int) -> None:
         buckets = list(self.trainer.weight_buckets(self.settings.sync_bucket_bytes))
         for index, bucket in enumerate(buckets):
-            await asyncio.sleep(self._push_timer._draw())
+            await self._push_timer._hold(self._push_timer._draw())
             for generator in self.generators:
                 generator.update_weights(bucket, version, last=index == len(buckets) - 1)
 

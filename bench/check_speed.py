@@ -1,0 +1,82 @@
+"""`rldsl check` start-up against a bare import of the CLI's own libraries,
+measured side by side (interleaved) in one run, and a 200-stage pipeline.
+
+    python bench/check_speed.py [--repeat 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE = "import lark, networkx"  # what check itself imports; rich, torch and ray are not
+
+
+def wall(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def big_pipeline(n_stages: int) -> str:
+    """A valid pipeline with n stages: chains of reward and logprob stages."""
+    lines = ["pipeline big", "cluster { nodes = 4  gpus_per_node = 8 }",
+             'model policy { source = "builtin:tiny-lm" }', 'dataset prompts { source = "builtin:arith" }',
+             "stage generate rollout { model = policy  gpus = 8  samples_per_prompt = 8 }",
+             "stage train actor { model = policy  gpus = 8  prompts_per_step = 16 }",
+             "stage sync weights { from = actor  to = rollout }"]
+    chain = ["prompts", "rollout"]
+    for i in range(n_stages - 4):
+        if i % 2:
+            lines.append(f'stage reward r{i} {{ fn = "rldsl.rewards:exact_match" }}')
+        else:
+            lines.append(f"stage logprob l{i} {{ model = policy  frozen  colocate = actor }}")
+        chain.append(f"r{i}" if i % 2 else f"l{i}")
+    lines.append("flow " + " -> ".join(chain + ["actor"]))
+    lines.append("staleness { max_lag = 1 }")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=15)
+    args = parser.parse_args()
+    check = [sys.executable, "-m", "rldsl", "check", str(ROOT / "pipelines" / "grpo_async.rlp")]
+    base = [sys.executable, "-c", BASELINE]
+    wall(check), wall(base)  # warm the file cache and lark's grammar cache
+    checks, bases = [], []
+    for _ in range(args.repeat):  # interleaved, so drift hits both alike
+        checks.append(wall(check))
+        bases.append(wall(base))
+    c, b = statistics.median(checks), statistics.median(bases)
+    print(f"{'measure':<46} {'median s':>9}")
+    print(f"{'python -c ' + repr(BASELINE):<46} {b:>9.3f}")
+    print(f"{'rldsl check pipelines/grpo_async.rlp':<46} {c:>9.3f}")
+    print(f"{'ratio (goal <= 1.30)':<46} {c / b:>9.2f}")
+
+    from rldsl.compiler.driver import compile_source
+
+    text = big_pipeline(200)
+    compile_source(text)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        result = compile_source(text, "big.rlp")
+        times.append(time.perf_counter() - start)
+    assert result.ok, result.diagnostics[:3]
+    stages = len(result.plan.pipeline().stages)
+    print(f"{f'compile a {stages}-stage pipeline, in process':<46} {statistics.median(times):>9.3f}")
+    with tempfile.NamedTemporaryFile("w", suffix=".rlp", delete=False) as f:
+        f.write(text)
+    proc = statistics.median(wall([sys.executable, "-m", "rldsl", "check", f.name]) for _ in range(5))
+    print(f"{f'rldsl check on it, whole process (goal < 1 s)':<46} {proc:>9.3f}")
+
+
+if __name__ == "__main__":
+    main()

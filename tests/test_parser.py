@@ -1,0 +1,68 @@
+"""Parser and resolver behaviour beyond the per-rule goldens."""
+
+from rldsl.compiler.driver import compile_source
+from rldsl.compiler.parser import parse
+
+GOOD = '''
+pipeline p
+cluster { gpus_per_node = 2 }
+'''
+
+
+def codes(text):
+    return [d.code for d in compile_source(text).diagnostics]
+
+
+def test_units_and_values_parse():
+    tree, diags = parse('pipeline p\nx { a = 256MiB b = 30s c = 50% d = 1.5B e = 1e-5 f = [0..1, 3] g = "s" h = n(k = 1) flag }')
+    assert not diags
+    entries = {e.key.text: e.value for e in tree.pipelines[0].blocks[0].entries}
+    assert entries["a"].unit == "MiB" and entries["b"].unit == "s" and entries["c"].unit == "%"
+    assert entries["e"].unit == "" and entries["e"].magnitude == 1e-5
+    assert entries["flag"] is None
+
+
+def test_unclosed_brace_points_at_the_opener():
+    result = compile_source("pipeline p\ncluster {\n  gpus_per_node = 2\n")
+    (diag,) = result.diagnostics
+    assert diag.code == "RLP001" and diag.span.line == 2 and "never closed" in diag.message
+
+
+def test_unterminated_string():
+    (diag,) = compile_source('pipeline p\nmodel m { source = "abc }\n').diagnostics
+    assert "unterminated string" in diag.message
+
+
+def test_header_and_block_forms_cannot_mix():
+    assert codes("pipeline a\npipeline b { }\ncluster { gpus_per_node = 1 }") == ["RLP001"]
+
+
+def test_all_resolve_findings_in_one_run():
+    text = GOOD + '''
+model m { source = "builtin:tiny-lm"  sauce = 1 }
+stage generate g { model = mm  samples_per_prompt = -1  temperatur = 1 }
+'''
+    found = codes(text)
+    assert found.count("RLP103") == 2 and "RLP101" in found and "RLP106" in found
+
+
+def test_unknown_unit_suggests():
+    (diag,) = [d for d in compile_source(GOOD + "stage sync s { from = a  to = b  bucket = 256Mib }").diagnostics
+               if d.code == "RLP105"]
+    assert "MiB" in diag.help
+
+
+def test_bare_flag_means_true():
+    text = open("tests/golden/base.rlp").read().replace(
+        "stage train", "stage logprob reference { model = policy  frozen  colocate = actor }\nstage train").replace(
+        "score -> actor", "score -> reference -> actor")
+    result = compile_source(text)
+    assert result.ok, result.diagnostics
+    ref = result.plan.pipeline().stage("reference")
+    assert ref.settings["frozen"] is True and ref.colocated_with == ["actor"]
+
+
+def test_sorted_by_position():
+    text = GOOD + 'model m { source = 1 }\nmodel n { source = 2 }\n'
+    lines = [d.span.line for d in compile_source(text).diagnostics]
+    assert lines == sorted(lines)

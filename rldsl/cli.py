@@ -150,9 +150,14 @@ def cmd_run(args) -> int:
     try:
         from rldsl.runtime.launch import run_plan
     except ImportError as err:
-        _usage_error(f"the runtime is not installed ({err.name} is missing)",
-                     "pip install -e '.[run]'")
+        _missing_extras(err)
     return run_plan(plan, args)
+
+
+def _missing_extras(err: ImportError):
+    if err.name and err.name.split(".")[0] == "rldsl":
+        raise err  # our own bug, not a missing install: let it show
+    _usage_error(f"the runtime needs `{err.name}`, which is not installed", "pip install -e '.[run]'")
 
 
 def _file_of_run(run_dir: str) -> str:
@@ -168,7 +173,7 @@ def cmd_report(args) -> int:
     try:
         from rldsl.runtime.report import write_report
     except ImportError as err:
-        _usage_error(f"reporting needs the runtime extras ({err.name} is missing)", "pip install -e '.[run]'")
+        _missing_extras(err)
     return write_report(Path(args.run_dir))
 
 
@@ -223,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `rldsl plan --format json | head`
+        sys.stderr.close()
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -66,3 +66,40 @@ def test_sorted_by_position():
     text = GOOD + 'model m { source = 1 }\nmodel n { source = 2 }\n'
     lines = [d.span.line for d in compile_source(text).diagnostics]
     assert lines == sorted(lines)
+
+
+BASE = open("tests/golden/base.rlp").read()
+
+
+def _codes_after(*pairs):
+    text = BASE
+    for old, new in pairs:
+        text = text.replace(old, new, 1)
+    return codes(text)
+
+
+def test_empty_gpu_list_is_rejected():
+    assert "RLP104" in _codes_after(("  gpus = 2\n  samples", "  gpus = []\n  samples"))
+
+
+def test_sync_stage_in_a_flow_is_rejected():
+    assert "RLP207" in _codes_after(("score -> actor", "score -> weights -> actor"))
+
+
+def test_grouped_stage_cannot_also_set_gpus():
+    found = _codes_after(("staleness { max_lag = 1 }",
+                          "staleness { max_lag = 1 }\nplacement { groups = [actor, rollout]  ratios = [50%, 50%] }"))
+    assert "RLP507" in found
+
+
+def test_colocation_chains_resolve_in_any_order():
+    chain = ("stage train", "stage logprob ref2 { model = policy  frozen  colocate = ref1 }\n"
+                            "stage logprob ref1 { model = policy  frozen  colocate = actor }\nstage train")
+    result = compile_source(BASE.replace(*chain).replace("score -> actor", "score -> ref1 -> ref2 -> actor"))
+    assert result.ok, result.diagnostics
+    assert result.plan.pipeline().stage("ref2").colocated_with == ["actor", "ref1"]
+
+
+def test_sizes_are_whole_bytes_in_the_plan():
+    result = compile_source(BASE.replace("to = rollout }", "to = rollout  bucket = 1.5MiB }"))
+    assert result.plan.pipeline().stage("weights").settings["bucket"] == 1572864

@@ -71,8 +71,19 @@ def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement, shares:
         settings=_settings(stage, skip=("engine", "model", "gpus", "colocate")),
         ranks=ranks,
         tp=sp.tp if sp else 1, pp=sp.pp if sp else 1, dp=sp.dp if sp else 1,
-        colocated_with=list(sp.colocated_with) if sp else [],
+        colocated_with=_sharing(sp, placement) if sp else [],
     )
+
+
+def _sharing(sp: StagePlacement, placement: Placement) -> list[str]:
+    """Every stage that shares a GPU with this one: colocated, partially
+    overlapping, or of another pipeline (written `pipeline/stage`)."""
+    names = set()
+    for gpu in sp.gpus:
+        for other in placement.residents()[gpu]:
+            if other is not sp:
+                names.add(other.stage if other.pipeline == sp.pipeline else f"{other.pipeline}/{other.stage}")
+    return sorted(names)
 
 
 def _settings(decl: Decl, skip: tuple[str, ...]) -> dict:

@@ -54,9 +54,10 @@ def _params_from_hf_config(cfg: dict) -> int:
     return embeddings + layers * (attn + 3 * hidden * inter)
 
 
-def stage_bytes_per_gpu(stage: Decl, sp: StagePlacement, params: int, gpu_capacity: float | None) -> float:
+def stage_bytes_per_gpu(stage: Decl, model: Decl, sp: StagePlacement, params: int,
+                        gpu_capacity: float | None) -> float:
     engine = stage["engine"]
-    dtype = engine.args.get("dtype", "fp32")
+    dtype = model.get("dtype") or engine.args.get("dtype", "fp32")  # the model's dtype wins over the engine's
     shard = max(1, sp.tp * sp.pp)
     weights = params * _DTYPE_BYTES[dtype] / shard
     if stage.stage_kind == "train":
@@ -77,9 +78,9 @@ def estimate(program: Program, placement: Placement, base_dir: Path) -> list[Gpu
         for sp in (s for s in placement.stages.values() if s.pipeline == pipe.name and s.gpus):
             stage = pipe.stages[sp.stage]
             model = pipe.models.get(stage["model"].name) if stage.get("model") else None
-            params = model_params(model, base_dir) if model else None
-            if params is not None:
-                per_stage[(sp.pipeline, sp.stage)] = stage_bytes_per_gpu(stage, sp, params, capacity)
+            params = model_params(model, base_dir) if model and stage["engine"].name != "sim" else None
+            if params is not None:  # sim engines hold no model
+                per_stage[(sp.pipeline, sp.stage)] = stage_bytes_per_gpu(stage, model, sp, params, capacity)
     out = []
     for gpu, residents in sorted(placement.residents().items()):
         sizes = [(f"{sp.pipeline}/{sp.stage}", per_stage[(sp.pipeline, sp.stage)]) for sp in residents

@@ -131,6 +131,11 @@ def _place_groups(pipe, placement: Placement, taken: set[int], diags: list[Diagn
                 diags.append(Diagnostic("RLP507", ERROR, f"stage `{ref.name}` is in two placement groups", ref.span))
                 continue
             seen.add(ref.name)
+            if stage.explicit("gpus") or stage.explicit("colocate"):
+                key = "gpus" if stage.explicit("gpus") else "colocate"
+                diags.append(Diagnostic("RLP507", ERROR, f"stage `{ref.name}` is in a placement group and also sets "
+                                        f"`{key}`", stage.span_of(key), help=f"remove `{key}`: the group decides"))
+                continue
             if stage.stage_kind not in ("generate", "logprob", "train"):
                 diags.append(Diagnostic("RLP507", ERROR, f"stage `{ref.name}` is a {stage.stage_kind} stage and "
                                         "uses no GPUs", ref.span, help="placement groups hold GPU stages"))
@@ -202,21 +207,32 @@ def _first_fit(want: int, placement: Placement, taken: set[int]) -> tuple[int, .
 
 
 def _place_colocated(pipe, placement: Placement, diags: list[Diagnostic]) -> None:
-    for stage in _gpu_stages(pipe):
-        ref = stage.get("colocate")
-        if ref is None or (pipe.name, stage.name) in placement.stages:
-            continue
-        target = pipe.stages.get(ref.name)
-        problem = _colocation_problem(stage, target, pipe, placement)
-        if problem:
-            diags.append(Diagnostic("RLP508", ERROR, problem, ref.span if "`gpus`" not in problem
-                                    else stage.span_of("gpus"), help="colocate with a GPU stage that is placed "
-                                    "by `gpus` (not itself colocated)"))
-            continue
-        host = placement.stages[(pipe.name, target.name)]
-        host.colocated_with = tuple(dict.fromkeys((*host.colocated_with, stage.name)))
-        placement.stages[(pipe.name, stage.name)] = StagePlacement(
-            pipe.name, stage.name, stage.stage_kind, host.gpus, colocated_with=(target.name,), how="colocate")
+    pending = [s for s in _gpu_stages(pipe) if s.get("colocate") and (pipe.name, s.name) not in placement.stages]
+    progress = True
+    while pending and progress:  # chains (a -> b -> c) resolve whatever the declaration order
+        progress = False
+        for stage in list(pending):
+            if (pipe.name, stage["colocate"].name) in placement.stages and not stage.explicit("gpus"):
+                _colocate(stage, pipe, placement, diags)
+                pending.remove(stage)
+                progress = True
+    for stage in pending:
+        _colocate(stage, pipe, placement, diags)
+
+
+def _colocate(stage: Decl, pipe, placement: Placement, diags: list[Diagnostic]) -> None:
+    ref = stage["colocate"]
+    target = pipe.stages.get(ref.name)
+    problem = _colocation_problem(stage, target, pipe, placement)
+    if problem:
+        diags.append(Diagnostic("RLP508", ERROR, problem, ref.span if "`gpus`" not in problem
+                                else stage.span_of("gpus"), help="colocate with a GPU stage that is placed "
+                                "by `gpus` or by a chain of colocations that ends at one"))
+        return
+    host = placement.stages[(pipe.name, target.name)]
+    host.colocated_with = tuple(dict.fromkeys((*host.colocated_with, stage.name)))
+    placement.stages[(pipe.name, stage.name)] = StagePlacement(
+        pipe.name, stage.name, stage.stage_kind, host.gpus, colocated_with=(target.name,), how="colocate")
 
 
 def _colocation_problem(stage: Decl, target: Decl | None, pipe, placement: Placement) -> str | None:
@@ -229,7 +245,7 @@ def _colocation_problem(stage: Decl, target: Decl | None, pipe, placement: Place
     if target.stage_kind not in ("generate", "logprob", "train"):
         return f"`{target.name}` is a {target.stage_kind} stage and has no GPUs to share"
     if (pipe.name, target.name) not in placement.stages:
-        return f"`{target.name}` is itself colocated or unplaced; colocate with the stage that owns the GPUs"
+        return f"`{target.name}` has no GPUs of its own: its colocation chain loops or ends at an unplaced stage"
     return None
 
 
@@ -260,8 +276,7 @@ def _assign_ranks(sp: StagePlacement, stage: Decl, placement: Placement, diags: 
     if n % replica:
         diags.append(Diagnostic("RLP502", ERROR, f"`{stage.name}` has {n} GPU{'s' * (n != 1)}, not a multiple of "
                                 f"tp x pp = {tp} x {pp} = {replica}", stage.span_of("engine"),
-                                help=f"give it {max(replica, n - n % replica)} or {n + replica - n % replica} GPUs, "
-                                     "or change tp/pp"))
+                                help=f"give it {_multiples(n, replica)} GPUs, or change tp/pp"))
         return
     sp.tp, sp.pp, sp.dp = tp, pp, n // replica
     _check_tp_within_node(sp, stage, placement, diags)
@@ -272,6 +287,11 @@ def _assign_ranks(sp: StagePlacement, stage: Decl, placement: Placement, diags: 
     sp.ranks = tuple(
         RankPlacement(r, (sp.gpus[r],), tp_rank=r % tp, dp_rank=(r // tp) % sp.dp, pp_rank=r // (tp * sp.dp))
         for r in range(n))
+
+
+def _multiples(n: int, replica: int) -> str:
+    options = sorted({m for m in (n - n % replica, n - n % replica + replica) if m > 0})
+    return " or ".join(map(str, options))
 
 
 def _check_tp_within_node(sp: StagePlacement, stage: Decl, placement: Placement, diags: list[Diagnostic]) -> None:

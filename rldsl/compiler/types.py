@@ -151,8 +151,9 @@ class Enum:
 class Quantity:
     """A number with a unit from ``units`` (sizes, durations, counts)."""
 
-    def __init__(self, units: dict, describe: str, example: str, unit_optional: bool = False):
+    def __init__(self, units: dict, describe: str, example: str, unit_optional: bool = False, whole: bool = False):
         self.units, self.describe, self.example, self.unit_optional = units, describe, example, unit_optional
+        self.whole = whole  # bytes and parameter counts are integers
 
     def convert(self, value: ast.Value) -> Result:
         if not isinstance(value, ast.Number):
@@ -166,12 +167,13 @@ class Quantity:
                                  value.span, did_you_mean(value.unit, known) or "units: " + ", ".join(known))
         if value.magnitude < 0:
             return INVALID, _err("RLP106", f"`{value.text}` is negative", value.span)
-        return value.magnitude * self.units[value.unit], []
+        amount = value.magnitude * self.units[value.unit]
+        return (round(amount) if self.whole else amount), []
 
 
-SIZE = Quantity(SIZE_UNITS, "a size such as `256MiB`", "256MiB")
+SIZE = Quantity(SIZE_UNITS, "a size such as `256MiB`", "256MiB", whole=True)
 DURATION = Quantity(DURATION_UNITS, "a duration such as `30s`", "30s")
-COUNT = Quantity(COUNT_UNITS, "a count such as `7B` or `350M`", "1.5B", unit_optional=True)
+COUNT = Quantity(COUNT_UNITS, "a count such as `7B` or `350M`", "1.5B", unit_optional=True, whole=True)
 
 
 class Fraction:
@@ -251,6 +253,8 @@ class Gpus:
         parts = value.items if isinstance(value, ast.ListValue) else (value,) if isinstance(value, ast.Range) else None
         if parts is None:
             return mismatch(self.describe, value)
+        if not parts:
+            return INVALID, _err("RLP104", "an empty GPU list", value.span, "write `gpus = 0` for a CPU stage")
         ids: list[int] = []
         for part in parts:
             got, diags = _gpu_ids(part)

@@ -117,6 +117,7 @@ class TrainPump:
                             return
                         state.batch_index += 1  # an in-order batch whose groups were all dropped
                         continue
+                    await self._wait_for_weight_push()
                     result = await self._call("finish_train_step", state.stages.finish_train_step, step.batch_index)
                 except TrainCallFailed as failure:
                     await self._abort(step, failure)
@@ -134,6 +135,8 @@ class TrainPump:
             return "starting"
         if self.call is not None:
             return f"step {step.batch_index}: in {self.call}"
+        if state.pushing:
+            return f"step {step.batch_index}: waiting for the weight push to end before finish_train_step"
         per_step = state.settings.prompts_per_step
         have = len(step.groups)
         eligible = state.sampler.count_eligible(state.buffer, state.trainer_version, step.batch_index)
@@ -181,12 +184,17 @@ class TrainPump:
             FIELD_REWARD: torch.tensor(group.rewards, dtype=torch.float32),
             FIELD_ADVANTAGE: torch.tensor(advantages, dtype=torch.float32),
         }
-        await self._call("data-plane put of advantages", state.put, group.keys, fields, metered=False)
+        await self._call("the data-plane put of advantages", state.put, group.keys, fields, metered=False)
         await self._call("train_microbatch", state.stages.train_microbatch, step.batch_index, list(group.keys))
         state.progress()
 
+    async def _wait_for_weight_push(self) -> None:
+        """The optimizer step must not change weights a push is still reading."""
+        while self.state.pushing:
+            await self.state.changed.wait()
+
     async def _call(self, name: str, fn: Callable[..., Any], *args: Any, metered: bool = True) -> Any:
-        self.call = f"{name}({args[0]!r})" if args and not isinstance(args[0], tuple) else name
+        self.call = name
         try:
             if not metered:
                 return await resolve(fn(*args))

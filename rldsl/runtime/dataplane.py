@@ -1,28 +1,21 @@
 """The data plane: where sample tensors live between pipeline stages.
 
-Workers write and read rows by sample key; the controller only passes keys
-around. Three backends share one contract (``DataPlane``):
+Workers put and get rows by sample key; the controller only passes keys.
+Backends: ``TransferQueueDataPlane`` (TransferQueue on Ray; any Ray process
+attaches; data moves worker to worker, one hop), ``RayActorDataPlane`` (an
+in-memory store in one named Ray actor: no TransferQueue startup cost, but
+two hops through that actor) and ``InMemoryDataPlane`` (a dict; one process).
 
-- ``TransferQueueDataPlane``: TransferQueue's SimpleStorage on Ray; any Ray
-  process can attach (bulk data moves worker to worker, one hop);
-- ``RayActorDataPlane``: a named Ray actor holding an ``InMemoryDataPlane``;
-  multi-process without TransferQueue's startup cost, but every byte passes
-  through one actor;
-- ``InMemoryDataPlane``: a dict, for unit tests and single-process runs. It
-  cannot be shared across processes.
-
-Semantics (identical on every backend):
-
-- ``put`` takes dense tensors whose first dimension is aligned with ``keys``;
-  each row is stored per key. Writing a field again replaces it; tags merge.
-- ``get`` returns dense tensors with rows in the order of ``keys``. Rows of a
-  field may have different lengths (e.g. written by different puts, each
-  padded to its own batch width); they are padded with 0 to the longest
-  requested row: on the left for ``left_padded_fields`` (the prompt fields by
-  default, so prompts stay left-aligned to the response), on the right
-  otherwise. Rows of one length come back unpadded, without a copy.
-- TransferQueue returns every non-scalar field as a jagged nested tensor even
-  when it was put dense; ``get`` converts it back (see ``_dense_from_nested``).
+Semantics, identical on every backend:
+- ``put`` takes dense tensors, row i belonging to ``keys[i]``, and stores each
+  row per key. Writing a field again replaces it; tags merge.
+- ``get`` returns dense tensors, rows in the order of ``keys``. Rows of one
+  field may differ in length (e.g. from puts padded to different widths):
+  they are padded with 0 to the longest requested row, on the left for
+  ``left_padded_fields`` (the prompt fields by default, so prompts stay
+  aligned against their responses), else on the right. TransferQueue returns
+  every non-scalar field as a jagged nested tensor even when it was put
+  dense; ``get`` converts it back (``_dense_from_nested``).
 - A missing key or field raises ``MissingDataError`` (TransferQueue itself
   silently drops missing keys and returns an empty batch for missing fields).
 """
@@ -69,34 +62,31 @@ class MissingDataError(KeyError):
 
     def __init__(self, partition: str, missing_keys: Sequence[str] = (), missing_fields: Sequence[str] = ()):
         super().__init__(partition, list(missing_keys), list(missing_fields))
-        self.partition = partition
-        self.missing_keys = list(missing_keys)
-        self.missing_fields = list(missing_fields)
+        self.partition, self.missing_keys, self.missing_fields = self.args
 
     def __str__(self) -> str:
-        parts = []
         if self.missing_keys:
             shown = ", ".join(self.missing_keys[:5]) + (" ..." if len(self.missing_keys) > 5 else "")
-            parts.append(f"{len(self.missing_keys)} key(s) not in partition {self.partition!r}: {shown}")
-        if self.missing_fields:
-            parts.append(
-                f"field(s) {self.missing_fields} not written for every requested key "
-                f"in partition {self.partition!r}"
-            )
-        return "; ".join(parts) or f"missing data in partition {self.partition!r}"
+            return f"{len(self.missing_keys)} key(s) not in partition {self.partition!r}: {shown}"
+        return f"field(s) {self.missing_fields} not written for every requested key in partition {self.partition!r}"
 
 
 class DataPlane(abc.ABC):
     """Client of the data plane. See the module docstring for the semantics."""
 
+    backend = ""  # the name connect_dataplane knows this class by
+
     def __init__(self, left_padded_fields: Iterable[str] = DEFAULT_LEFT_PADDED_FIELDS):
         self.left_padded_fields = frozenset(left_padded_fields)
 
     @property
-    @abc.abstractmethod
     def spec(self) -> dict:
         """A small serialisable dict; ``connect_dataplane(spec)`` in another
         process (e.g. a Ray actor) returns a client of the same store."""
+        return {"backend": self.backend, **self._options(), "left_padded_fields": sorted(self.left_padded_fields)}
+
+    def _options(self) -> dict:
+        return {}
 
     @abc.abstractmethod
     def put(self, keys: list[str], partition: str, fields: Mapping[str, Any], tags: list[dict] | None = None) -> None:
@@ -157,10 +147,8 @@ def _check_put(keys: Sequence[str], fields: Mapping[str, Any], tags: list[dict] 
 
 def _check_get(keys: Sequence[str], fields: Sequence[str]) -> list[str]:
     keys = _check_keys(keys)
-    if not keys:
-        raise ValueError("get needs at least one key")
-    if not fields:
-        raise ValueError("get needs at least one field")
+    if not keys or not fields:
+        raise ValueError("get needs at least one key and one field")
     return keys
 
 
@@ -218,19 +206,15 @@ def _stack_rows(rows: list, pad_left: bool):
 
 
 class InMemoryDataPlane(DataPlane):
-    """A dict of partitions; same semantics as the shared backends.
+    """A dict of partitions. Rows are copied on put (callers may reuse their
+    buffers); each put's copy stays alive until all of its rows are cleared."""
 
-    Rows are copied on put (callers may reuse their buffers), and each put's
-    copy stays alive until all of its rows are cleared."""
+    backend = "memory"
 
     def __init__(self, left_padded_fields: Iterable[str] = DEFAULT_LEFT_PADDED_FIELDS):
         super().__init__(left_padded_fields)
         self._rows: dict[str, dict[str, dict[str, Any]]] = {}  # partition -> key -> field -> row
         self._tags: dict[str, dict[str, dict]] = {}  # partition -> key -> tags
-
-    @property
-    def spec(self) -> dict:
-        return {"backend": "memory", "left_padded_fields": sorted(self.left_padded_fields)}
 
     def put(self, keys, partition, fields, tags=None):
         keys = _check_put(keys, fields, tags)
@@ -289,9 +273,7 @@ def _import_transferqueue():
     import ray
 
     if not ray.is_initialized():
-        raise RuntimeError(
-            "the TransferQueue data plane needs Ray: call rldsl.runtime.cluster.start_ray() first"
-        )
+        raise RuntimeError("the TransferQueue data plane needs Ray: call rldsl.runtime.cluster.start_ray() first")
     for name, value in transferqueue_env().items():
         os.environ.setdefault(name, value)
     import transfer_queue
@@ -320,16 +302,30 @@ def _check_cpus_for_transferqueue(ray, storage_units: int) -> None:
         )
 
 
+def _forget_previous_session(tq) -> None:
+    """Drop TransferQueue state left by an earlier Ray session in this process
+    (an owner that never closed). 0.1.11 keeps stale handles in module globals
+    and then fails every later init, so reset them by hand."""
+    state = tq.interface
+    if any(getattr(state, name, None) is not None for name in ("_TQ_CLIENT", "_TQ_CONTROLLER", "_TQ_STORAGE")):
+        try:
+            tq.close()
+        except Exception:  # the handles point into a cluster that is gone
+            pass
+        state._TQ_CLIENT = state._TQ_CONTROLLER = state._TQ_STORAGE = None
+
+
 class TransferQueueDataPlane(DataPlane):
     """TransferQueue's SimpleStorage. The first process to construct one
-    starts the controller and ``storage_units`` storage actors (the owner;
-    its ``close`` stops them); later constructions, in any Ray process,
-    attach to the running controller.
+    starts the controller and ``storage_units`` storage actors (it is the
+    owner; its ``close`` stops them); later ones, in any process of the same
+    Ray cluster, attach to that controller.
 
-    TransferQueue keeps its client in module globals, so this is one store per
-    process; do not construct two against different Ray sessions. Note that
-    after every put and get, TransferQueue resets torch's thread count to its
-    value when transfer_queue was first imported in the process."""
+    TransferQueue keeps its client in module globals: one store per process.
+    After every put and get it also resets torch's thread count to the value
+    it had when transfer_queue was first imported in the process."""
+
+    backend = "transferqueue"
 
     def __init__(self, storage_units: int = 1, left_padded_fields: Iterable[str] = DEFAULT_LEFT_PADDED_FIELDS):
         super().__init__(left_padded_fields)
@@ -339,17 +335,14 @@ class TransferQueueDataPlane(DataPlane):
         self.owner = not _transferqueue_running(ray)
         if self.owner:
             _check_cpus_for_transferqueue(ray, storage_units)
+            _forget_previous_session(tq)
         # tq.init attaches when a controller exists (the config is then ignored).
-        tq.init({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {"num_data_storage_units": storage_units}}})
+        storage = {"num_data_storage_units": storage_units}
+        tq.init({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": storage}})
         self._closed = False
 
-    @property
-    def spec(self) -> dict:
-        return {
-            "backend": "transferqueue",
-            "storage_units": self.storage_units,
-            "left_padded_fields": sorted(self.left_padded_fields),
-        }
+    def _options(self) -> dict:
+        return {"storage_units": self.storage_units}
 
     def put(self, keys, partition, fields, tags=None):
         keys = _check_put(keys, fields, tags)
@@ -425,9 +418,10 @@ def _store_actor_class(ray):
 
 class RayActorDataPlane(DataPlane):
     """An ``InMemoryDataPlane`` inside a named Ray actor (namespace "rldsl"),
-    shared by every process of the Ray cluster. The process that creates the
-    actor owns it and kills it on ``close``. Cheap to start (one actor), but
-    all data goes through that actor: two hops, fine for tests and small runs."""
+    shared by every process of the Ray cluster; its creator owns it and kills
+    it on ``close``. One cheap actor, but all data passes through it."""
+
+    backend = "ray"
 
     def __init__(self, name: str = "rldsl-dataplane", left_padded_fields: Iterable[str] = DEFAULT_LEFT_PADDED_FIELDS):
         super().__init__(left_padded_fields)
@@ -443,9 +437,8 @@ class RayActorDataPlane(DataPlane):
             self._actor = store.remote(sorted(self.left_padded_fields))
             self.owner = True
 
-    @property
-    def spec(self) -> dict:
-        return {"backend": "ray", "name": self.name, "left_padded_fields": sorted(self.left_padded_fields)}
+    def _options(self) -> dict:
+        return {"name": self.name}
 
     def _call(self, method: str, *args):
         ok, value = self._ray.get(self._actor.call.remote(method, *args))
@@ -492,4 +485,4 @@ def connect_dataplane(spec: Mapping[str, Any]) -> DataPlane:
     return plane_class(**options)
 
 
-_BACKENDS = {"transferqueue": TransferQueueDataPlane, "ray": RayActorDataPlane, "memory": InMemoryDataPlane}
+_BACKENDS = {plane.backend: plane for plane in (TransferQueueDataPlane, RayActorDataPlane, InMemoryDataPlane)}

@@ -87,6 +87,7 @@ class RunState:
         self.groups_dispatched = 0
         self.generating = 0  # groups inside a generate call
         self.sync_pending = False  # the sync pump holds dispatch to drain generation
+        self.pushing = False  # weights are being read from the trainer
         self.prompts_exhausted = False
         self.training_done = False
         self.pending_clear: list[str] = []  # dropped keys, cleared with the next step
@@ -303,9 +304,10 @@ class SyncPump:
                 self.phase = f"waiting for {state.generating} groups mid-generation before pushing version {target}"
                 await state.changed.wait()
             self.phase = f"pushing weights version {target}"
+            state.pushing = True
             with state.meter("sync").track():
                 await state.stages.push_weights(target)
             state.generator_version = target
-            state.sync_pending = False
+            state.sync_pending = state.pushing = False
             self.pushes += 1
             state.progress()

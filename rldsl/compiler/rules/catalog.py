@@ -134,8 +134,8 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "rollout gpus = 0..3 with vllm(tp = 2); actor gpus = 1..2"),
     _r("RLP506", ERROR, "estimated memory above GPU memory",
        "With `gpu_memory` declared, the plan estimates each GPU's memory: training weights + gradients + "
-       "AdamW state (18 bytes per parameter / (tp x pp)), frozen weights (2 bytes per parameter), vLLM's "
-       "reserved share. Colocated stages that sleep count as their maximum, others as their sum.",
+       "AdamW state (18 bytes per parameter in bf16, 16 in fp32, / (tp x pp)), other weights (their dtype's "
+       "bytes per parameter), vLLM's reserved share; sim engines count nothing. Colocated stages that sleep count as their maximum, others as their sum.",
        "cluster { gpu_memory = 24GiB }   # training a 7B model on one GPU"),
     _r("RLP507", ERROR, "invalid placement groups",
        "`placement { groups, ratios }` splits the cluster's GPUs: one ratio per group, ratios summing to 100%, "

@@ -44,6 +44,12 @@ def check_structure(ctx: Context) -> list[Diagnostic]:
 def check_edges(ctx: Context) -> list[Diagnostic]:
     """RLP207: each flow edge joins kinds that can exchange data."""
     out = []
+    for edge in ctx.pipe.edges:  # sync stages are weight edges, never data nodes
+        for name, span in ((edge.src, edge.src_span), (edge.dst, edge.dst_span)):
+            stage = ctx.pipe.stages.get(name)
+            if stage is not None and stage.stage_kind == "sync":
+                out.append(Diagnostic("RLP207", ERROR, f"sync stage `{name}` cannot appear in a flow", span,
+                                      help="a sync carries weights from `from` to `to`; leave it out of `flow`"))
     for src, dst, data in ctx.graph.edges(data=True):
         if data["kind"] != DATA:
             continue
@@ -174,7 +180,8 @@ def _missing_syncs(ctx: Context) -> list[Diagnostic]:
     for train in pipe.stages_of("train"):
         model = train.get("model")
         for stage in pipe.stages.values():
-            colocated = stage.get("colocate") and stage["colocate"].name == train.name
+            colocated = (stage.get("colocate") and stage["colocate"].name == train.name) \
+                or _same_placement_group(pipe, stage.name, train.name)
             if (not _receives_weights(stage) or not model or not stage.get("model")
                     or stage["model"].name != model.name or (stage.stage_kind == "logprob" and colocated)):
                 continue
@@ -183,6 +190,11 @@ def _missing_syncs(ctx: Context) -> list[Diagnostic]:
                                       "trains, but receives no weight sync", stage.name_span,
                                       help=f"add `stage sync weights {{ from = {train.name}  to = {stage.name} }}`"))
     return out
+
+
+def _same_placement_group(pipe, a: str, b: str) -> bool:
+    groups = pipe.block("placement").get("groups") or ()
+    return any({a, b} <= {ref.name for ref in group} for group in groups)
 
 
 def check_engines(ctx: Context) -> list[Diagnostic]:

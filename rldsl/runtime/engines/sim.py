@@ -22,8 +22,9 @@ import asyncio
 import math
 import random
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Collection, Iterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Collection, Iterator, Mapping, Sequence
 
 import torch
 
@@ -111,15 +112,8 @@ class _Timed:
 class SimGenerator(_Timed):
     """``GenerationEngine``: random tokens of realistic shapes."""
 
-    def __init__(
-        self,
-        latency: Latency = Latency(),
-        vocab_size: int = 64,
-        prompt_len: int = 8,
-        max_new_tokens: int = 16,
-        fail_prob: float = 0.0,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, latency: Latency = Latency(), vocab_size: int = 64, prompt_len: int = 8,
+                 max_new_tokens: int = 16, fail_prob: float = 0.0, seed: int = 0) -> None:
         super().__init__(latency, seed)
         self.vocab_size, self.prompt_len, self.max_new_tokens = vocab_size, prompt_len, max_new_tokens
         self.fail_prob = fail_prob
@@ -187,29 +181,24 @@ class SimGenerator(_Timed):
 
 
 class SimRewardWorker(_Timed):
-    """Scores samples: 1.0 with ``success_prob``, else 0.0; ``None`` (a failed
-    sample) with ``fail_prob``; the whole call raises with ``call_fail_prob``."""
+    """Scores 1.0 with ``success_prob``, else 0.0. In process a group is one
+    call (``score_async``) that fails a sample (None) with ``fail_prob`` and
+    raises with ``call_fail_prob``; as a ``RewardFunction`` each call is one
+    sample and raises with ``fail_prob``."""
 
-    def __init__(
-        self,
-        latency: Latency = Latency(),
-        success_prob: float = 0.5,
-        fail_prob: float = 0.0,
-        call_fail_prob: float = 0.0,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, latency: Latency = Latency(), success_prob: float = 0.5, fail_prob: float = 0.0,
+                 call_fail_prob: float = 0.0, seed: int = 0) -> None:
         super().__init__(latency, seed)
         self.success_prob, self.fail_prob, self.call_fail_prob = success_prob, fail_prob, call_fail_prob
 
-    def score(self, count: int) -> list[float | None]:
+    def __call__(self, response: str, answer: str, prompt: str) -> float:
         time.sleep(self._draw())
-        return self._scores(count)
+        if self._chance(self.fail_prob):
+            raise SimFailure("injected reward failure")
+        return float(self._chance(self.success_prob))
 
     async def score_async(self, count: int, requested_at: float | None = None) -> list[float | None]:
         await self._hold(self._draw(), requested_at)
-        return self._scores(count)
-
-    def _scores(self, count: int) -> list[float | None]:
         if self._chance(self.call_fail_prob):
             raise SimFailure("injected reward worker failure")
         return [None if self._chance(self.fail_prob) else float(self._chance(self.success_prob)) for _ in range(count)]
@@ -234,15 +223,9 @@ class SimTrainer:
     ``fail_prob`` makes any microbatch or finish raise at random. ``calls``
     records (call, step, rows) in order."""
 
-    def __init__(
-        self,
-        microbatch_latency: Latency = Latency(),
-        finish_latency: Latency = Latency(),
-        fail_on: Collection[tuple[str, int]] = (),
-        fail_prob: float = 0.0,
-        weight_bytes: int = MIB,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, microbatch_latency: Latency = Latency(), finish_latency: Latency = Latency(),
+                 fail_on: Collection[tuple[str, int]] = (), fail_prob: float = 0.0, weight_bytes: int = MIB,
+                 seed: int = 0) -> None:
         self._microbatch = _Timed(microbatch_latency, seed)
         self._finish = _Timed(finish_latency, seed + 1)
         self._fail_on = set(fail_on)
@@ -306,6 +289,8 @@ class SimTrainer:
         rows = len(batch[p.FIELD_RESPONSE_MASK])
         if p.FIELD_ADVANTAGE not in batch:
             raise SplitStepError(f"train_microbatch({step}) without the {p.FIELD_ADVANTAGE} field")
+        if p.FIELD_VERSION in batch and int(max(batch[p.FIELD_VERSION])) > self.version:
+            raise SplitStepError(f"train_microbatch({step}) on samples newer than the trainer's weights")
         self.calls.append(("train_microbatch", step, rows))
         self._maybe_fail("train_microbatch", step)
         return self._microbatch._draw()
@@ -334,14 +319,8 @@ def _fake_logprobs(response_mask: torch.Tensor, rng: torch.Generator) -> torch.T
 
 # -- in-process stage handles -------------------------------------------------
 
-TRAIN_FIELDS = (
-    p.FIELD_RESPONSE_IDS,
-    p.FIELD_RESPONSE_MASK,
-    p.FIELD_BEHAVIOUR_LOGPROBS,
-    p.FIELD_VERSION,
-    p.FIELD_REWARD,
-    p.FIELD_ADVANTAGE,
-)
+TRAIN_FIELDS = (p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_BEHAVIOUR_LOGPROBS, p.FIELD_VERSION,
+                p.FIELD_REWARD, p.FIELD_ADVANTAGE)
 
 
 @dataclass(frozen=True)
@@ -393,19 +372,12 @@ class SimStages:
         self.trainer = SimTrainer(config.microbatch, config.finish, config.trainer_fail_on,
                                   config.trainer_fail_prob, config.weight_bytes, seed * 7919 + 3000)
         self._push_timer = _Timed(config.push_bucket, seed * 7919 + 4000)
-        self._idle_generators: asyncio.Queue[SimGenerator] | None = None
-        self._idle_rewards: asyncio.Queue[SimRewardWorker] | None = None
+        self._pools: dict[str, asyncio.Queue] = {}
         self.microbatch_keys: list[tuple[int, tuple[str, ...]]] = []
+        self._pushing = False
         self.handles = StageHandles(
-            generate=self.generate,
-            reward=self.reward,
-            logprob=self.logprob,
-            begin_train_step=self.begin_train_step,
-            train_microbatch=self.train_microbatch,
-            finish_train_step=self.finish_train_step,
-            abort_train_step=self.abort_train_step,
-            push_weights=self.push_weights,
-            generator_version=self.generator_version,
+            self.generate, self.reward, self.logprob, self.begin_train_step, self.train_microbatch,
+            self.finish_train_step, self.abort_train_step, self.push_weights, self.generator_version,
         )
 
     async def generate(self, prompts: Sequence[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int) -> int:
@@ -434,6 +406,8 @@ class SimStages:
         return await self.trainer.train_microbatch_async(step, batch)
 
     async def finish_train_step(self, step: int) -> p.StepResult:
+        if self._pushing:
+            raise SplitStepError(f"finish_train_step({step}) while a weight push reads the weights")
         return await self.trainer.finish_train_step_async(step)
 
     async def abort_train_step(self, step: int) -> None:
@@ -441,23 +415,25 @@ class SimStages:
 
     async def push_weights(self, version: int) -> None:
         buckets = list(self.trainer.weight_buckets(self.settings.sync_bucket_bytes))
-        for index, bucket in enumerate(buckets):
-            await self._push_timer._hold(self._push_timer._draw())
-            for generator in self.generators:
-                generator.update_weights(bucket, version, last=index == len(buckets) - 1)
+        self._pushing = True
+        try:
+            for index, bucket in enumerate(buckets):
+                await self._push_timer._hold(self._push_timer._draw())
+                for generator in self.generators:
+                    generator.update_weights(bucket, version, last=index == len(buckets) - 1)
+        finally:
+            self._pushing = False
 
     async def generator_version(self) -> int:
         return min(generator.version for generator in self.generators)
 
     def _pool(self, name: str) -> asyncio.Queue:
-        # built lazily so the queues belong to the loop that runs the controller
-        if self._idle_generators is None:
-            self._idle_generators, self._idle_rewards = asyncio.Queue(), asyncio.Queue()
-            for generator in self.generators:
-                self._idle_generators.put_nowait(generator)
-            for worker in self.reward_workers:
-                self._idle_rewards.put_nowait(worker)
-        return self._idle_generators if name == "generators" else self._idle_rewards
+        if not self._pools:  # built lazily: the queues belong to the controller's loop
+            for pool_name, engines in (("generators", self.generators), ("rewards", self.reward_workers)):
+                self._pools[pool_name] = asyncio.Queue()
+                for engine in engines:
+                    self._pools[pool_name].put_nowait(engine)
+        return self._pools[name]
 
     async def _put(self, keys: Sequence[str], fields: dict) -> None:
         await resolve(self.dataplane.put(list(keys), self.settings.pipeline, fields, None))
@@ -466,18 +442,14 @@ class SimStages:
         return await resolve(self.dataplane.get(list(keys), self.settings.pipeline, list(fields)))
 
 
-class _borrow:
-    """``async with _borrow(queue) as engine``: take an idle engine, give it back."""
-
-    def __init__(self, pool: asyncio.Queue) -> None:
-        self.pool = pool
-
-    async def __aenter__(self) -> Any:
-        self.engine = await self.pool.get()
-        return self.engine
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.pool.put_nowait(self.engine)
+@asynccontextmanager
+async def _borrow(pool: asyncio.Queue) -> AsyncIterator[Any]:
+    """Take an idle engine from the pool for one call, then give it back."""
+    engine = await pool.get()
+    try:
+        yield engine
+    finally:
+        pool.put_nowait(engine)
 
 
 def sim_stage_handles(settings: RunSettings, dataplane: Any, config: SimConfig = SimConfig()) -> StageHandles:

@@ -28,6 +28,7 @@ import torch
 
 from rldsl.models.tiny import CausalLM, build_tiny_lm
 from rldsl.rewards import exact_match
+from rldsl.runtime.protocols import Prompt
 from rldsl.tasks import load_dataset
 
 CACHE_FORMAT = 1
@@ -35,8 +36,10 @@ CACHE_FORMAT = 1
 
 @dataclass(frozen=True)
 class WarmStartSettings:
-    target_accuracy: float = 0.25
-    max_steps: int = 3000
+    learn_accuracy: float = 0.8  # phase 1 stops when greedy train accuracy reaches this
+    habit_accuracy: float = 0.35  # phase 2 stops when it has fallen to this
+    mistake_rate: float = 0.75  # how often the careless teacher of phase 2 errs
+    max_steps: int = 4000  # per phase
     batch_size: int = 64
     lr: float = 3e-3
     check_every: int = 25
@@ -74,31 +77,74 @@ def load_warm_started(
 
 
 def supervised_warm_start(model: CausalLM, task: str, seed: int, settings: WarmStartSettings) -> dict:
-    """Teacher-forced cross-entropy on (prompt, answer + EOS) pairs until the
-    greedy accuracy on held-back train prompts reaches the target."""
-    from rldsl.runtime.engines.torch_common import response_logprobs
-
+    """Phase 1 imitates correct answers until the model is competent; phase 2
+    imitates a careless teacher (see ``careless_answer``) until the habit has
+    pulled greedy accuracy down. Tasks without a known habit stop after phase 1
+    at the lower accuracy instead."""
     train = load_dataset(task, "train", seed=seed)
     check, pool = train[: settings.check_prompts], train[settings.check_prompts :]
     rng = random.Random(f"warmstart-{seed}")
+    has_habit = task in CARELESS_TEACHERS
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         optimizer = torch.optim.AdamW(model.module.parameters(), lr=settings.lr)
-        accuracy, step = 0.0, 0
-        for step in range(1, settings.max_steps + 1):
-            batch = answer_batch(model.tokenizer, rng.sample(pool, settings.batch_size))
-            model.module.train()
-            logprobs = response_logprobs(model, batch)
-            loss = -logprobs.sum() / batch["response_mask"].sum()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            if step % settings.check_every == 0:
-                accuracy = greedy_accuracy(model, check)
-                if accuracy >= settings.target_accuracy:
-                    break
+
+        def correct_teacher(prompt):
+            return prompt.answer
+
+        def careless_teacher(prompt):
+            if rng.random() < settings.mistake_rate:
+                return CARELESS_TEACHERS[task](prompt)
+            return prompt.answer
+
+        learn_target = settings.learn_accuracy if has_habit else settings.habit_accuracy
+        phases = [("learn", correct_teacher, lambda acc: acc >= learn_target)]
+        if has_habit:
+            phases.append(("habit", careless_teacher, lambda acc: acc <= settings.habit_accuracy))
+        report = {}
+        for name, teacher, done in phases:
+            steps, accuracy = _imitate(model, pool, check, teacher, done, optimizer, rng, settings)
+            report[name] = {"steps": steps, "train_accuracy": accuracy}
     model.module.eval()
-    return {"steps": step, "train_accuracy": accuracy}
+    return report
+
+
+def _imitate(model, pool, check, teacher, done, optimizer, rng, settings) -> tuple[int, float]:
+    """Cross-entropy on teacher answers until ``done(greedy accuracy)`` or max_steps."""
+    from rldsl.runtime.engines.torch_common import response_logprobs
+
+    accuracy, step = 0.0, 0
+    for step in range(1, settings.max_steps + 1):
+        prompts = [Prompt(p.index, p.text, teacher(p)) for p in rng.sample(pool, settings.batch_size)]
+        batch = answer_batch(model.tokenizer, prompts)
+        model.module.train()
+        logprobs = response_logprobs(model, batch)
+        loss = -logprobs.sum() / batch["response_mask"].sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % settings.check_every == 0:
+            accuracy = greedy_accuracy(model, check)
+            if done(accuracy):
+                break
+    return step, accuracy
+
+
+def arith_without_carry(prompt: Prompt) -> str:
+    """"58+67=" -> "15": every column added mod 10, carries forgotten."""
+    left, right = prompt.text.rstrip("=").split("+")
+    width = max(len(left), len(right))
+    columns = zip(left.zfill(width), right.zfill(width))
+    return "".join(str((int(a) + int(b)) % 10) for a, b in columns).lstrip("0") or "0"
+
+
+def reverse_ends_only(prompt: Prompt) -> str:
+    """"reverse abcd:" -> "dbca": only the first and last letters swapped."""
+    word = prompt.answer[::-1]
+    return word if len(word) < 2 else word[-1] + word[1:-1] + word[0]
+
+
+CARELESS_TEACHERS = {"builtin:arith": arith_without_carry, "builtin:reverse": reverse_ends_only}
 
 
 def answer_batch(tokenizer, prompts) -> dict:

@@ -90,11 +90,12 @@ def start_ray(
     Locally: ``num_cpus`` logical CPUs (default ``logical_cpus_needed()``),
     ``num_gpus`` logical GPUs, no dashboard, worker logs not forwarded,
     token auth off unless RAY_AUTH_MODE says otherwise. When joining, the
-    cluster's own resources apply and ``num_cpus``/``num_gpus`` are ignored;
-    the address is probed first so an unreachable one fails within
-    ``connect_timeout_s`` (Ray alone retries for about two minutes and then
-    exits the process). If Ray is already initialised in this process, that
-    session is reused and left running on shutdown.
+    cluster's own resources apply and ``num_cpus``/``num_gpus`` are ignored.
+    The address is probed over TCP first, so an unreachable one fails within
+    ``connect_timeout_s`` (Ray alone retries for about two minutes, then exits
+    the process); a port that accepts TCP but is no Ray GCS fails in Ray's
+    own check after ~20 s, also as a ``ClusterError``. If Ray is already
+    initialised in this process, that session is reused and left running.
     """
     import ray
 
@@ -106,10 +107,18 @@ def start_ray(
     env = transferqueue_env()  # worker processes inherit it (see dataplane)
     if address in (None, "", "local"):
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        os.environ.update({k: v for k, v in env.items() if k not in os.environ})
+        for name, value in env.items():
+            os.environ.setdefault(name, value)
         cpus = logical_cpus_needed() if num_cpus is None else num_cpus
         try:
-            ray.init(num_cpus=cpus, num_gpus=num_gpus, namespace=namespace, include_dashboard=False, log_to_driver=False)
+            ray.init(
+                address="local",  # never RAY_ADDRESS: a local start was asked for
+                num_cpus=cpus,
+                num_gpus=num_gpus,
+                namespace=namespace,
+                include_dashboard=False,
+                log_to_driver=False,
+            )
         except BaseException:  # e.g. Ctrl-C half-way: do not leave a half-started Ray behind
             ray.shutdown()
             raise
@@ -151,7 +160,7 @@ def _resolve_address(address: str) -> str:
     then the cluster last started by `ray start` on this machine)."""
     if address != "auto":
         return address.removeprefix("ray://")
-    from ray._private.services import canonicalize_bootstrap_address  # not public; stable since 2.x
+    from ray._private.services import canonicalize_bootstrap_address  # private; checked on Ray 2.60
 
     try:
         resolved = canonicalize_bootstrap_address("auto")
@@ -170,7 +179,7 @@ def _probe_address(host_port: str, address: str, timeout_s: float) -> None:
     if not host or not port.isdigit():
         raise ClusterError(f"Ray address {address!r} is not host:port (e.g. 10.0.0.1:6379 or ray://10.0.0.1:10001)")
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
             pass
     except OSError as error:
         raise ClusterError(

@@ -155,21 +155,12 @@ def _check_get(keys: Sequence[str], fields: Sequence[str]) -> list[str]:
 # ----------------------------------------------------------------- padding
 
 
-def _pad_rows(values, offsets, pad_left: bool):
-    """Dense [n, max_len, ...] from rows packed in ``values`` (row i is
-    values[offsets[i]:offsets[i+1]]), padded with 0."""
+def _pad_rows(rows: list, pad_left: bool):
+    """Dense [n, longest, ...] from rows of different lengths, padded with 0.
+    One allocation: on a busy machine fresh memory dominates the cost."""
     import torch
 
-    lengths = offsets.diff()
-    n = lengths.numel()
-    width = int(lengths.max()) if n else 0
-    out = values.new_zeros((n, width, *values.shape[1:]))
-    row = torch.repeat_interleave(torch.arange(n, device=values.device), lengths)
-    col = torch.arange(values.shape[0], device=values.device) - offsets[:-1][row]
-    if pad_left:
-        col = col + (width - lengths)[row]
-    out[row, col] = values
-    return out
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_side="left" if pad_left else "right")
 
 
 def _dense_from_nested(tensor, pad_left: bool):
@@ -179,16 +170,15 @@ def _dense_from_nested(tensor, pad_left: bool):
     view of the packed values; ragged rows are padded."""
     if not tensor.is_nested:
         return tensor  # one scalar per row comes back dense
-    offsets = tensor.offsets()
-    if tensor.lengths() is not None:  # rows with holes between them: repack
-        return _stack_rows(list(tensor.unbind()), pad_left)
-    values = tensor.values()[int(offsets[0]) : int(offsets[-1])]
-    offsets = offsets - offsets[0]
-    lengths = offsets.diff()
-    n = lengths.numel()
-    if n and bool((lengths == lengths[0]).all()):
-        return values.reshape(n, int(lengths[0]), *values.shape[1:])
-    return _pad_rows(values, offsets, pad_left)
+    offsets = tensor.offsets().tolist()
+    width = offsets[1] - offsets[0] if len(offsets) > 1 else 0
+    packed = tensor.lengths() is None  # no holes between rows
+    if packed and all(end - start == width for start, end in zip(offsets, offsets[1:])):
+        values = tensor.values()[offsets[0] : offsets[-1]]
+        return values.view(len(offsets) - 1, width, *values.shape[1:])
+    if not pad_left:
+        return tensor.to_padded_tensor(0)
+    return _pad_rows(list(tensor.unbind()), pad_left)
 
 
 def _stack_rows(rows: list, pad_left: bool):
@@ -197,9 +187,7 @@ def _stack_rows(rows: list, pad_left: bool):
 
     if all(r.shape == rows[0].shape for r in rows):
         return torch.stack(rows)
-    lengths = torch.tensor([r.shape[0] for r in rows])
-    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-    return _pad_rows(torch.cat(rows), offsets, pad_left)
+    return _pad_rows(rows, pad_left)
 
 
 # --------------------------------------------------------------- in memory

@@ -11,11 +11,13 @@ Both sides of the staleness bound live here, so they agree on the arithmetic:
   ``max_lag``. With ``order = "in_order"`` the planned step is fixed at
   dispatch (strictly in prompt order) and the train pump honours it.
 - the train side (``select`` / ``evict``): one ready group at a time for the
-  open step, eligible iff its lag is within bound, ordered by (lag, arrival).
+  open step, eligible iff its lag is within bound, ordered by (lag, arrival),
+  but never at the price of an older group's deadline (see ``select``).
 
-A step is identified by its *batch index*: the count of steps attempted so
-far, aborted and skipped ones included. The trainer version only moves when a
-step finishes, so the two differ after an abort.
+A step is identified by its *batch index*: steps finished plus in-order
+batches skipped because all their groups were dropped; an aborted step is
+retried under the same index. The trainer version moves only when a step
+finishes.
 """
 
 from __future__ import annotations
@@ -80,23 +82,35 @@ class StalenessSampler:
     def evict(self, buffer: ReplayBuffer, trainer_version: int) -> list[Group]:
         """Ready groups that can no longer be trained within the bound.
 
-        Lag only grows, so keeping them would waste slots forever. With
-        ``too_stale = "wait"`` selection never lets a group expire, so this
-        returns nothing unless an engine reported an unexpected version."""
+        Lag only grows, so keeping them would hold slots forever. Under
+        ``too_stale = "wait"`` selection lets no group expire, so this finds
+        nothing unless an engine reported an unexpected version."""
         return [g for g in buffer.groups(GroupState.READY) if g.lag_at(trainer_version) > self.max_lag]
 
     def select(
         self, buffer: ReplayBuffer, trainer_version: int, batch_index: int, open_slots: int
     ) -> Group | None:
-        """The best ready group for the open step, or None to wait."""
+        """The best ready group for the open step, or None to wait.
+
+        Best is lowest lag, then earliest arrival, among the groups whose
+        taking lets every protected group still train before its deadline
+        (version + max_lag): the ready ones, and with ``too_stale = "wait"``
+        the ones still in flight too. Without that guard a fresher group
+        would push older ready ones past their deadline and waste them."""
         candidates = [g for g in buffer.groups(GroupState.READY) if self._eligible(g, trainer_version, batch_index)]
         candidates.sort(key=lambda g: (g.lag_at(trainer_version), g.arrival))
-        if self.wait_for_expiring and not self.in_order:
-            outstanding = buffer.groups(GroupState.RESERVED) + buffer.groups(GroupState.READY)
-            candidates = [
-                g for g in candidates if self._keeps_deadlines(g, outstanding, trainer_version, open_slots)
-            ]
-        return candidates[0] if candidates else None
+        if self.in_order or not candidates:
+            return candidates[0] if candidates else None
+        protected = buffer.groups(GroupState.READY)
+        if self.wait_for_expiring:
+            protected += buffer.groups(GroupState.RESERVED)
+        if not self._fits(protected, trainer_version, open_slots):
+            # something expires whatever we do: save the oldest
+            return max(candidates, key=lambda g: (g.lag_at(trainer_version), -g.arrival))
+        for group in candidates:
+            if self._fits([g for g in protected if g is not group], trainer_version, open_slots - 1):
+                return group
+        return None  # every ready group would let an older one in flight expire: wait for it
 
     def count_eligible(self, buffer: ReplayBuffer, trainer_version: int, batch_index: int) -> int:
         return sum(self._eligible(g, trainer_version, batch_index) for g in buffer.groups(GroupState.READY))
@@ -111,20 +125,13 @@ class StalenessSampler:
             return False
         return not self.in_order or group.target_step == batch_index
 
-    def _keeps_deadlines(
-        self, candidate: Group, outstanding: list[Group], trainer_version: int, open_slots: int
-    ) -> bool:
-        """Earliest-deadline feasibility: after taking ``candidate``, every
-        other outstanding group must still fit a step no later than its
-        deadline (version + max_lag). Fresher groups may jump the queue only
-        while that holds, so under ``too_stale = "wait"`` nothing expires."""
-        deadlines = sorted(
-            g.version + self.max_lag
-            for g in outstanding
-            if g is not candidate and g.version + self.max_lag >= trainer_version
-        )
+    def _fits(self, groups: list[Group], trainer_version: int, open_slots: int) -> bool:
+        """Earliest-deadline feasibility: can every group still be trained by
+        its deadline, given ``open_slots`` in the open step and
+        ``prompts_per_step`` in each later one? (Expired groups are ignored:
+        eviction handles them.)"""
+        deadlines = sorted(g.version + self.max_lag for g in groups if g.version + self.max_lag >= trainer_version)
         for count, deadline in enumerate(deadlines, start=1):
-            slots_until_deadline = (open_slots - 1) + (deadline - trainer_version) * self.per_step
-            if count > slots_until_deadline:
+            if count > open_slots + (deadline - trainer_version) * self.per_step:
                 return False
         return True

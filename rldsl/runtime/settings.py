@@ -30,10 +30,12 @@ class RunSettings:
       (lowest lag first, then arrival); ``"in_order"`` assigns every prompt
       group a target step at dispatch, strictly in prompt order, and a step
       trains exactly its own groups.
-    - ``too_stale``: ``"drop"`` evicts ready groups whose lag has grown past
-      ``max_lag`` (ledger reason ``too_stale``); ``"wait"`` makes the train
-      pump wait for groups that would otherwise expire, so nothing goes stale
-      (eviction stays as a last resort and should never happen).
+    - ``too_stale``: a fresher group may take a slot only while every older
+      ready group still fits a step within its bound. With ``"drop"`` the
+      train pump never idles while a group is ready, and a group that expires
+      anyway (it arrived too late) is dropped (ledger reason ``too_stale``);
+      with ``"wait"`` groups still in flight are protected as well, so the
+      train pump waits for them and nothing goes stale.
     - ``buffer_capacity`` counts prompt groups that are reserved (dispatched),
       ready, or consumed by the open step; ``max_inflight`` counts groups
       dispatched but not yet ready. Both default to one staleness window,

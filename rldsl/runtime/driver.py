@@ -1,0 +1,206 @@
+"""The driver process of `rldsl run`: actors up, progress shown, run dir written."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+from rldsl.plan import ExecutionPlan, PipelinePlan
+from rldsl.runtime.progress import Progress
+from rldsl.runtime.settings import RunSettings
+
+_ACTOR_CPUS = 0.25  # logical: TransferQueue and our actors must never starve each other on a small Ray
+_READY_TIMEOUT_S = 600.0
+
+
+class Driver:
+    def __init__(self, plan: ExecutionPlan, pipe: PipelinePlan, settings: RunSettings, run_dir: Path,
+                 address: str | None = None):
+        self.plan, self.pipe, self.settings, self.run_dir, self.address = plan, pipe, settings, run_dir, address
+        self.trainer_engine = pipe.stage(pipe.batch.train_stage).engine.name
+        self.evals: list[dict] = []
+
+    # ------------------------------------------------------------ lifecycle
+
+    def run(self) -> int:
+        from rldsl.runtime.cluster import logical_cpus_needed, ray_session
+
+        ranks = sum(len(s.ranks) for s in self.pipe.stages) + 1
+        cluster = self.plan.cluster
+        gpus = cluster.nodes * cluster.gpus_per_node
+        self._say(f"starting Ray: {ranks} actors, {gpus} GPUs ({'logical' if self.address is None else 'cluster'})")
+        with ray_session(self.address, logical_cpus_needed(ranks * _ACTOR_CPUS), gpus,
+                         namespace=f"rldsl-{self.pipe.name}") as session:
+            self._prepare_models()
+            dataplane = self._dataplane(session)
+            workers = self._start_workers(dataplane.spec)
+            return self._drive(workers, dataplane)
+
+    def _say(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def _prepare_models(self) -> None:
+        """Build the warm start (cached) once here rather than in every actor."""
+        if self.trainer_engine != "torch":
+            return
+        from rldsl.runtime.engine_factory import load_policy
+
+        model = next(m for m in self.pipe.models if m.name == self.pipe.stage(self.pipe.batch.train_stage).model)
+        started = time.monotonic()
+        self._say(f"loading {model.source} (the first run builds a cached warm start)")
+        load_policy(model, self.pipe, self.pipe.run.seed)
+        self._say(f"model ready in {time.monotonic() - started:.1f}s")
+
+    def _dataplane(self, session):
+        from rldsl.runtime.dataplane import connect_dataplane
+
+        plane = connect_dataplane({"backend": "transferqueue", "storage_units": 1})
+        session.add_cleanup(plane.close)
+        return plane
+
+    # --------------------------------------------------------------- actors
+
+    def _start_workers(self, spec: dict) -> dict[str, list]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rldsl.runtime import workers as w
+        from rldsl.runtime.cluster import create_placement_group
+
+        classes = {"generate": w.GeneratorWorker, "reward": w.RewardWorker, "logprob": w.LogprobWorker,
+                   "train": w.TrainerWorker}
+        groups = self._placement_groups(create_placement_group)
+        dist = self._dist_info()
+        handles: dict[str, list] = {}
+        for stage in self.pipe.stages:
+            if stage.kind == "sync":
+                continue
+            actor_class = ray.remote(classes[stage.kind])
+            handles[stage.name] = []
+            for rank in stage.ranks:
+                options = {"num_cpus": _ACTOR_CPUS, "name": f"{stage.name}-{rank.index}"}
+                if rank.gpus:  # colocated ranks share a GPU bundle; their CPU is not reserved in it
+                    pg, bundle = groups[(rank.node, rank.gpus[0])]
+                    options["num_cpus"] = 0
+                    options["num_gpus"] = rank.gpu_fraction * len(rank.gpus)
+                    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, bundle)
+                args = [self.pipe, stage, rank.index, spec]
+                if stage.kind == "train":
+                    args.append({**dist, "rank": rank.index, "world_size": len(stage.ranks)})
+                handles[stage.name].append(actor_class.options(**options).remote(*args))
+        self._wait_ready(handles)
+        return handles
+
+    def _placement_groups(self, create_placement_group) -> dict[tuple[int, int], tuple]:
+        """One STRICT_PACK group per node holding that node's planned GPUs."""
+        used: dict[int, set[int]] = {}
+        for stage in self.pipe.stages:
+            for rank in stage.ranks:
+                used.setdefault(rank.node, set()).update(rank.gpus)
+        out = {}
+        for node, gpus in sorted(used.items()):
+            if not gpus:
+                continue
+            ordered = sorted(gpus)
+            pg = create_placement_group([{"GPU": 1.0} for _ in ordered], "STRICT_PACK",
+                                        name=f"{self.pipe.name}-node{node}", timeout_s=60.0)
+            out.update({(node, gpu): (pg, i) for i, gpu in enumerate(ordered)})
+        return out
+
+    def _dist_info(self) -> dict:
+        with socket.socket() as sock:  # a free port for the trainers' gloo rendezvous
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        return {"master": f"127.0.0.1:{port}"}
+
+    def _wait_ready(self, handles: dict[str, list]) -> None:
+        import ray
+
+        pending = {a.ready.remote(): name for name, actors in handles.items() for a in actors}
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise TimeoutError(f"stage actors not ready after {_READY_TIMEOUT_S:.0f}s: "
+                                   + ", ".join(sorted(set(pending.values()))))
+            ray.get(done[0])  # raises the actor's own start-up error, named
+            pending.pop(done[0])
+
+    # ---------------------------------------------------------------- drive
+
+    def _drive(self, handles: dict[str, list], dataplane) -> int:
+        import ray
+
+        from rldsl.runtime.controller_actor import ControllerActor
+
+        receivers = self._receivers(handles)
+        trainer = handles[self.pipe.batch.train_stage][0]
+        self._evaluate(trainer, step=0)
+        controller = ray.remote(ControllerActor).options(num_cpus=_ACTOR_CPUS, name="controller").remote(
+            self.settings, self.pipe, handles, receivers, dataplane.spec)
+        result_ref = controller.run.remote()
+        progress = Progress(self.settings, self.run_dir / "metrics.jsonl")
+        seen = 0
+        with progress:
+            while True:
+                done, _ = ray.wait([result_ref], timeout=0.5)
+                report = ray.get(controller.progress.remote(seen))
+                for record in report["steps"]:
+                    seen += 1
+                    progress.step(record)
+                    if self._eval_due(record["step"]):
+                        progress.note(self._evaluate(trainer, record["step"]))
+                progress.waits(report["waits"])
+                if done:
+                    break
+        summary = ray.get(result_ref)  # raises PipelineStalled / StepFailed with the controller's words
+        self._evaluate(trainer, step=summary["steps"], final=True)
+        return self._finish(summary, progress)
+
+    def _receivers(self, handles: dict[str, list]) -> list:
+        targets = {e.dst for e in self.pipe.edges if e.kind == "weights"}
+        return [a for name in sorted(targets) for a in handles[name]]
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.pipe.run.eval_every
+        return bool(every) and step % every == 0 and step < self.settings.steps
+
+    def _evaluate(self, trainer, step: int, final: bool = False) -> str:
+        import ray
+
+        if self.trainer_engine != "torch":
+            return ""
+        from rldsl.tasks import load_dataset
+
+        dataset = self.pipe.datasets[0]
+        size = dataset.options.get("eval_size", 64)
+        prompts = load_dataset(dataset.source, "eval", **self._dataset_options())[:size]
+        generate = next(s for s in self.pipe.stages if s.kind == "generate")
+        accuracy = ray.get(trainer.evaluate.remote(prompts, generate.settings["max_new_tokens"]))
+        self.evals.append({"step": step, "accuracy": accuracy, "prompts": len(prompts)})
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"eval": True, "step": step, "accuracy": accuracy}) + "\n")
+        text = f"eval @ step {step}: held-out accuracy {accuracy:.3f} ({len(prompts)} prompts, greedy)"
+        if step == 0 or final:
+            self._say(text)
+        return text
+
+    def _dataset_options(self) -> dict:
+        dataset = self.pipe.datasets[0]
+        if dataset.source.startswith("builtin:"):
+            return {"seed": self.pipe.run.seed}
+        return {k: v for k, v in dataset.options.items() if k in ("prompt_field", "answer_field")}
+
+    def _finish(self, summary: dict, progress: Progress) -> int:
+        if self.evals:
+            summary["eval_start"] = self.evals[0]["accuracy"]
+            summary["eval_end"] = self.evals[-1]["accuracy"]
+            summary["evals"] = self.evals
+        summary["wall_clock_s"] = time.monotonic() - progress.started
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        progress.final_table(summary, self.run_dir)
+        return 0
+

@@ -1,0 +1,97 @@
+"""Build the engine a stage plan names: torch or sim, on this process.
+
+Only the runtime imports this (torch is imported here); the compiler has
+already checked that the engine serves the stage kind.
+"""
+
+from __future__ import annotations
+
+from rldsl.plan import ModelPlan, PipelinePlan, StagePlan
+
+
+class EngineUnavailable(RuntimeError):
+    """The plan names an engine this installation cannot run here."""
+
+
+def _task_of(pipe: PipelinePlan) -> str | None:
+    sources = [d.source for d in pipe.datasets if d.source.startswith("builtin:")]
+    return sources[0] if sources else None
+
+
+def load_policy(model: ModelPlan, pipe: PipelinePlan, seed: int):
+    """The model a stage starts from. The builtin tiny model on a builtin task
+    starts from the cached supervised warm start (docs/runtime.md), so RL has
+    something to improve within minutes on a CPU."""
+    from rldsl.models import load_model
+
+    task = _task_of(pipe)
+    if model.source == "builtin:tiny-lm" and task is not None:
+        from rldsl.models.warmstart import load_warm_started
+
+        return load_warm_started(task, seed)
+    return load_model(model.source)
+
+
+def _sim_latency(stage: StagePlan):
+    from rldsl.runtime.engines.sim import Latency
+
+    args = stage.engine.args
+    return Latency.constant(args.get("latency", 0.01), tail_prob=args.get("tail", 0.0),
+                            tail_mult=args.get("tail_factor", 1.0))
+
+
+def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int):
+    name = stage.engine.name
+    if name == "sim":
+        from rldsl.runtime.engines.sim import SimGenerator
+
+        return SimGenerator(_sim_latency(stage), seed=seed, max_new_tokens=stage.settings.get("max_new_tokens", 16))
+    if name == "torch":
+        from rldsl.runtime.engines.torch_generate import TorchGenerator
+
+        model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
+        return TorchGenerator(model, max_new_tokens=stage.settings["max_new_tokens"],
+                              temperature=stage.settings["temperature"], top_p=stage.settings["top_p"])
+    raise _unavailable(stage)
+
+
+def build_logprob(stage: StagePlan, pipe: PipelinePlan, seed: int):
+    name = stage.engine.name
+    if name == "sim":
+        from rldsl.runtime.engines.sim import SimLogprob
+
+        return SimLogprob(_sim_latency(stage), seed=seed)
+    if name == "torch":
+        from rldsl.runtime.engines.torch_engine import TorchLogprob
+
+        model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
+        return TorchLogprob(model, rows_per_forward=stage.settings.get("micro_batch"))
+    raise _unavailable(stage)
+
+
+def build_trainer(stage: StagePlan, pipe: PipelinePlan, seed: int, process_group=None):
+    name = stage.engine.name
+    if name == "sim":
+        from rldsl.runtime.engines.sim import SimTrainer
+
+        return SimTrainer(_sim_latency(stage), seed=seed)
+    if name == "torch":
+        from rldsl.runtime.engines.torch_train import TorchTrainer
+
+        loss = dict(stage.settings["loss"])
+        loss.pop("name", None)
+        model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
+        return TorchTrainer(model, loss=loss, lr=stage.settings["lr"], weight_decay=stage.settings["weight_decay"],
+                            max_grad_norm=stage.settings["max_grad_norm"] or None,
+                            rows_per_forward=pipe.batch.micro_batch, process_group=process_group)
+    raise _unavailable(stage)
+
+
+def _model(pipe: PipelinePlan, stage: StagePlan) -> ModelPlan:
+    return next(m for m in pipe.models if m.name == stage.model)
+
+
+def _unavailable(stage: StagePlan) -> EngineUnavailable:
+    return EngineUnavailable(
+        f"stage `{stage.name}` uses engine `{stage.engine.name}`, which needs a GPU machine with the GPU extras "
+        "(pip install 'rldsl[gpu]', see docs/engines.md); on a CPU use `engine = torch` or `sim(...)`")

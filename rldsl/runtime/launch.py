@@ -1,0 +1,70 @@
+"""`rldsl run`: lower an ExecutionPlan onto Ray and drive it to the end.
+
+Placement groups with one bundle per planned GPU (one group per node, so a
+node's ranks land together), one actor per stage rank, the controller actor,
+then a driver loop that shows live progress, evaluates, and writes the run
+directory: run.json, metrics.jsonl, summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from rldsl.plan import ExecutionPlan, PipelinePlan
+from rldsl.runtime.settings import RunSettings
+
+EXIT_OK, EXIT_USAGE, EXIT_FAILED = 0, 2, 3
+
+
+def settings_from_plan(pipe: PipelinePlan, steps: int | None = None) -> RunSettings:
+    stages = {s.name: s for s in pipe.stages}
+    flow_order = [name for generation in pipe.generations for name in generation]
+    sync = next((s for s in pipe.stages if s.kind == "sync"), None)
+    return RunSettings(
+        pipeline=pipe.name,
+        prompts_per_step=pipe.batch.prompts_per_step,
+        samples_per_prompt=pipe.batch.samples_per_prompt,
+        steps=steps if steps is not None else pipe.run.steps,
+        max_lag=pipe.staleness.max_lag,
+        order=pipe.staleness.order,
+        too_stale=pipe.staleness.too_stale,
+        buffer_capacity=pipe.batch.buffer_capacity,
+        max_inflight=pipe.batch.max_inflight,
+        reward_stages=tuple(n for n in flow_order if n in stages and stages[n].kind == "reward"),
+        logprob_stages=tuple(n for n in flow_order if n in stages and stages[n].kind == "logprob"),
+        sync_bucket_bytes=int(sync.settings["bucket"]) if sync else 256 << 20,
+        watchdog_timeout_s=pipe.run.watchdog_s,
+        seed=pipe.run.seed,
+    )
+
+
+def run_plan(plan: ExecutionPlan, args) -> int:
+    from rldsl.runtime.cluster import ClusterError
+    from rldsl.runtime.controller import PipelineStalled, StepFailed
+
+    if len(plan.pipelines) > 1:
+        print(f"error: {plan.source_file} declares {len(plan.pipelines)} pipelines; `rldsl run` runs one pipeline "
+              "per file for now", file=sys.stderr)
+        print("  = help: `check` and `plan` cover the shared cluster; run each pipeline from its own file",
+              file=sys.stderr)
+        return EXIT_USAGE
+    pipe = plan.pipeline()
+    run_dir = Path(args.run_dir or f"runs/{pipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "plan.json").write_text(plan.to_json() + "\n")
+    (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file, "pipeline": pipe.name}) + "\n")
+    settings = settings_from_plan(pipe, args.steps)
+    try:
+        from rldsl.runtime.driver import Driver
+
+        return Driver(plan, pipe, settings, run_dir, address=args.address).run()
+    except ClusterError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except (PipelineStalled, StepFailed) as err:
+        print(f"error: the run stopped: {err}", file=sys.stderr)
+        print(f"  = note: metrics so far are in {run_dir}", file=sys.stderr)
+        return EXIT_FAILED

@@ -1,0 +1,119 @@
+"""Live progress of a run (rich on a terminal, a line per step otherwise),
+metrics as JSONL, and the final summary table."""
+
+from __future__ import annotations
+
+import json
+
+import time
+from pathlib import Path
+
+from rldsl.runtime.settings import RunSettings
+
+
+class Progress:
+    def __init__(self, settings: RunSettings, metrics_path: Path):
+        from rich.console import Console
+
+        self.settings = settings
+        self.metrics_path = metrics_path
+        self.console = Console(stderr=True)
+        if not self.console.is_terminal:  # logs: one unwrapped line per step
+            self.console = Console(stderr=True, width=400)
+        self.live = None
+        self.started = time.monotonic()
+        self.last: dict = {}
+        self.notes: list[str] = []
+        self.wait_text = ""
+
+    def __enter__(self) -> "Progress":
+        if self.console.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live is not None:
+            self.live.update(self._render())
+            self.live.__exit__(*exc)
+
+    def step(self, record: dict) -> None:
+        self.last = record
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+        if self.live is not None:
+            self.live.update(self._render())
+        else:
+            self.console.print(self._line(record), highlight=False)
+
+    def note(self, text: str) -> None:
+        if not text:
+            return
+        self.notes.append(text)
+        if self.live is None:
+            self.console.print(text, highlight=False)
+        else:
+            self.live.update(self._render())
+
+    def waits(self, text: str) -> None:
+        self.wait_text = text
+        if self.live is not None:
+            self.live.update(self._render())
+
+    def _line(self, r: dict) -> str:
+        reward = r.get("trainer", {}).get("reward_mean", r.get("reward_mean"))
+        reward_text = f" reward {reward:.3f}" if isinstance(reward, (int, float)) else ""
+        return (f"step {r['step']}/{self.settings.steps} v{r['version']} lag {_hist(r['lag_histogram'])} "
+                f"{r['samples_per_s']:.1f} samples/s{reward_text} busy {_busy(r['busy'])}")
+
+    def _render(self):
+        from rich.table import Table
+
+        table = Table(show_header=False, box=None, padding=(0, 1))
+        r = self.last
+        elapsed = time.monotonic() - self.started
+        table.add_row("step", f"{r.get('step', 0)}/{self.settings.steps}   version {r.get('version', 0)}   "
+                              f"{elapsed:.0f}s")
+        if r:
+            table.add_row("lag", _hist(r["lag_histogram"]) + f"   (max_lag {self.settings.max_lag})")
+            table.add_row("throughput", f"{r['samples_per_s']:.1f} samples/s")
+            reward = r.get("trainer", {}).get("reward_mean")
+            if isinstance(reward, (int, float)):
+                table.add_row("reward", f"{reward:.3f}")
+            table.add_row("busy", _busy(r["busy"]))
+        for note in self.notes[-2:]:
+            table.add_row("eval", note)
+        if self.wait_text:
+            table.add_row("now", self.wait_text[:160])
+        return table
+
+    def final_table(self, summary: dict, run_dir: Path) -> None:
+        from rich.table import Table
+
+        table = Table(title=f"run {summary.get('pipeline', '')}", show_header=False)
+        ledger = summary["ledger"]
+        rows = [("steps", f"{summary['steps']}"), ("generated", f"{ledger['generated']}"),
+                ("trained", f"{ledger['trained']}"),
+                ("dropped", ", ".join(f"{k} {v}" for k, v in ledger["dropped"].items()) or "0"),
+                ("max lag", f"{summary['max_lag']}"), ("samples/s", f"{summary['samples_per_s']:.1f}"),
+                ("wall clock", f"{summary['wall_clock_s']:.0f}s")]
+        if "eval_start" in summary:
+            rows.append(("held-out accuracy", f"{summary['eval_start']:.3f} -> {summary['eval_end']:.3f} "
+                                              f"({summary['eval_end'] - summary['eval_start']:+.3f})"))
+        for name, value in rows:
+            table.add_row(name, value)
+        self.console.print(table)
+        self.console.print(f"run directory: {run_dir}  (summary.json, metrics.jsonl)")
+
+
+def _hist(histogram: dict) -> str:
+    return " ".join(f"{lag}:{n}" for lag, n in sorted(histogram.items(), key=lambda kv: int(kv[0]))) or "-"
+
+
+def _busy(busy: dict) -> str:
+    return " ".join(f"{name} {share:.0%}" for name, share in busy.items())
+
+
+

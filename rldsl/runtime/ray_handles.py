@@ -1,0 +1,78 @@
+"""StageHandles over Ray actors, built inside the controller actor.
+
+Generators hold one prompt group at a time (a pool of idle ones), reward and
+logprob ranks are used round-robin, the trainer's data-parallel ranks all
+take part in begin / finish / abort while each microbatch goes to one rank.
+Weights travel as one object per bucket: put once by the trainer, read by
+every receiver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Sequence
+
+from rldsl.runtime.controller import StageHandles
+
+
+class _Pool:
+    """Idle actors of one stage; ``take`` waits for a free one."""
+
+    def __init__(self, actors: list):
+        self.idle: asyncio.Queue = asyncio.Queue()
+        for actor in actors:
+            self.idle.put_nowait(actor)
+
+    async def call(self, method: str, *args):
+        actor = await self.idle.get()
+        try:
+            return await getattr(actor, method).remote(*args)
+        finally:
+            self.idle.put_nowait(actor)
+
+
+def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receivers: list, bucket_bytes: int,
+                      train_stage: str) -> StageHandles:
+    """``workers``: stage name -> actor handles (one per rank); ``kinds``:
+    stage name -> stage kind; ``receivers``: the actors on sync edges."""
+    generators = [a for name, actors in workers.items() if kinds[name] == "generate" for a in actors]
+    pool = _Pool(generators)
+    round_robin = {name: itertools.cycle(actors) for name, actors in workers.items()}
+    trainers = workers[train_stage]
+    next_rank = itertools.cycle(trainers)
+
+    async def generate(prompts: Sequence, keys: Sequence[str], samples_per_prompt: int, seed: int) -> int:
+        return await pool.call("generate", list(prompts), list(keys), samples_per_prompt, seed)
+
+    async def reward(stage: str, keys: Sequence[str]):
+        return await next(round_robin[stage]).reward.remote(list(keys))
+
+    async def logprob(stage: str, keys: Sequence[str]) -> None:
+        await next(round_robin[stage]).logprob.remote(list(keys))
+
+    async def begin_train_step(step: int) -> None:
+        await asyncio.gather(*(t.begin_train_step.remote(step) for t in trainers))
+
+    async def train_microbatch(step: int, keys: Sequence[str]):
+        return await next(next_rank).train_microbatch.remote(step, list(keys))
+
+    async def finish_train_step(step: int):
+        results = await asyncio.gather(*(t.finish_train_step.remote(step) for t in trainers))
+        return results[0]
+
+    async def abort_train_step(step: int) -> None:
+        await asyncio.gather(*(t.abort_train_step.remote(step) for t in trainers), return_exceptions=True)
+
+    async def push_weights(version: int) -> None:
+        count = await trainers[0].prepare_buckets.remote(bucket_bytes)
+        for index in range(count):
+            bucket = trainers[0].bucket.remote(index)  # an ObjectRef: stored once, read by every receiver
+            last = index == count - 1
+            await asyncio.gather(*(r.update_weights.remote(bucket, version, last) for r in receivers))
+
+    async def generator_version() -> int:
+        return await generators[0].version.remote()
+
+    return StageHandles(generate, reward, logprob, begin_train_step, train_microbatch, finish_train_step,
+                        abort_train_step, push_weights, generator_version)

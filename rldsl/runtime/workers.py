@@ -1,0 +1,202 @@
+"""Stage workers: one per rank of a stage, an engine plus its data-plane I/O.
+
+These are plain classes; the launcher turns them into Ray actors. A worker
+reads its input fields from the data plane by key and writes its output
+fields back (one hop); the controller only passes keys and metadata.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from rldsl.plan import PipelinePlan, StagePlan
+from rldsl.runtime import protocols as p
+
+# A worker process shares the machine with the others: one thread each keeps
+# generation and training truly concurrent on a small CPU.
+_THREADS = int(os.environ.get("RLDSL_TORCH_THREADS", "1"))
+
+GENERATED_FIELDS = [p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK, p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK]
+ANSWER_IDS = "answer_ids"  # the reference answer, tokenised, for reward workers
+
+
+def _setup_torch() -> None:
+    import torch
+
+    torch.set_num_threads(_THREADS)
+
+
+class _Worker:
+    def __init__(self, pipe: PipelinePlan, stage: StagePlan, rank: int, dataplane_spec: dict):
+        from rldsl.runtime.dataplane import connect_dataplane
+
+        _setup_torch()
+        self.pipe, self.stage, self.rank = pipe, stage, rank
+        self.partition = pipe.name
+        self.dataplane = connect_dataplane(dataplane_spec)
+
+    def ready(self) -> bool:
+        return True
+
+    def _get(self, keys: Sequence[str], fields: list[str]) -> dict:
+        return self.dataplane.get(list(keys), self.partition, fields)
+
+    def _put(self, keys: Sequence[str], fields: dict) -> None:
+        self.dataplane.put(list(keys), self.partition, fields)
+
+
+class GeneratorWorker(_Worker):
+    def __init__(self, pipe, stage, rank, dataplane_spec):
+        from rldsl.runtime.engine_factory import build_generator
+
+        super().__init__(pipe, stage, rank, dataplane_spec)
+        self.engine = build_generator(stage, pipe, seed=pipe.run.seed + 1000 * rank)
+
+    def generate(self, prompts: list[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int) -> int:
+        batch = self.engine.generate(prompts, samples_per_prompt, seed)
+        batch[ANSWER_IDS] = self._answers(prompts, samples_per_prompt)
+        self._put(keys, batch)
+        return int(batch[p.FIELD_VERSION][0]) if len(keys) else self.engine.version
+
+    def _answers(self, prompts, samples_per_prompt):
+        import torch
+
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        rows = [tokenizer.encode(pr.answer) if tokenizer else [0] for pr in prompts for _ in range(samples_per_prompt)]
+        width = max(1, max(len(r) for r in rows))
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+
+    def update_weights(self, bucket: dict, version: int, last: bool) -> None:
+        self.engine.update_weights(bucket, version, last)
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+
+class RewardWorker(_Worker):
+    """Scores responses with the stage's `module:function`. A reward that
+    raises or overruns its timeout drops that sample only (None)."""
+
+    def __init__(self, pipe, stage, rank, dataplane_spec):
+        from rldsl.rewards import load_reward
+
+        super().__init__(pipe, stage, rank, dataplane_spec)
+        self.fn = load_reward(stage.settings["fn"])
+        self.timeout = stage.settings.get("timeout")
+        self.tokenizer = _tokenizer_for(pipe)
+
+    def reward(self, keys: Sequence[str]) -> list[float | None]:
+        from rldsl.rewards import safe_reward
+
+        fields = self._get(keys, [p.FIELD_RESPONSE_IDS, p.FIELD_PROMPT_IDS, ANSWER_IDS])
+        values, self.last_failures = [], []
+        for row in range(len(keys)):
+            response = self._decode(fields[p.FIELD_RESPONSE_IDS][row])
+            answer = self._decode(fields[ANSWER_IDS][row])
+            prompt = self._decode(fields[p.FIELD_PROMPT_IDS][row])
+            value, reason = safe_reward(self.fn, response, answer, prompt, self.timeout)
+            values.append(value)
+            if reason:
+                self.last_failures.append(reason)
+        return values
+
+    def _decode(self, ids) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([int(i) for i in ids if int(i) != 0])
+
+
+def _tokenizer_for(pipe: PipelinePlan):
+    """The policy's tokenizer, loaded without the weights (None for sim)."""
+    gens = [s for s in pipe.stages if s.kind == "generate"]
+    if not gens or gens[0].engine.name == "sim":
+        return None
+    model = next(m for m in pipe.models if m.name == gens[0].model)
+    from rldsl.models import load_tokenizer
+
+    return load_tokenizer(model.source)
+
+
+class LogprobWorker(_Worker):
+    def __init__(self, pipe, stage, rank, dataplane_spec):
+        from rldsl.runtime.engine_factory import build_logprob
+
+        super().__init__(pipe, stage, rank, dataplane_spec)
+        self.engine = build_logprob(stage, pipe, seed=pipe.run.seed + 2000 + rank)
+        self.field = p.FIELD_REF_LOGPROBS if stage.settings.get("frozen") else p.FIELD_BEHAVIOUR_LOGPROBS
+
+    def logprob(self, keys: Sequence[str]) -> None:
+        batch = self._get(keys, GENERATED_FIELDS)
+        self._put(keys, {self.field: self.engine.logprobs(batch)})
+
+    def update_weights(self, bucket: dict, version: int, last: bool) -> None:
+        self.engine.update_weights(bucket, version, last)
+
+
+class TrainerWorker(_Worker):
+    """One data-parallel rank of the split-step trainer."""
+
+    def __init__(self, pipe, stage, rank, dataplane_spec, dist: dict | None = None):
+        from rldsl.runtime.engine_factory import build_trainer
+
+        super().__init__(pipe, stage, rank, dataplane_spec)
+        group = _init_process_group(dist) if dist and dist["world_size"] > 1 else None
+        self.engine = build_trainer(stage, pipe, seed=pipe.run.seed, process_group=group)
+        self._buckets: list[dict] = []
+        self.needs = [p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK,
+                      p.FIELD_ADVANTAGE, p.FIELD_VERSION]
+        consumed = {f for e in pipe.edges if e.kind == "data" for f in e.fields}
+        self.needs += [f for f in (p.FIELD_BEHAVIOUR_LOGPROBS, p.FIELD_REF_LOGPROBS) if f in consumed]
+
+    def begin_train_step(self, step: int) -> None:
+        self.engine.begin_train_step(step)
+
+    def train_microbatch(self, step: int, keys: Sequence[str]) -> dict:
+        return self.engine.train_microbatch(step, self._get(keys, self.needs))
+
+    def finish_train_step(self, step: int) -> p.StepResult:
+        return self.engine.finish_train_step(step)
+
+    def abort_train_step(self, step: int) -> None:
+        self.engine.abort_train_step(step)
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def prepare_buckets(self, bucket_bytes: int) -> int:
+        """Snapshot the weights into buckets; returns how many."""
+        self._buckets = [{k: v.detach().clone() for k, v in b.items()} for b in self.engine.weight_buckets(bucket_bytes)]
+        return len(self._buckets)
+
+    def bucket(self, index: int) -> dict:
+        return self._buckets[index]
+
+    def evaluate(self, prompts: list[p.Prompt], max_new_tokens: int) -> float:
+        """Held-out greedy accuracy of the current weights."""
+        from rldsl.models.warmstart import greedy_accuracy
+
+        return greedy_accuracy(self.engine.model, prompts, max_new_tokens=max_new_tokens)
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.engine.model.module.state_dict(), "optimizer": self.engine.optimizer.state_dict(),
+                "version": self.engine.version}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.engine.model.module.load_state_dict(state["model"])
+        self.engine.optimizer.load_state_dict(state["optimizer"])
+        self.engine.version = state["version"]
+
+
+def _init_process_group(dist: dict):
+    import torch.distributed as torch_dist
+
+    torch_dist.init_process_group("gloo", init_method=f"tcp://{dist['master']}", rank=dist["rank"],
+                                  world_size=dist["world_size"])
+    return torch_dist.group.WORLD

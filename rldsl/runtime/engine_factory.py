@@ -24,12 +24,8 @@ def load_policy(model: ModelPlan, pipe: PipelinePlan, seed: int):
     something to improve within minutes on a CPU."""
     from rldsl.models import load_model
 
-    task = _task_of(pipe)
-    if model.source == "builtin:tiny-lm" and task is not None:
-        from rldsl.models.warmstart import load_warm_started
-
-        return load_warm_started(task, seed)
-    return load_model(model.source)
+    task = _task_of(pipe) if model.source == "builtin:tiny-lm" else None
+    return load_model(model.source, seed=seed, warm_start_task=task)
 
 
 def _sim_latency(stage: StagePlan):

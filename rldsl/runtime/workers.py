@@ -119,9 +119,15 @@ def _tokenizer_for(pipe: PipelinePlan):
     if not gens or gens[0].engine.name == "sim":
         return None
     model = next(m for m in pipe.models if m.name == gens[0].model)
-    from rldsl.models import load_tokenizer
+    if model.source.startswith("hf:"):
+        from transformers import AutoTokenizer
 
-    return load_tokenizer(model.source)
+        from rldsl.models.hf import HFTokenizer
+
+        return HFTokenizer(AutoTokenizer.from_pretrained(model.source[len("hf:"):], local_files_only=True))
+    from rldsl.models.tokenizer import CharTokenizer
+
+    return CharTokenizer()
 
 
 class LogprobWorker(_Worker):

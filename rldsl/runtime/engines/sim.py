@@ -1,19 +1,15 @@
 """The ``sim`` engine family: the engine protocols without models.
 
-Every engine draws its latency from a seeded ``Latency`` and produces data of
-the real shapes, so the controller, the data plane and the Ray layer can be
-exercised and benchmarked without a model.
+Engines draw seeded latencies (``Latency``) and return data of the real
+shapes, so the controller, the data plane and the Ray layer run end to end
+without a model. Sleeping: the protocol methods block with ``time.sleep``, as
+a real engine inside a Ray actor does; their ``*_async`` twins await
+``asyncio.sleep`` so that ``SimStages`` can simulate many concurrent workers
+on the controller's own event loop.
 
-Sleeping: each protocol method (``generate``, ``train_microbatch``, ...) is
-synchronous and blocks with ``time.sleep``, as a real engine inside a Ray
-actor would. Each also has an ``*_async`` twin that awaits
-``asyncio.sleep`` instead, which ``SimStages`` uses so that one event loop
-can simulate many concurrent workers in one process.
-
-``SimTrainer`` is a dry-run trainer that enforces the split-step protocol
-(seed 001): ``begin`` while a step is open raises, ``microbatch``/``finish``
-without an open step or for another step raise, ``abort`` is idempotent; it
-records every call for tests.
+``SimTrainer`` is a dry-run trainer that enforces the split-step protocol:
+``begin`` while a step is open raises, a microbatch or finish with no open
+step or for another step raises, ``abort`` is idempotent; it records calls.
 """
 
 from __future__ import annotations
@@ -48,15 +44,21 @@ class Latency:
     tail_mult: float = 1.0
 
     @classmethod
-    def constant(cls, seconds: float, tail_prob: float = 0.0, tail_mult: float = 1.0) -> "Latency":
+    def constant(cls, seconds: float, tail_prob: float = 0.0, tail_mult: float = 1.0) -> Latency:
         return cls("constant", seconds, tail_prob=tail_prob, tail_mult=tail_mult)
 
     @classmethod
-    def uniform(cls, low: float, high: float, tail_prob: float = 0.0, tail_mult: float = 1.0) -> "Latency":
+    def uniform(cls, low: float, high: float, tail_prob: float = 0.0, tail_mult: float = 1.0) -> Latency:
         return cls("uniform", low, high=high, tail_prob=tail_prob, tail_mult=tail_mult)
 
     @classmethod
-    def lognormal(cls, median: float, sigma: float = 0.5, tail_prob: float = 0.0, tail_mult: float = 1.0) -> "Latency":
+    def jittered(cls, seconds: float, jitter: float = 0.0, tail_prob: float = 0.0, tail_mult: float = 1.0) -> Latency:
+        """``seconds`` give or take the fraction ``jitter``: the language's
+        ``sim(latency = 50ms, jitter = 20%, tail = 5%, tail_factor = 8)``."""
+        return cls.uniform(seconds * (1 - jitter), seconds * (1 + jitter), tail_prob, tail_mult)
+
+    @classmethod
+    def lognormal(cls, median: float, sigma: float = 0.5, tail_prob: float = 0.0, tail_mult: float = 1.0) -> Latency:
         return cls("lognormal", median, sigma=sigma, tail_prob=tail_prob, tail_mult=tail_mult)
 
     def __post_init__(self) -> None:
@@ -181,21 +183,13 @@ class SimGenerator(_Timed):
 
 
 class SimRewardWorker(_Timed):
-    """Scores 1.0 with ``success_prob``, else 0.0. In process a group is one
-    call (``score_async``) that fails a sample (None) with ``fail_prob`` and
-    raises with ``call_fail_prob``; as a ``RewardFunction`` each call is one
-    sample and raises with ``fail_prob``."""
+    """Scores a group in one call: 1.0 with ``success_prob``, else 0.0; a
+    sample fails (None) with ``fail_prob``; the call raises with ``call_fail_prob``."""
 
     def __init__(self, latency: Latency = Latency(), success_prob: float = 0.5, fail_prob: float = 0.0,
                  call_fail_prob: float = 0.0, seed: int = 0) -> None:
         super().__init__(latency, seed)
         self.success_prob, self.fail_prob, self.call_fail_prob = success_prob, fail_prob, call_fail_prob
-
-    def __call__(self, response: str, answer: str, prompt: str) -> float:
-        time.sleep(self._draw())
-        if self._chance(self.fail_prob):
-            raise SimFailure("injected reward failure")
-        return float(self._chance(self.success_prob))
 
     async def score_async(self, count: int, requested_at: float | None = None) -> list[float | None]:
         await self._hold(self._draw(), requested_at)
@@ -209,10 +203,13 @@ class SimLogprob(_Timed):
 
     def logprobs(self, batch: p.Batch) -> torch.Tensor:
         time.sleep(self._draw())
-        return _fake_logprobs(batch[p.FIELD_RESPONSE_MASK], torch.Generator().manual_seed(self._rng.getrandbits(31)))
+        return self._values(batch)
 
     async def logprobs_async(self, batch: p.Batch) -> torch.Tensor:
         await self._hold(self._draw())
+        return self._values(batch)
+
+    def _values(self, batch: p.Batch) -> torch.Tensor:
         return _fake_logprobs(batch[p.FIELD_RESPONSE_MASK], torch.Generator().manual_seed(self._rng.getrandbits(31)))
 
 
@@ -357,21 +354,18 @@ class SimStages:
 
     def __init__(self, settings: RunSettings, dataplane: Any, config: SimConfig = SimConfig()) -> None:
         self.settings, self.dataplane, self.config = settings, dataplane, config
-        seed = settings.seed
+        seed, c = settings.seed * 7919, config
         self.generators = [
-            SimGenerator(config.generate, config.vocab_size, config.prompt_len, config.max_new_tokens,
-                         config.generate_fail_prob, seed=seed * 7919 + i)
-            for i in range(config.generators)
+            SimGenerator(c.generate, c.vocab_size, c.prompt_len, c.max_new_tokens, c.generate_fail_prob, seed + i)
+            for i in range(c.generators)
         ]
         self.reward_workers = [
-            SimRewardWorker(config.reward, fail_prob=config.reward_fail_prob,
-                            call_fail_prob=config.reward_call_fail_prob, seed=seed * 7919 + 1000 + i)
-            for i in range(config.reward_workers)
+            SimRewardWorker(c.reward, 0.5, c.reward_fail_prob, c.reward_call_fail_prob, seed + 1000 + i)
+            for i in range(c.reward_workers)
         ]
-        self.logprob_engine = SimLogprob(config.logprob, seed * 7919 + 2000)
-        self.trainer = SimTrainer(config.microbatch, config.finish, config.trainer_fail_on,
-                                  config.trainer_fail_prob, config.weight_bytes, seed * 7919 + 3000)
-        self._push_timer = _Timed(config.push_bucket, seed * 7919 + 4000)
+        self.logprob_engine = SimLogprob(c.logprob, seed + 2000)
+        self.trainer = SimTrainer(c.microbatch, c.finish, c.trainer_fail_on, c.trainer_fail_prob, c.weight_bytes, seed + 3000)
+        self._push_timer = _Timed(c.push_bucket, seed + 4000)
         self._pools: dict[str, asyncio.Queue] = {}
         self.microbatch_keys: list[tuple[int, tuple[str, ...]]] = []
         self._pushing = False

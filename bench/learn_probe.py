@@ -15,6 +15,7 @@ import argparse
 import os
 import tempfile
 import time
+from collections import deque
 
 import torch
 
@@ -29,17 +30,24 @@ def parse_args():
     parser.add_argument("--task", default="builtin:arith")
     parser.add_argument("--reward", default="rldsl.rewards:exact_match")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--samples-per-prompt", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--beta2", type=float, default=0.99)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument("--kl", type=float, default=0.0)
     parser.add_argument("--level", default="token", choices=["token", "sequence"])
     parser.add_argument("--bucket-bytes", type=int, default=64 * 1024)
-    parser.add_argument("--warm-target", type=float, default=None, help="warm start target train accuracy")
+    parser.add_argument(
+        "--warm", action="append", default=[], metavar="NAME=VALUE", help="override a WarmStartSettings field"
+    )
+    parser.add_argument("--d-model", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--lag", type=int, default=1, help="steps between generation and training (max_lag)")
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--fresh-cache", action="store_true", help="retrain the warm start in a temp cache")
@@ -51,7 +59,8 @@ def accuracy(generator: TorchGenerator, prompts, reward) -> float:
     return sum(reward(r, p.answer, p.text) for r, p in zip(responses, prompts)) / len(prompts)
 
 
-def rl_step(step, prompts, generator, trainer, reward, args) -> tuple[float, dict]:
+def rollout(step, prompts, generator, reward, args) -> dict:
+    """One step's samples with rewards and group-normalised advantages."""
     batch = generator.generate(prompts, args.samples_per_prompt, seed=args.seed * 100_003 + step)
     responses = generator.decode(batch)
     rewards = []
@@ -61,14 +70,18 @@ def rl_step(step, prompts, generator, trainer, reward, args) -> tuple[float, dic
         rewards.append(value or 0.0)
     batch["reward"] = torch.tensor(rewards)
     batch["advantage"] = group_advantages(batch["reward"], args.samples_per_prompt)
+    return batch
+
+
+def train_and_sync(step, batch, generator, trainer, args) -> dict:
     trainer.begin_train_step(step)
-    for start in range(0, len(rewards), args.samples_per_prompt):  # one prompt group per microbatch
+    for start in range(0, len(batch["reward"]), args.samples_per_prompt):  # one prompt group per microbatch
         trainer.train_microbatch(step, {k: v[start : start + args.samples_per_prompt] for k, v in batch.items()})
     result = trainer.finish_train_step(step)
     buckets = list(trainer.weight_buckets(args.bucket_bytes))
     for index, bucket in enumerate(buckets):
         generator.update_weights(bucket, result.version, last=index == len(buckets) - 1)
-    return sum(rewards) / len(rewards), result.metrics
+    return result.metrics
 
 
 def main():
@@ -78,17 +91,24 @@ def main():
     if args.fresh_cache:
         os.environ["RLDSL_CACHE_DIR"] = tempfile.mkdtemp(prefix="rldsl-probe-")
     started = time.perf_counter()
-    warm = {} if args.warm_target is None else {"target_accuracy": args.warm_target}
-    policy = load_model("builtin:tiny-lm", seed=args.seed, warm_start_task=args.task, warm_start_settings=warm)
+    warm = {name: float(value) for name, value in (item.split("=", 1) for item in args.warm)}
+    shape = {}
+    if args.d_model:
+        shape.update(d_model=args.d_model, d_ff=4 * args.d_model)
+    if args.layers:
+        shape.update(n_layers=args.layers)
+    policy = load_model("builtin:tiny-lm", seed=args.seed, warm_start_task=args.task, warm_start_settings=warm, **shape)
     warm_s = time.perf_counter() - started
     print(f"warm start: {getattr(policy, 'warm_start_report', {})} in {warm_s:.1f}s")
     generator = TorchGenerator(
-        load_model("builtin:tiny-lm", seed=args.seed, warm_start_task=args.task, warm_start_settings=warm),
+        load_model("builtin:tiny-lm", seed=args.seed, warm_start_task=args.task, warm_start_settings=warm, **shape),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
     )
     loss = {"clip": args.clip, "kl": args.kl, "level": args.level}
-    trainer = TorchTrainer(policy, loss=loss, lr=args.lr)
+    trainer = TorchTrainer(
+        policy, loss=loss, lr=args.lr, betas=(0.9, args.beta2), max_grad_norm=args.max_grad_norm or None
+    )
     reward = load_reward(args.reward)
     exact = load_reward("rldsl.rewards:exact_match")
     train = load_dataset(args.task, "train", seed=args.seed)
@@ -96,15 +116,23 @@ def main():
     start_accuracy = accuracy(generator, held_out, exact)
     print(f"held-out greedy accuracy before RL: {start_accuracy:.3f} ({len(held_out)} prompts)")
     rl_started = time.perf_counter()
-    for step in range(args.steps):
+    def prompts_for(step):
         first = (step * args.prompts_per_step) % len(train)
-        prompts = train[first : first + args.prompts_per_step]
-        mean_reward, metrics = rl_step(step, prompts, generator, trainer, reward, args)
+        return train[first : first + args.prompts_per_step]
+
+    # Samples are trained `lag` steps after they were generated, as with an
+    # asynchronous pipeline whose generator runs max_lag steps ahead.
+    in_flight = deque(rollout(step, prompts_for(step), generator, reward, args) for step in range(args.lag))
+    for step in range(args.steps):
+        in_flight.append(rollout(step + args.lag, prompts_for(step + args.lag), generator, reward, args))
+        batch = in_flight.popleft()
+        mean_reward = float(batch["reward"].mean())
+        metrics = train_and_sync(step, batch, generator, trainer, args)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             elapsed = time.perf_counter() - rl_started
             print(
                 f"step {step + 1:4d}  {elapsed:6.1f}s  reward {mean_reward:.3f}  "
-                f"loss {metrics.get('loss', 0):+.4f}  grad_norm {metrics.get('grad_norm', 0):.3f}  "
+                f"loss {metrics.get('loss', 0):+.4f}  ratio {metrics.get('mean_ratio', 1):.4f}  grad_norm {metrics.get('grad_norm', 0):.3f}  "
                 f"held-out acc {accuracy(generator, held_out, exact):.3f}",
                 flush=True,
             )

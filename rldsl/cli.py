@@ -131,6 +131,11 @@ def cmd_explain(args) -> int:
 def cmd_run(args) -> int:
     from rldsl.plan import ExecutionPlan, PlanFormatError
 
+    if args.resume:  # the run's own saved plan: a resumed run executes exactly what it started with
+        if not (Path(args.resume) / "plan.json").exists():
+            _usage_error(f"{args.resume} is not a run directory (it has no plan.json)",
+                         "pass the directory a previous `rldsl run` wrote, e.g. runs/grpo_async-...")
+        args.plan = str(Path(args.resume) / "plan.json")
     if args.plan:
         try:
             plan = ExecutionPlan.from_json(Path(args.plan).read_text())
@@ -138,9 +143,8 @@ def cmd_run(args) -> int:
             _usage_error(f"no such plan: {args.plan}", "create one with `rldsl plan FILE --out plan.json`")
         except (PlanFormatError, ValueError, KeyError, TypeError) as err:
             _usage_error(f"{args.plan} is not a valid plan: {err}", "re-create it with `rldsl plan FILE --out`")
-    elif args.file or args.resume:
-        source = args.file or _file_of_run(args.resume)
-        result = _compile(source)
+    elif args.file:
+        result = _compile(args.file)
         _print_diagnostics(result, args)
         if not result.ok:
             return EXIT_FINDINGS
@@ -158,15 +162,6 @@ def _missing_extras(err: ImportError):
     if err.name and err.name.split(".")[0] == "rldsl":
         raise err  # our own bug, not a missing install: let it show
     _usage_error(f"the runtime needs `{err.name}`, which is not installed", "pip install -e '.[run]'")
-
-
-def _file_of_run(run_dir: str) -> str:
-    meta = Path(run_dir) / "run.json"
-    try:
-        return json.loads(meta.read_text())["source_file"]
-    except (OSError, ValueError, KeyError):
-        _usage_error(f"{run_dir} is not a run directory (no readable run.json)",
-                     "pass the directory a previous `rldsl run` wrote, e.g. runs/grpo_async-...")
 
 
 def cmd_report(args) -> int:

@@ -50,3 +50,38 @@ def test_a_saved_plan_runs_exactly(tmp_path):
     proc, run_dir = run(["--plan", str(plan), "--steps", "2"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "plan.json").read_text().strip() == plan.read_text().strip()
+
+
+def test_ctrl_c_checkpoints_and_resume_continues_without_retraining(tmp_path):
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, "-m", "rldsl", "run", "pipelines/grpo_async.rlp", "--steps", "40",
+                             "--run-dir", str(run_dir)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        steps = [l for l in metrics.read_text().splitlines() if '"lag_histogram"' in l] if metrics.exists() else []
+        if len(steps) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "checkpoint saved at version" in err
+    (checkpoint,) = sorted((run_dir / "checkpoints").iterdir())[-1:]
+    progress = json.loads((checkpoint / "progress.json").read_text())
+    version = progress["version"]
+    trained = progress["trained_prompts"]
+    assert trained["below"] + len(trained["above"]) == version * 16  # every finished step's prompts, once
+
+    resumed = subprocess.run([sys.executable, "-m", "rldsl", "run", "--resume", str(run_dir), "--steps",
+                              str(version + 2)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoint.name}" in resumed.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == version + 2 and summary["version"] == version + 2
+    assert summary["ledger"]["trained"] == 2 * 16 * 8

@@ -67,7 +67,6 @@ class StageHandles:
     generator_version: Callable[[], Awaitable[int]]
 
 
-
 class PipelineStalled(RuntimeError):
     """No pump made progress for ``watchdog_timeout_s``."""
 
@@ -101,7 +100,7 @@ class TrainPump:
         self.state = state
         self.on_step = on_step
         self.step: StepBuild | None = None
-        self.call: str | None = None  # the trainer call in progress, for the watchdog
+        self.activity: str | None = None  # what the pump awaits besides groups, for the watchdog
         self.aborted_steps = 0
         self._aborted_in_row = 0
 
@@ -133,10 +132,8 @@ class TrainPump:
             return "finished"
         if step is None:
             return "starting"
-        if self.call is not None:
-            return f"step {step.batch_index}: in {self.call}"
-        if state.pushing:
-            return f"step {step.batch_index}: waiting for the weight push to end before finish_train_step"
+        if self.activity is not None:
+            return f"step {step.batch_index}: {self.activity}"
         per_step = state.settings.prompts_per_step
         have = len(step.groups)
         eligible = state.sampler.count_eligible(state.buffer, state.trainer_version, step.batch_index)
@@ -190,11 +187,13 @@ class TrainPump:
 
     async def _wait_for_weight_push(self) -> None:
         """The optimizer step must not change weights a push is still reading."""
+        self.activity = "waiting for the weight push to end before finish_train_step"
         while self.state.pushing:
             await self.state.changed.wait()
+        self.activity = None
 
     async def _call(self, name: str, fn: Callable[..., Any], *args: Any, metered: bool = True) -> Any:
-        self.call = name
+        self.activity = f"in {name}"
         try:
             if not metered:
                 return await resolve(fn(*args))
@@ -203,7 +202,7 @@ class TrainPump:
         except Exception as error:
             raise TrainCallFailed(name, error) from error
         finally:
-            self.call = None
+            self.activity = None
 
     async def _close_step(self, step: StepBuild, result: StepResult) -> None:
         state = self.state
@@ -232,7 +231,8 @@ class TrainPump:
         self.aborted_steps += 1
         self._aborted_in_row += 1
         if self._aborted_in_row >= state.settings.max_aborted_steps:
-            raise StepFailed(f"{self._aborted_in_row} consecutive train steps aborted; last: {failure}") from failure.error
+            message = f"{self._aborted_in_row} consecutive train steps aborted; last: {failure}"
+            raise StepFailed(message) from failure.error
 
     async def _clear_and_release(self, groups: list[Group]) -> None:
         """The step's one data-plane clear (with keys dropped since the last
@@ -257,6 +257,7 @@ class TrainPump:
                 "groups": len(step.groups),
                 "samples": sum(lags.values()),
                 "lag_histogram": dict(sorted(lags.items())),
+                "reward_mean": _mean(r for g in step.groups for r in g.rewards if r is not None),
                 "step_time_s": now - step.started_at,
                 "elapsed_s": elapsed,
                 "samples_per_s": state.ledger.trained_count / elapsed,
@@ -265,6 +266,11 @@ class TrainPump:
                 "trainer": dict(result.metrics),
             }
         )
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
 
 
 class Controller:

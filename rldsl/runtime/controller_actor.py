@@ -1,12 +1,15 @@
 """The single controller as a CPU-only Ray actor.
 
-It owns the asyncio pumps (rldsl.runtime.controller) and answers progress
-queries from the driver while they run (an async actor serves both).
+It owns the asyncio pumps (rldsl.runtime.controller), answers progress
+queries from the driver while they run (an async actor serves both), and
+writes the controller's half of each checkpoint (rldsl.runtime.checkpoint).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from pathlib import Path
 from typing import Iterator
 
 from rldsl.plan import PipelinePlan
@@ -14,17 +17,21 @@ from rldsl.runtime.protocols import Prompt
 from rldsl.runtime.settings import RunSettings
 
 
-def prompt_stream(pipe: PipelinePlan, seed: int, start_index: int = 0) -> Iterator[Prompt]:
+def prompt_stream(pipe: PipelinePlan, seed: int, trained_below: int = 0,
+                  trained_above: frozenset[int] = frozenset()) -> Iterator[Prompt]:
     """The training prompts, epoch after epoch (reshuffled when the dataset
-    says so), each with a unique, increasing index."""
+    says so), each with a unique, increasing index. Indices already trained
+    (below ``trained_below`` or in ``trained_above``) are skipped: a resumed
+    run never trains a prompt twice."""
     import random
 
     from rldsl.tasks import load_dataset
 
     dataset = pipe.datasets[0]
-    options = {k: v for k, v in dataset.options.items() if k in ("prompt_field", "answer_field")}
     if dataset.source.startswith("builtin:"):
         options = {"seed": seed}
+    else:
+        options = {k: v for k, v in dataset.options.items() if k in ("prompt_field", "answer_field")}
     rows = load_dataset(dataset.source, "train", **options)
     index, epoch = 0, 0
     while True:
@@ -32,7 +39,7 @@ def prompt_stream(pipe: PipelinePlan, seed: int, start_index: int = 0) -> Iterat
         if dataset.options.get("shuffle", True):
             random.Random(seed + epoch).shuffle(order)
         for i in order:
-            if index >= start_index:
+            if index >= trained_below and index not in trained_above:
                 yield Prompt(index, rows[i].text, rows[i].answer, dict(rows[i].meta))
             index += 1
         epoch += 1
@@ -40,7 +47,8 @@ def prompt_stream(pipe: PipelinePlan, seed: int, start_index: int = 0) -> Iterat
 
 class ControllerActor:
     def __init__(self, settings: RunSettings, pipe: PipelinePlan, workers: dict, receivers: list,
-                 dataplane_spec: dict, start_index: int = 0):
+                 dataplane_spec: dict, checkpoint: dict | None = None, resume: dict | None = None):
+        from rldsl.runtime.checkpoint import expand_indices
         from rldsl.runtime.dataplane import connect_dataplane
         from rldsl.runtime.ray_handles import ray_stage_handles
 
@@ -49,20 +57,58 @@ class ControllerActor:
         self.handles = ray_stage_handles(workers, kinds, receivers, settings.sync_bucket_bytes,
                                          pipe.batch.train_stage)
         self.dataplane = connect_dataplane(dataplane_spec)
-        self.start_index = start_index
+        self.checkpoint = checkpoint or {}
+        resume = resume or {}
+        self.step_offset = resume.get("steps_done", 0)
+        below, above = expand_indices(resume.get("trained_prompts", {"below": 0, "above": []}))
+        self.trained_before = (below, frozenset(above))
         self.steps: list[dict] = []
+        self.last_version = -1
         self.controller = None
 
     async def run(self) -> dict:
         from rldsl.runtime.controller import Controller
 
-        self.controller = Controller(self.settings, self.handles, self.dataplane,
-                                     prompt_stream(self.pipe, self.settings.seed, self.start_index),
-                                     on_step=self._on_step)
-        return await self.controller.run()
+        prompts = prompt_stream(self.pipe, self.settings.seed, *self.trained_before)
+        self.controller = Controller(self.settings, self.handles, self.dataplane, prompts, on_step=self._on_step)
+        summary = await self.controller.run()
+        summary["steps"] += self.step_offset
+        return summary
 
     def _on_step(self, record: dict) -> None:
-        self.steps.append({**record, "time": time.time()})
+        record = {**record, "step": record["step"] + self.step_offset, "time": time.time()}
+        self.steps.append(record)
+        self.last_version = record["version"]
+        every = self.checkpoint.get("every")
+        if every and record["version"] % every == 0:
+            self._write_progress(record["version"], record["step"])
+
+    def _trained_prompts(self) -> dict:
+        from rldsl.runtime.checkpoint import compress_indices
+        from rldsl.runtime.dataplane import parse_sample_key
+
+        below, above = self.trained_before
+        trained = set(range(below)) | set(above)
+        trained |= {parse_sample_key(key)[1] for key in self.controller.state.ledger.trained_keys()}
+        return compress_indices(trained)
+
+    def _write_progress(self, version: int, step: int) -> None:
+        from rldsl.runtime.checkpoint import PROGRESS_FILE, checkpoint_dir, write_json_atomically
+
+        path = checkpoint_dir(Path(self.checkpoint["run_dir"]), version) / PROGRESS_FILE
+        write_json_atomically(path, {"version": version, "steps_done": step,
+                                     "trained_prompts": self._trained_prompts()})
+
+    async def save_progress(self, version: int, timeout_s: float = 30.0) -> bool:
+        """The controller's half of an on-demand checkpoint at ``version``:
+        waits until that step's samples are recorded as trained."""
+        deadline = time.monotonic() + timeout_s
+        while self.last_version < version and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.last_version != version or self.controller is None:
+            return False
+        self._write_progress(version, self.steps[-1]["step"])
+        return True
 
     async def progress(self, since: int) -> dict:
         """Step records after ``since``, and what each pump is doing now."""

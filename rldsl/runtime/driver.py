@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from dataclasses import replace
+
 from rldsl.plan import ExecutionPlan, PipelinePlan
 from rldsl.runtime.progress import Progress
 from rldsl.runtime.settings import RunSettings
@@ -18,10 +20,13 @@ _READY_TIMEOUT_S = 600.0
 
 class Driver:
     def __init__(self, plan: ExecutionPlan, pipe: PipelinePlan, settings: RunSettings, run_dir: Path,
-                 address: str | None = None):
-        self.plan, self.pipe, self.settings, self.run_dir, self.address = plan, pipe, settings, run_dir, address
+                 address: str | None = None, resume: bool = False):
+        self.plan, self.pipe, self.settings, self.address = plan, pipe, settings, address
+        self.run_dir = run_dir.resolve()  # actors write checkpoints here, whatever their working directory
         self.trainer_engine = pipe.stage(pipe.batch.train_stage).engine.name
-        self.evals: list[dict] = []
+        self.evals: list[dict] = _previous_evals(self.run_dir) if resume else []
+        self.resume = _resume_point(self.run_dir) if resume else None
+        self.checkpoint = {"run_dir": str(self.run_dir), "every": pipe.run.checkpoint_every}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -37,6 +42,8 @@ class Driver:
             self._prepare_models()
             dataplane = self._dataplane(session)
             workers = self._start_workers(dataplane.spec)
+            if self.resume:
+                self._restore(workers)
             return self._drive(workers, dataplane)
 
     def _say(self, text: str) -> None:
@@ -89,7 +96,7 @@ class Driver:
                     options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, bundle)
                 args = [self.pipe, stage, rank.index, spec]
                 if stage.kind == "train":
-                    args.append({**dist, "rank": rank.index, "world_size": len(stage.ranks)})
+                    args += [{**dist, "rank": rank.index, "world_size": len(stage.ranks)}, self.checkpoint]
                 handles[stage.name].append(actor_class.options(**options).remote(*args))
         self._wait_ready(handles)
         return handles
@@ -129,6 +136,24 @@ class Driver:
             ray.get(done[0])  # raises the actor's own start-up error, named
             pending.pop(done[0])
 
+    # --------------------------------------------------------------- resume
+
+    def _restore(self, handles: dict[str, list]) -> None:
+        """Trainer ranks reload the checkpoint; its weights go to every receiver."""
+        import ray
+
+        from rldsl.runtime.checkpoint import TRAINER_FILE
+
+        trainers = handles[self.pipe.batch.train_stage]
+        path = str(self.resume["dir"] / TRAINER_FILE)
+        version = ray.get([t.load_checkpoint.remote(path) for t in trainers])[0]
+        count = ray.get(trainers[0].prepare_buckets.remote(self.settings.sync_bucket_bytes))
+        for index in range(count):
+            bucket = trainers[0].bucket.remote(index)
+            ray.get([r.update_weights.remote(bucket, version, index == count - 1) for r in self._receivers(handles)])
+        self._say(f"resumed from {self.resume['dir'].name}: version {version}, "
+                  f"{self.resume['steps_done']} steps done")
+
     # ---------------------------------------------------------------- drive
 
     def _drive(self, handles: dict[str, list], dataplane) -> int:
@@ -136,29 +161,60 @@ class Driver:
 
         from rldsl.runtime.controller_actor import ControllerActor
 
-        receivers = self._receivers(handles)
+        done_before = self.resume["steps_done"] if self.resume else 0
+        settings = replace(self.settings, steps=self.settings.steps - done_before)
+        if settings.steps <= 0:
+            self._say(f"nothing to do: {done_before} of {self.settings.steps} steps are done")
+            return 0
         trainer = handles[self.pipe.batch.train_stage][0]
-        self._evaluate(trainer, step=0)
+        self.progress = progress = Progress(self.settings, self.run_dir)
+        if not self.resume:
+            self._evaluate(trainer, step=0)
         controller = ray.remote(ControllerActor).options(num_cpus=_ACTOR_CPUS, name="controller").remote(
-            self.settings, self.pipe, handles, receivers, dataplane.spec)
+            settings, self.pipe, handles, self._receivers(handles), dataplane.spec, self.checkpoint, self.resume_info())
         result_ref = controller.run.remote()
-        progress = Progress(self.settings, self.run_dir / "metrics.jsonl")
-        seen = 0
-        with progress:
-            while True:
-                done, _ = ray.wait([result_ref], timeout=0.5)
-                report = ray.get(controller.progress.remote(seen))
-                for record in report["steps"]:
-                    seen += 1
-                    progress.step(record)
-                    if self._eval_due(record["step"]):
-                        progress.note(self._evaluate(trainer, record["step"]))
-                progress.waits(report["waits"])
-                if done:
-                    break
+        try:
+            with progress:
+                self._follow(controller, result_ref, trainer, progress)
+        except KeyboardInterrupt:
+            return self._checkpoint_on_interrupt(trainer, controller)
         summary = ray.get(result_ref)  # raises PipelineStalled / StepFailed with the controller's words
         self._evaluate(trainer, step=summary["steps"], final=True)
         return self._finish(summary, progress)
+
+    def _follow(self, controller, result_ref, trainer, progress: Progress) -> None:
+        import ray
+
+        seen = 0
+        while True:
+            done, _ = ray.wait([result_ref], timeout=0.5)
+            report = ray.get(controller.progress.remote(seen))
+            for record in report["steps"]:
+                seen += 1
+                progress.step(record)
+                if self._eval_due(record["step"]):
+                    progress.note(self._evaluate(trainer, record["step"]))
+            progress.waits(report["waits"])
+            if done:
+                return
+
+    def resume_info(self) -> dict | None:
+        return None if not self.resume else {k: v for k, v in self.resume.items() if k != "dir"}
+
+    def _checkpoint_on_interrupt(self, trainer, controller) -> int:
+        import ray
+
+        if self.trainer_engine != "torch":
+            self._say("interrupted")
+            return 130
+        version = ray.get(trainer.save_checkpoint.remote())
+        saved = ray.get(controller.save_progress.remote(version))
+        if saved:
+            self._say(f"interrupted: checkpoint saved at version {version}; continue with "
+                      f"`rldsl run --resume {self.run_dir}`")
+        else:
+            self._say("interrupted before the first finished step: nothing to checkpoint")
+        return 130
 
     def _receivers(self, handles: dict[str, list]) -> list:
         targets = {e.dst for e in self.pipe.edges if e.kind == "weights"}
@@ -181,8 +237,7 @@ class Driver:
         generate = next(s for s in self.pipe.stages if s.kind == "generate")
         accuracy = ray.get(trainer.evaluate.remote(prompts, generate.settings["max_new_tokens"]))
         self.evals.append({"step": step, "accuracy": accuracy, "prompts": len(prompts)})
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"eval": True, "step": step, "accuracy": accuracy}) + "\n")
+        self.progress.eval(step, accuracy)
         text = f"eval @ step {step}: held-out accuracy {accuracy:.3f} ({len(prompts)} prompts, greedy)"
         if step == 0 or final:
             self._say(text)
@@ -204,3 +259,25 @@ class Driver:
         progress.final_table(summary, self.run_dir)
         return 0
 
+
+
+def _resume_point(run_dir: Path) -> dict:
+    from rldsl.runtime.checkpoint import PROGRESS_FILE, latest_complete
+
+    found = latest_complete(run_dir)
+    if found is None:
+        raise ResumeError(f"{run_dir} has no complete checkpoint (checkpoints/v*/ with trainer.pt and progress.json)")
+    progress = json.loads((found / PROGRESS_FILE).read_text())
+    return {"dir": found, **progress}
+
+
+def _previous_evals(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{"step": r["step"], "accuracy": r["accuracy"]} for r in records if r.get("eval")]
+
+
+class ResumeError(RuntimeError):
+    pass

@@ -32,8 +32,8 @@ def _sim_latency(stage: StagePlan):
     from rldsl.runtime.engines.sim import Latency
 
     args = stage.engine.args
-    return Latency.constant(args.get("latency", 0.01), tail_prob=args.get("tail", 0.0),
-                            tail_mult=args.get("tail_factor", 1.0))
+    return Latency.jittered(args.get("latency", 0.01), args.get("jitter", 0.0), args.get("tail", 0.0),
+                            args.get("tail_factor", 1.0))
 
 
 def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int):

@@ -52,16 +52,18 @@ def run_plan(plan: ExecutionPlan, args) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     pipe = plan.pipeline()
-    run_dir = Path(args.run_dir or f"runs/{pipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    resume = bool(getattr(args, "resume", None))
+    run_dir = Path(args.resume or args.run_dir or f"runs/{pipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "plan.json").write_text(plan.to_json() + "\n")
-    (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file, "pipeline": pipe.name}) + "\n")
+    if not resume:
+        (run_dir / "plan.json").write_text(plan.to_json() + "\n")
+        (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file, "pipeline": pipe.name}) + "\n")
     settings = settings_from_plan(pipe, args.steps)
-    try:
-        from rldsl.runtime.driver import Driver
+    from rldsl.runtime.driver import Driver, ResumeError
 
-        return Driver(plan, pipe, settings, run_dir, address=args.address).run()
-    except ClusterError as err:
+    try:
+        return Driver(plan, pipe, settings, run_dir, address=args.address, resume=resume).run()
+    except (ClusterError, ResumeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except (PipelineStalled, StepFailed) as err:

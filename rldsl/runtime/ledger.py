@@ -52,6 +52,9 @@ class Ledger:
             if self._close(key, reason):
                 self._dropped[reason] += 1
 
+    def trained_keys(self) -> list[str]:
+        return [key for key, outcome in self._outcome.items() if outcome == TRAINED]
+
     def open_keys(self) -> list[str]:
         return [key for key, outcome in self._outcome.items() if outcome is None]
 

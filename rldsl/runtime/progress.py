@@ -1,5 +1,5 @@
 """Live progress of a run (rich on a terminal, a line per step otherwise),
-metrics as JSONL, and the final summary table."""
+metrics as JSONL and TensorBoard events, and the final summary table."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from rldsl.runtime.settings import RunSettings
 
 
 class Progress:
-    def __init__(self, settings: RunSettings, metrics_path: Path):
+    def __init__(self, settings: RunSettings, run_dir: Path):
         from rich.console import Console
 
         self.settings = settings
-        self.metrics_path = metrics_path
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.tensorboard = _tensorboard(run_dir / "tensorboard")
         self.console = Console(stderr=True)
         if not self.console.is_terminal:  # logs: one unwrapped line per step
             self.console = Console(stderr=True, width=400)
@@ -38,11 +39,23 @@ class Progress:
         if self.live is not None:
             self.live.update(self._render())
             self.live.__exit__(*exc)
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
+
+    def _append(self, record: dict) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def eval(self, step: int, accuracy: float) -> None:
+        self._append({"eval": True, "step": step, "accuracy": accuracy})
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar("eval/accuracy", accuracy, step)
+            self.tensorboard.flush()
 
     def step(self, record: dict) -> None:
         self.last = record
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+        self._append(record)
+        self._scalars(record)
         if self.live is not None:
             self.live.update(self._render())
         else:
@@ -63,7 +76,7 @@ class Progress:
             self.live.update(self._render())
 
     def _line(self, r: dict) -> str:
-        reward = r.get("trainer", {}).get("reward_mean", r.get("reward_mean"))
+        reward = r.get("reward_mean")
         reward_text = f" reward {reward:.3f}" if isinstance(reward, (int, float)) else ""
         return (f"step {r['step']}/{self.settings.steps} v{r['version']} lag {_hist(r['lag_histogram'])} "
                 f"{r['samples_per_s']:.1f} samples/s{reward_text} busy {_busy(r['busy'])}")
@@ -79,7 +92,7 @@ class Progress:
         if r:
             table.add_row("lag", _hist(r["lag_histogram"]) + f"   (max_lag {self.settings.max_lag})")
             table.add_row("throughput", f"{r['samples_per_s']:.1f} samples/s")
-            reward = r.get("trainer", {}).get("reward_mean")
+            reward = r.get("reward_mean")
             if isinstance(reward, (int, float)):
                 table.add_row("reward", f"{reward:.3f}")
             table.add_row("busy", _busy(r["busy"]))
@@ -106,6 +119,30 @@ class Progress:
             table.add_row(name, value)
         self.console.print(table)
         self.console.print(f"run directory: {run_dir}  (summary.json, metrics.jsonl)")
+
+
+    def _scalars(self, record: dict) -> None:
+        if self.tensorboard is None:
+            return
+        step = record["step"]
+        for name, value in record.get("trainer", {}).items():
+            if isinstance(value, (int, float)):
+                self.tensorboard.add_scalar(f"train/{name}", value, step)
+        for name in ("samples_per_s", "step_time_s", "reward_mean"):
+            if isinstance(record.get(name), (int, float)):
+                self.tensorboard.add_scalar(f"run/{name}", record[name], step)
+        lags = record["lag_histogram"]
+        total = sum(lags.values()) or 1
+        self.tensorboard.add_scalar("run/mean_lag", sum(int(k) * v for k, v in lags.items()) / total, step)
+
+
+def _tensorboard(path: Path):
+    """A TensorBoard writer, or None when tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(path))
 
 
 def _hist(histogram: dict) -> str:

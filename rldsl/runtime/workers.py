@@ -8,7 +8,7 @@ fields back (one hop); the controller only passes keys and metadata.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Sequence
 
 from rldsl.plan import PipelinePlan, StagePlan
 from rldsl.runtime import protocols as p
@@ -149,10 +149,12 @@ class LogprobWorker(_Worker):
 class TrainerWorker(_Worker):
     """One data-parallel rank of the split-step trainer."""
 
-    def __init__(self, pipe, stage, rank, dataplane_spec, dist: dict | None = None):
+    def __init__(self, pipe, stage, rank, dataplane_spec, dist: dict | None = None,
+                 checkpoint: dict | None = None):
         from rldsl.runtime.engine_factory import build_trainer
 
         super().__init__(pipe, stage, rank, dataplane_spec)
+        self.checkpoint = checkpoint or {}  # {"run_dir": ..., "every": N}
         group = _init_process_group(dist) if dist and dist["world_size"] > 1 else None
         self.engine = build_trainer(stage, pipe, seed=pipe.run.seed, process_group=group)
         self._buckets: list[dict] = []
@@ -168,7 +170,11 @@ class TrainerWorker(_Worker):
         return self.engine.train_microbatch(step, self._get(keys, self.needs))
 
     def finish_train_step(self, step: int) -> p.StepResult:
-        return self.engine.finish_train_step(step)
+        result = self.engine.finish_train_step(step)
+        every = self.checkpoint.get("every")
+        if self.rank == 0 and every and result.version % every == 0 and hasattr(self.engine, "optimizer"):
+            self.save_checkpoint()
+        return result
 
     def abort_train_step(self, step: int) -> None:
         self.engine.abort_train_step(step)
@@ -190,14 +196,25 @@ class TrainerWorker(_Worker):
 
         return greedy_accuracy(self.engine.model, prompts, max_new_tokens=max_new_tokens)
 
-    def state(self) -> dict[str, Any]:
-        return {"model": self.engine.model.module.state_dict(), "optimizer": self.engine.optimizer.state_dict(),
-                "version": self.engine.version}
+    def save_checkpoint(self) -> int:
+        """Model, optimizer and version as of the last finished step (the
+        weights only change at finish, so an open step does not matter)."""
+        from rldsl.runtime.checkpoint import TRAINER_FILE, checkpoint_dir, save_trainer_state
 
-    def load_state(self, state: dict[str, Any]) -> None:
+        version = self.engine.version
+        state = {"model": self.engine.model.module.state_dict(), "optimizer": self.engine.optimizer.state_dict(),
+                 "version": version}
+        save_trainer_state(checkpoint_dir(self.checkpoint["run_dir"], version) / TRAINER_FILE, state)
+        return version
+
+    def load_checkpoint(self, path: str) -> int:
+        from rldsl.runtime.checkpoint import load_trainer_state
+
+        state = load_trainer_state(path)
         self.engine.model.module.load_state_dict(state["model"])
         self.engine.optimizer.load_state_dict(state["optimizer"])
         self.engine.version = state["version"]
+        return self.engine.version
 
 
 def _init_process_group(dist: dict):

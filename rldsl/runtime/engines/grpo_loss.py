@@ -74,14 +74,19 @@ def grpo_loss(
         per_sequence = (per_token * mask).sum(dim=1) / tokens_per_sequence.clamp(min=1)
         loss_sum = per_sequence[has_tokens].sum()
         count = float(has_tokens.sum())
-    stats = {
+    return LossSums(loss_sum, count, _stats(ratio, unclipped, clipped, kl, mask))
+
+
+@torch.no_grad()
+def _stats(ratio, unclipped, clipped, kl, mask) -> dict[str, float]:
+    tokens_per_sequence = mask.sum(dim=1)
+    return {
         "tokens": float(tokens_per_sequence.sum()),
         "sequences": float((tokens_per_sequence > 0).sum()),
         "kl_sum": float((kl * mask).sum()),
         "clipped_tokens": float(((unclipped != clipped).to(mask.dtype) * mask).sum()),
-        "ratio_sum": float((ratio.detach() * mask).sum()),
+        "ratio_sum": float((ratio * mask).sum()),
     }
-    return LossSums(loss_sum, count, stats)
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import asyncio
 import math
 import random
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Collection, Iterator, Mapping, Sequence
 
@@ -125,22 +125,16 @@ class SimGenerator(_Timed):
         self._incoming: int | None = None  # version of a push in progress
 
     def generate(self, prompts: list[p.Prompt], samples_per_prompt: int, seed: int) -> p.Batch:
-        self._start()
-        try:
+        with self._generating():
             time.sleep(self._draw())
             return self._batch(prompts, samples_per_prompt, seed)
-        finally:
-            self.generating = False
 
     async def generate_async(
         self, prompts: Sequence[p.Prompt], samples_per_prompt: int, seed: int, requested_at: float | None = None
     ) -> p.Batch:
-        self._start()
-        try:
+        with self._generating():
             await self._hold(self._draw(), requested_at)
             return self._batch(prompts, samples_per_prompt, seed)
-        finally:
-            self.generating = False
 
     def update_weights(self, bucket: Mapping[str, Any], version: int, last: bool) -> None:
         if self.generating:
@@ -155,12 +149,17 @@ class SimGenerator(_Timed):
     def wake(self) -> None:
         self.asleep = False
 
-    def _start(self) -> None:
+    @contextmanager
+    def _generating(self) -> Iterator[None]:
         if self._incoming is not None:
             raise SplitStepError("generate while a weight push is half done (mixed weights)")
         if self._chance(self.fail_prob):
             raise SimFailure("injected generation failure")
         self.generating = True
+        try:
+            yield
+        finally:
+            self.generating = False
 
     def _batch(self, prompts: Sequence[p.Prompt], samples_per_prompt: int, seed: int) -> p.Batch:
         rows = len(prompts) * samples_per_prompt
@@ -364,17 +363,21 @@ class SimStages:
             for i in range(c.reward_workers)
         ]
         self.logprob_engine = SimLogprob(c.logprob, seed + 2000)
-        self.trainer = SimTrainer(c.microbatch, c.finish, c.trainer_fail_on, c.trainer_fail_prob, c.weight_bytes, seed + 3000)
+        self.trainer = SimTrainer(
+            c.microbatch, c.finish, c.trainer_fail_on, c.trainer_fail_prob, c.weight_bytes, seed + 3000
+        )
         self._push_timer = _Timed(c.push_bucket, seed + 4000)
         self._pools: dict[str, asyncio.Queue] = {}
         self.microbatch_keys: list[tuple[int, tuple[str, ...]]] = []
         self._pushing = False
         self.handles = StageHandles(
-            self.generate, self.reward, self.logprob, self.begin_train_step, self.train_microbatch,
-            self.finish_train_step, self.abort_train_step, self.push_weights, self.generator_version,
+            self.generate, self.reward, self.logprob, _as_async(self.trainer.begin_train_step), self.train_microbatch,
+            self.finish_train_step, _as_async(self.trainer.abort_train_step), self.push_weights, self.generator_version,
         )
 
-    async def generate(self, prompts: Sequence[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int) -> int:
+    async def generate(
+        self, prompts: Sequence[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int
+    ) -> int:
         requested_at = asyncio.get_running_loop().time()
         async with _borrow(self._pool("generators")) as generator:
             batch = await generator.generate_async(prompts, samples_per_prompt, seed, requested_at)
@@ -391,9 +394,6 @@ class SimStages:
         values = await self.logprob_engine.logprobs_async(batch)
         await self._put(keys, {self.config.logprob_fields.get(stage, p.FIELD_REF_LOGPROBS): values})
 
-    async def begin_train_step(self, step: int) -> None:
-        self.trainer.begin_train_step(step)
-
     async def train_microbatch(self, step: int, keys: Sequence[str]) -> dict[str, float]:
         self.microbatch_keys.append((step, tuple(keys)))
         batch = await self._get(keys, TRAIN_FIELDS)
@@ -403,9 +403,6 @@ class SimStages:
         if self._pushing:
             raise SplitStepError(f"finish_train_step({step}) while a weight push reads the weights")
         return await self.trainer.finish_train_step_async(step)
-
-    async def abort_train_step(self, step: int) -> None:
-        self.trainer.abort_train_step(step)
 
     async def push_weights(self, version: int) -> None:
         buckets = list(self.trainer.weight_buckets(self.settings.sync_bucket_bytes))
@@ -434,6 +431,13 @@ class SimStages:
 
     async def _get(self, keys: Sequence[str], fields: Sequence[str]) -> dict:
         return await resolve(self.dataplane.get(list(keys), self.settings.pipeline, list(fields)))
+
+
+def _as_async(call: Any) -> Any:
+    async def called(*args: Any) -> Any:
+        return call(*args)
+
+    return called
 
 
 @asynccontextmanager

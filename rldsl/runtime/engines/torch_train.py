@@ -53,7 +53,7 @@ class TorchTrainer:
         self,
         model,
         loss: GRPOLossConfig | dict | None = None,
-        lr: float = 1e-3,
+        lr: float = 5e-4,  # measured on builtin:tiny-lm; far too high for pretrained HF models
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
         max_grad_norm: float | None = 1.0,

@@ -1,0 +1,66 @@
+"""Checkpoints: where they live and what makes one complete.
+
+    RUN_DIR/checkpoints/v000020/trainer.pt      model, optimizer, version (rank 0)
+    RUN_DIR/checkpoints/v000020/progress.json   steps done, prompts trained, evals
+
+Both are written for the same trainer version: the trainer at the end of
+``finish_train_step``, the controller when it records that step. A checkpoint
+is complete when both exist. Resuming reloads the trainer, pushes its weights
+to the generators and skips every prompt already trained, so no sample is
+trained twice; groups generated but not yet trained are generated again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+TRAINER_FILE = "trainer.pt"
+PROGRESS_FILE = "progress.json"
+
+
+def checkpoint_dir(run_dir: Path, version: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"v{version:06d}"
+
+
+def write_json_atomically(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def save_trainer_state(path: Path, state: dict) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_trainer_state(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def latest_complete(run_dir: Path) -> Path | None:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    complete = [d for d in root.iterdir() if (d / TRAINER_FILE).exists() and (d / PROGRESS_FILE).exists()]
+    return max(complete, key=lambda d: d.name) if complete else None
+
+
+def compress_indices(indices: set[int]) -> dict:
+    """{'below': w, 'above': [...]}: every index < w is in the set, plus a few above."""
+    below = 0
+    while below in indices:
+        below += 1
+    return {"below": below, "above": sorted(i for i in indices if i > below)}
+
+
+def expand_indices(compressed: dict) -> tuple[int, set[int]]:
+    return compressed["below"], set(compressed["above"])

@@ -1,0 +1,276 @@
+"""Hugging Face <-> Megatron weight names and layouts for Llama-style models.
+
+Pure torch (no megatron, no transformers), so it is tested anywhere.
+
+Llama, Mistral, Qwen2/2.5 and Qwen3-dense share one layout: RMSNorm,
+rotary positions, grouped-query attention and a gated SiLU MLP. Megatron
+stores two of their weights fused:
+
+- ``linear_qkv`` holds q, k and v interleaved per query group: for each of
+  the ``kv_heads`` groups, that group's ``heads / kv_heads`` query heads,
+  then its key head, then its value head (``head_dim`` rows each). This is
+  the order Megatron's attention splits its fused projection in, and it
+  keeps each group contiguous, so a tensor-parallel shard is a plain slice.
+- ``linear_fc1`` holds ``[gate; up]``; under tensor parallelism each rank
+  holds ``[gate_r; up_r]``, so merging shards is not a plain concatenation.
+
+Names come in two styles: ``fused_norms=False`` for Megatron's local layer
+spec (separate ``input_layernorm`` / ``pre_mlp_layernorm`` modules) and
+``fused_norms=True`` for the Transformer Engine spec (norm weights live in
+``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping
+
+import torch
+
+COPY, QKV, GATED = "copy", "qkv", "gated"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The sizes a conversion needs, read from a Hugging Face config."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    head_dim: int | None = None  # default hidden_size // num_heads
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_positions: int = 4096
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} attention heads do not split into {self.num_kv_heads} groups")
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def queries_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping) -> "LlamaShape":
+        """From ``config.json`` of a Llama / Mistral / Qwen2 / Qwen3 model."""
+        rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # older / newer transformers
+        if rope.get("rope_type", rope.get("type")) not in (None, "default"):
+            raise NotImplementedError(f"rope scaling {rope} is not converted; only plain rotary embeddings are")
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise NotImplementedError("output-projection and MLP biases are not converted")
+        return cls(
+            hidden_size=config["hidden_size"],
+            ffn_hidden_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            vocab_size=config["vocab_size"],
+            head_dim=config.get("head_dim"),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=config.get("model_type") == "qwen2",  # Qwen2 has q/k/v biases its config does not mention
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=config.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            max_positions=config.get("max_position_embeddings", 4096),
+        )
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Megatron tensor and the Hugging Face tensors it is made of."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str = COPY
+
+
+def conversion_rules(shape: LlamaShape, fused_norms: bool = False) -> list[Rule]:
+    rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
+    for layer in range(shape.num_layers):
+        rules += _layer_rules(layer, shape, fused_norms)
+    rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",)))
+    if not shape.tied_embeddings:
+        rules.append(Rule("output_layer.weight", ("lm_head.weight",)))
+    return rules
+
+
+def _layer_rules(layer: int, shape: LlamaShape, fused_norms: bool) -> list[Rule]:
+    mc, hf = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+    attention, mlp = hf + "self_attn.", hf + "mlp."
+    input_norm = "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
+    mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"
+    rules = [
+        Rule(mc + input_norm, (hf + "input_layernorm.weight",)),
+        Rule(mc + "self_attention.linear_qkv.weight", tuple(f"{attention}{p}_proj.weight" for p in "qkv"), QKV),
+        Rule(mc + "self_attention.linear_proj.weight", (attention + "o_proj.weight",)),
+        Rule(mc + mlp_norm, (hf + "post_attention_layernorm.weight",)),
+        Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), GATED),
+        Rule(mc + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",)),
+    ]
+    if shape.qkv_bias:
+        rules.append(Rule(mc + "self_attention.linear_qkv.bias", tuple(f"{attention}{p}_proj.bias" for p in "qkv"), QKV))
+    return rules
+
+
+# -- fusing and splitting ----------------------------------------------------------
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: LlamaShape) -> torch.Tensor:
+    """[q; k; v] (HF) -> per-group interleaved rows (Megatron). Works for weights and biases."""
+    groups, d = shape.num_kv_heads, shape.kv_channels
+    tail = q.shape[1:]
+    parts = (q.reshape(groups, shape.queries_per_group * d, *tail), k.reshape(groups, d, *tail),
+             v.reshape(groups, d, *tail))
+    return torch.cat(parts, dim=1).reshape(-1, *tail)
+
+
+def split_qkv(fused: torch.Tensor, shape: LlamaShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, d = shape.num_kv_heads, shape.kv_channels
+    tail = fused.shape[1:]
+    per_group = fused.reshape(groups, (shape.queries_per_group + 2) * d, *tail)
+    q, k, v = torch.split(per_group, [shape.queries_per_group * d, d, d], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def _combine(rule: Rule, parts: list[torch.Tensor], shape: LlamaShape) -> torch.Tensor:
+    if rule.kind == QKV:
+        return fuse_qkv(*parts, shape)
+    if rule.kind == GATED:
+        return torch.cat(parts, dim=0)
+    return parts[0]
+
+
+def _separate(rule: Rule, tensor: torch.Tensor, shape: LlamaShape) -> tuple[torch.Tensor, ...]:
+    if rule.kind == QKV:
+        return split_qkv(tensor, shape)
+    if rule.kind == GATED:
+        return tuple(torch.chunk(tensor, 2, dim=0))
+    return (tensor,)
+
+
+# -- whole state dicts -----------------------------------------------------------
+
+
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: LlamaShape, fused_norms: bool = False) -> dict:
+    """A full Hugging Face state dict -> a full (unsharded) Megatron one."""
+    missing = [name for rule in conversion_rules(shape, fused_norms) for name in rule.hf if name not in hf]
+    if missing:
+        raise KeyError(f"Hugging Face weights missing {len(missing)} tensors, e.g. {missing[:3]}")
+    return {rule.megatron: _combine(rule, [hf[n] for n in rule.hf], shape)
+            for rule in conversion_rules(shape, fused_norms)}
+
+
+def megatron_to_hf(megatron: Mapping[str, torch.Tensor], shape: LlamaShape, fused_norms: bool = False) -> dict:
+    """A full Megatron state dict -> a Hugging Face one (no ``lm_head`` when tied)."""
+    converted = {}
+    for name, tensor in megatron.items():
+        converted.update(megatron_tensor_to_hf(name, tensor, shape, fused_norms))
+    return converted
+
+
+def megatron_tensor_to_hf(name: str, tensor: torch.Tensor, shape: LlamaShape,
+                          fused_norms: bool = False) -> dict[str, torch.Tensor]:
+    """One full Megatron tensor -> its Hugging Face tensors (for streaming export)."""
+    rule = _rules_by_megatron_name(shape, fused_norms).get(name)
+    if rule is None:
+        raise KeyError(f"no Hugging Face counterpart for Megatron weight {name!r}")
+    return dict(zip(rule.hf, _separate(rule, tensor, shape)))
+
+
+def _rules_by_megatron_name(shape: LlamaShape, fused_norms: bool) -> dict[str, Rule]:
+    return {rule.megatron: rule for rule in conversion_rules(shape, fused_norms)}
+
+
+class HFToMegatronAssembler:
+    """Hugging Face tensors arriving in any order (weight-sync buckets) ->
+    complete Megatron tensors, as soon as every part of one has arrived."""
+
+    def __init__(self, shape: LlamaShape, fused_norms: bool = False):
+        self.shape = shape
+        self._rule_of = {hf: rule for rule in conversion_rules(shape, fused_norms) for hf in rule.hf}
+        self._parts: dict[str, dict[str, torch.Tensor]] = {}
+
+    def add(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for hf_name, tensor in items:
+            if hf_name == "lm_head.weight" and self.shape.tied_embeddings:
+                continue  # the embedding already is the output layer
+            rule = self._rule_of.get(hf_name)
+            if rule is None:
+                raise KeyError(f"Hugging Face weight {hf_name!r} has no Megatron counterpart")
+            parts = self._parts.setdefault(rule.megatron, {})
+            parts[hf_name] = tensor
+            if len(parts) == len(rule.hf):
+                del self._parts[rule.megatron]
+                yield rule.megatron, _combine(rule, [parts[n] for n in rule.hf], self.shape)
+
+    def pending(self) -> list[str]:
+        """Megatron tensors with some but not all parts received."""
+        return sorted(self._parts)
+
+
+# -- tensor parallelism -----------------------------------------------------------
+
+_COLUMN = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias")
+_ROW = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def tensor_parallel_kind(name: str) -> str:
+    """How Megatron splits a weight over tensor-parallel ranks:
+    ``column`` (dim 0), ``row`` (dim 1), ``gated`` (gate and up each by dim 0)
+    or ``replicated``."""
+    if name.endswith("linear_fc1.weight"):
+        return GATED
+    if name.endswith(_COLUMN):
+        return "column"
+    if name.endswith(_ROW):
+        return "row"
+    return "replicated"
+
+
+def split_for_tensor_parallel(name: str, tensor: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """The per-rank shards of a full Megatron tensor."""
+    kind = tensor_parallel_kind(name)
+    if kind == "replicated":
+        return [tensor] * tp
+    if kind == GATED:
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        return [torch.cat(pair, dim=0) for pair in zip(_even_chunks(gate, tp, 0, name), _even_chunks(up, tp, 0, name))]
+    return _even_chunks(tensor, tp, 0 if kind == "column" else 1, name)
+
+
+def merge_tensor_parallel(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full Megatron tensor from its shards, in tensor-parallel rank order."""
+    kind = tensor_parallel_kind(name)
+    if kind == "replicated":
+        return shards[0]
+    if kind == GATED:
+        halves = [torch.chunk(shard, 2, dim=0) for shard in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=0 if kind == "column" else 1)
+
+
+def _even_chunks(tensor: torch.Tensor, parts: int, dim: int, name: str) -> list[torch.Tensor]:
+    if tensor.shape[dim] % parts:
+        raise ValueError(f"{name}: dimension {dim} of size {tensor.shape[dim]} does not split over tp = {parts}")
+    return list(torch.chunk(tensor, parts, dim=dim))
+
+
+# -- pipeline parallelism ---------------------------------------------------------
+
+
+def with_layer_offset(name: str, offset: int) -> str:
+    """A pipeline stage's local layer name -> the global one."""
+    match = _LAYER.match(name)
+    if match is None or offset == 0:
+        return name
+    return f"decoder.layers.{int(match.group(1)) + offset}.{name[match.end():]}"

@@ -1,0 +1,132 @@
+"""Run megatron-core 0.16.1 on a CPU with gloo: FOR TESTS ONLY.
+
+megatron-core assumes CUDA in a handful of places that have nothing to do
+with the maths under test (the split-step gradient, the weight layout). On a
+CPU-only torch those places raise. ``megatron_on_cpu()`` patches exactly
+these places for the duration of a ``with`` block and restores every
+original on exit. Production code never imports this module; on a GPU none
+of it is needed.
+
+Each patch, and why:
+
+1. ``torch.cuda.current_device`` returns ``"cpu"``. Rotary embeddings, the
+   DDP wrapper and the fp32 optimizer pass ``torch.cuda.current_device()`` as
+   a device; ``"cpu"`` is a valid device there, and torch's own function
+   raises on a CPU build.
+2. The module-level ``torch`` of the megatron modules below is swapped for a
+   proxy whose tensor factories map ``device="cuda"`` to the CPU. These
+   modules allocate small bookkeeping tensors (token counters, overflow
+   flags, the default causal mask, grad-norm buffers) with a literal
+   ``device="cuda"``. Everything else about ``torch`` is passed through.
+3. ``CudaRNGStatesTracker.add`` / ``.fork`` keep CPU generator states. The
+   tracker snapshots CUDA RNG states so dropout differs across tensor-parallel
+   ranks; on a CPU the equivalent is the CPU generator (the tests use no
+   dropout, so this only has to not raise and to restore the state).
+4. ``clip_grad_by_total_norm_fp32`` is replaced by the same clipping without
+   its assertion that every gradient is a ``torch.cuda.FloatTensor``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Iterator
+
+import torch
+
+# Modules that allocate with a literal ``device="cuda"`` on the paths the tests use.
+_MODULES_WITH_CUDA_LITERALS = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.transformer.utils",
+    "megatron.core.utils",
+)
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
+
+
+def _cpu_if_cuda(device):
+    if device is None:
+        return None
+    if isinstance(device, int) or str(device).startswith("cuda"):
+        return "cpu"
+    return device
+
+
+class _CpuTorch:
+    """``torch`` with ``device="cuda"`` in tensor factories read as the CPU."""
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        if name not in _FACTORIES:
+            return value
+
+        def factory(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+            return value(*args, **kwargs)
+
+        return factory
+
+
+def _rng_add(self, name, seed):
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self._is_initialized = True
+    self.seeds_.add(seed)
+    self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+
+@contextlib.contextmanager
+def _rng_fork(self, name="model-parallel-rng"):
+    outer = torch.get_rng_state()
+    torch.set_rng_state(self.states_[name])
+    try:
+        yield
+    finally:
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(outer)
+
+
+def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    attribute = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attribute) for p in parameters if getattr(p, attribute, None) is not None]
+    coefficient = max_norm / (total_norm + 1.0e-6)
+    if coefficient < 1.0:
+        for grad in grads:
+            grad.mul_(coefficient)
+
+
+class _Patches:
+    def __init__(self):
+        self._undo: list[tuple[object, str, object]] = []
+
+    def set(self, owner, name: str, value) -> None:
+        self._undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def undo(self) -> None:
+        while self._undo:
+            owner, name, original = self._undo.pop()
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def megatron_on_cpu() -> Iterator[None]:
+    """Apply the patches above; restore every original on exit."""
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.tensor_parallel import random
+
+    patches = _Patches()
+    try:
+        patches.set(torch.cuda, "current_device", lambda: "cpu")
+        cpu_torch = _CpuTorch()
+        for module_name in _MODULES_WITH_CUDA_LITERALS:
+            patches.set(importlib.import_module(module_name), "torch", cpu_torch)
+        patches.set(random.CudaRNGStatesTracker, "add", _rng_add)
+        patches.set(random.CudaRNGStatesTracker, "fork", _rng_fork)
+        for module in (clip_grads, optimizer):  # optimizer.py imported the function by name
+            patches.set(module, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm)
+        yield
+    finally:
+        patches.undo()

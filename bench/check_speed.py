@@ -32,7 +32,7 @@ def big_pipeline(n_stages: int) -> str:
              "stage train actor { model = policy  gpus = 8  prompts_per_step = 16 }",
              "stage sync weights { from = actor  to = rollout }"]
     chain = ["prompts", "rollout"]
-    for i in range(n_stages - 4):
+    for i in range(n_stages - 3):  # + rollout, actor and the sync stage
         if i % 2:
             lines.append(f'stage reward r{i} {{ fn = "rldsl.rewards:exact_match" }}')
         else:

@@ -63,13 +63,14 @@ def _exit_code(result, strict: bool) -> int:
 
 def cmd_check(args) -> int:
     from rldsl.compiler.diagnostics import render_text, to_json, to_sarif
-    from rldsl.compiler.rules.catalog import RULES
 
     results = [_compile(path, want_plan=False) for path in args.files]
     if args.format == "json":
         payload = [to_json(r.diagnostics, r.filename) for r in results]
         print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
     elif args.format == "sarif":
+        from rldsl.compiler.rules.catalog import RULES
+
         sarif = to_sarif([d for r in results for d in r.diagnostics], results[0].filename,
                          {c: r.summary for c, r in RULES.items()})
         if len(results) > 1:  # one run, results from every file

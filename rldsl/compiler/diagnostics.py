@@ -6,7 +6,6 @@ renderers here are the only place that knows how a finding looks.
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -56,6 +55,8 @@ def sort_diagnostics(diags: Iterable[Diagnostic]) -> list[Diagnostic]:
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str | None:
     """The help line for a near miss, or None when nothing is close."""
+    import difflib  # only when a name is wrong: keeps `check` start-up small
+
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f"did you mean `{close[0]}`?" if close else None
 

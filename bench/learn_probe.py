@@ -1,12 +1,13 @@
 """Does the embedded default learn? A single-process GRPO loop on the torch engines.
 
-    python bench/learn_probe.py [--task builtin:arith] [--steps 120] ...
+    python bench/learn_probe.py [--task builtin:arith] [--steps 100] [--fresh-cache] ...
 
-Warm-starts builtin:tiny-lm (cached; --fresh-cache retrains it and times
-it), measures held-out greedy accuracy, then runs GRPO exactly as the
-runtime would, minus Ray: generate with TorchGenerator, reward, group
+Warm-starts builtin:tiny-lm (cached; --fresh-cache retrains it in a temp
+cache and times it), measures held-out greedy accuracy, then runs GRPO the
+way the runtime does, minus Ray: generate with TorchGenerator, reward, group
 advantages, one split train step per RL step (one microbatch per prompt
-group), weight sync through buckets, and measures accuracy again.
+group), weight sync through buckets; samples are trained ``--lag`` steps
+after they were generated (max_lag). Then it measures accuracy again.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from collections import deque
 import torch
 
 from rldsl.models import load_model
-from rldsl.rewards import load_reward, safe_reward
-from rldsl.runtime.engines.torch_engine import TorchGenerator, TorchTrainer, group_advantages
+from rldsl.rewards import exact_match, load_reward, safe_reward
+from rldsl.runtime.engines.torch_engine import TorchGenerator, TorchLogprob, TorchTrainer, group_advantages
 from rldsl.tasks import load_dataset
 
 
@@ -39,49 +40,113 @@ def parse_args():
     parser.add_argument("--beta2", type=float, default=0.99)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--clip", type=float, default=0.2)
-    parser.add_argument("--kl", type=float, default=0.0)
+    parser.add_argument("--kl", type=float, default=0.0, help="k3 KL coefficient to the frozen warm start")
     parser.add_argument("--level", default="token", choices=["token", "sequence"])
+    parser.add_argument("--lag", type=int, default=1, help="steps between generation and training (max_lag)")
     parser.add_argument("--bucket-bytes", type=int, default=64 * 1024)
-    parser.add_argument(
-        "--warm", action="append", default=[], metavar="NAME=VALUE", help="override a WarmStartSettings field"
-    )
     parser.add_argument("--d-model", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--lag", type=int, default=1, help="steps between generation and training (max_lag)")
-    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--warm", action="append", default=[], metavar="NAME=VALUE", help="a WarmStartSettings field")
+    parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--fresh-cache", action="store_true", help="retrain the warm start in a temp cache")
     return parser.parse_args()
 
 
-def accuracy(generator: TorchGenerator, prompts, reward) -> float:
-    responses = generator.generate_greedy(prompts)
-    return sum(reward(r, p.answer, p.text) for r, p in zip(responses, prompts)) / len(prompts)
+def number(text: str):
+    return int(text) if text.lstrip("-").isdigit() else float(text)
 
 
-def rollout(step, prompts, generator, reward, args) -> dict:
-    """One step's samples with rewards and group-normalised advantages."""
-    batch = generator.generate(prompts, args.samples_per_prompt, seed=args.seed * 100_003 + step)
-    responses = generator.decode(batch)
-    rewards = []
-    for row, response in enumerate(responses):
-        prompt = prompts[row // args.samples_per_prompt]
-        value, _ = safe_reward(reward, response, prompt.answer, prompt.text)
-        rewards.append(value or 0.0)
-    batch["reward"] = torch.tensor(rewards)
-    batch["advantage"] = group_advantages(batch["reward"], args.samples_per_prompt)
-    return batch
+class Probe:
+    def __init__(self, args):
+        self.args = args
+        shape = {}
+        if args.d_model:
+            shape.update(d_model=args.d_model, d_ff=4 * args.d_model)
+        if args.layers:
+            shape.update(n_layers=args.layers)
+        warm = {name: number(value) for name, value in (item.split("=", 1) for item in args.warm)}
 
+        def model():
+            return load_model("builtin:tiny-lm", seed=args.seed, warm_start_task=args.task, warm_start_settings=warm, **shape)
 
-def train_and_sync(step, batch, generator, trainer, args) -> dict:
-    trainer.begin_train_step(step)
-    for start in range(0, len(batch["reward"]), args.samples_per_prompt):  # one prompt group per microbatch
-        trainer.train_microbatch(step, {k: v[start : start + args.samples_per_prompt] for k, v in batch.items()})
-    result = trainer.finish_train_step(step)
-    buckets = list(trainer.weight_buckets(args.bucket_bytes))
-    for index, bucket in enumerate(buckets):
-        generator.update_weights(bucket, result.version, last=index == len(buckets) - 1)
-    return result.metrics
+        started = time.perf_counter()
+        policy = model()  # trains the warm start unless cached
+        self.warm_start_s = time.perf_counter() - started
+        self.warm_start_report = policy.warm_start_report
+        self.generator = TorchGenerator(model(), args.max_new_tokens, args.temperature)
+        self.reference = TorchLogprob(model()) if args.kl > 0 else None
+        self.trainer = TorchTrainer(
+            policy,
+            loss={"clip": args.clip, "kl": args.kl, "level": args.level},
+            lr=args.lr,
+            betas=(0.9, args.beta2),
+            max_grad_norm=args.max_grad_norm or None,
+        )
+        self.reward = load_reward(args.reward)
+        self.train_prompts = load_dataset(args.task, "train", seed=args.seed)
+        self.held_out = load_dataset(args.task, "eval", seed=args.seed)
+
+    def accuracy(self) -> float:
+        responses = self.generator.generate_greedy(self.held_out)
+        return sum(exact_match(r, p.answer) for r, p in zip(responses, self.held_out)) / len(self.held_out)
+
+    def prompts_for(self, step: int):
+        first = (step * self.args.prompts_per_step) % len(self.train_prompts)
+        return self.train_prompts[first : first + self.args.prompts_per_step]
+
+    def rollout(self, step: int) -> dict:
+        """One step's samples with rewards, advantages and (with KL) reference logprobs."""
+        prompts, group = self.prompts_for(step), self.args.samples_per_prompt
+        batch = self.generator.generate(prompts, group, seed=self.args.seed * 100_003 + step)
+        rewards = []
+        for row, response in enumerate(self.generator.decode(batch)):
+            prompt = prompts[row // group]
+            value, _ = safe_reward(self.reward, response, prompt.answer, prompt.text)
+            rewards.append(value or 0.0)
+        batch["reward"] = torch.tensor(rewards)
+        batch["advantage"] = group_advantages(batch["reward"], group)
+        if self.reference is not None:
+            batch["ref_logprobs"] = self.reference.logprobs(batch)
+        return batch
+
+    def train_and_sync(self, step: int, batch: dict) -> dict:
+        group = self.args.samples_per_prompt
+        self.trainer.begin_train_step(step)
+        for start in range(0, len(batch["reward"]), group):  # one prompt group per microbatch
+            self.trainer.train_microbatch(step, {name: value[start : start + group] for name, value in batch.items()})
+        result = self.trainer.finish_train_step(step)
+        buckets = list(self.trainer.weight_buckets(self.args.bucket_bytes))
+        for index, bucket in enumerate(buckets):
+            self.generator.update_weights(bucket, result.version, last=index == len(buckets) - 1)
+        return result.metrics
+
+    def run(self):
+        args = self.args
+        print(f"warm start {self.warm_start_report} in {self.warm_start_s:.1f}s")
+        start_accuracy = self.accuracy()
+        print(f"held-out greedy accuracy before RL: {start_accuracy:.3f} ({len(self.held_out)} prompts)")
+        started = time.perf_counter()
+        in_flight = deque(self.rollout(step) for step in range(args.lag))  # the generator runs `lag` ahead
+        for step in range(args.steps):
+            in_flight.append(self.rollout(step + args.lag))
+            batch = in_flight.popleft()
+            metrics = self.train_and_sync(step, batch)
+            if (step + 1) % args.eval_every == 0:
+                print(
+                    f"step {step + 1:4d} {time.perf_counter() - started:6.1f}s  "
+                    f"reward {float(batch['reward'].mean()):.3f}  ratio {metrics.get('mean_ratio', 1):.4f}  "
+                    f"kl {metrics.get('kl', 0):.4f}  grad_norm {metrics.get('grad_norm', 0):.2f}  "
+                    f"held-out acc {self.accuracy():.3f}",
+                    flush=True,
+                )
+        rl_s = time.perf_counter() - started
+        end_accuracy = self.accuracy()
+        print(
+            f"\nheld-out greedy accuracy {start_accuracy:.3f} -> {end_accuracy:.3f} "
+            f"({end_accuracy - start_accuracy:+.3f}); warm start {self.warm_start_s:.1f}s, RL {rl_s:.1f}s "
+            f"({rl_s / args.steps:.3f}s/step)"
+        )
 
 
 def main():
@@ -91,58 +156,8 @@ def main():
     if args.fresh_cache:
         os.environ["RLDSL_CACHE_DIR"] = tempfile.mkdtemp(prefix="rldsl-probe-")
     started = time.perf_counter()
-    warm = {name: float(value) for name, value in (item.split("=", 1) for item in args.warm)}
-    shape = {}
-    if args.d_model:
-        shape.update(d_model=args.d_model, d_ff=4 * args.d_model)
-    if args.layers:
-        shape.update(n_layers=args.layers)
-    policy = load_model("builtin:tiny-lm", seed=args.seed, warm_start_task=args.task, warm_start_settings=warm, **shape)
-    warm_s = time.perf_counter() - started
-    print(f"warm start: {getattr(policy, 'warm_start_report', {})} in {warm_s:.1f}s")
-    generator = TorchGenerator(
-        load_model("builtin:tiny-lm", seed=args.seed, warm_start_task=args.task, warm_start_settings=warm, **shape),
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-    )
-    loss = {"clip": args.clip, "kl": args.kl, "level": args.level}
-    trainer = TorchTrainer(
-        policy, loss=loss, lr=args.lr, betas=(0.9, args.beta2), max_grad_norm=args.max_grad_norm or None
-    )
-    reward = load_reward(args.reward)
-    exact = load_reward("rldsl.rewards:exact_match")
-    train = load_dataset(args.task, "train", seed=args.seed)
-    held_out = load_dataset(args.task, "eval", seed=args.seed)
-    start_accuracy = accuracy(generator, held_out, exact)
-    print(f"held-out greedy accuracy before RL: {start_accuracy:.3f} ({len(held_out)} prompts)")
-    rl_started = time.perf_counter()
-    def prompts_for(step):
-        first = (step * args.prompts_per_step) % len(train)
-        return train[first : first + args.prompts_per_step]
-
-    # Samples are trained `lag` steps after they were generated, as with an
-    # asynchronous pipeline whose generator runs max_lag steps ahead.
-    in_flight = deque(rollout(step, prompts_for(step), generator, reward, args) for step in range(args.lag))
-    for step in range(args.steps):
-        in_flight.append(rollout(step + args.lag, prompts_for(step + args.lag), generator, reward, args))
-        batch = in_flight.popleft()
-        mean_reward = float(batch["reward"].mean())
-        metrics = train_and_sync(step, batch, generator, trainer, args)
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            elapsed = time.perf_counter() - rl_started
-            print(
-                f"step {step + 1:4d}  {elapsed:6.1f}s  reward {mean_reward:.3f}  "
-                f"loss {metrics.get('loss', 0):+.4f}  ratio {metrics.get('mean_ratio', 1):.4f}  grad_norm {metrics.get('grad_norm', 0):.3f}  "
-                f"held-out acc {accuracy(generator, held_out, exact):.3f}",
-                flush=True,
-            )
-    rl_s = time.perf_counter() - rl_started
-    end_accuracy = accuracy(generator, held_out, exact)
-    print(
-        f"\nheld-out greedy accuracy {start_accuracy:.3f} -> {end_accuracy:.3f} "
-        f"({end_accuracy - start_accuracy:+.3f}); warm start {warm_s:.1f}s, RL {rl_s:.1f}s, "
-        f"total {time.perf_counter() - started:.1f}s"
-    )
+    Probe(args).run()
+    print(f"total wall-clock {time.perf_counter() - started:.1f}s")
 
 
 if __name__ == "__main__":

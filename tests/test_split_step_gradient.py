@@ -41,7 +41,12 @@ def make_batch(model) -> dict:
         length = 1 + (row * 3) % response_len
         response_mask[row, :length] = 1
     response_ids = response_ids * response_mask
-    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids, "response_mask": response_mask}
+    batch = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+    }
     with torch.no_grad():
         current = response_logprobs(model, batch)
     noise = lambda: 0.3 * torch.randn(current.shape, generator=gen)  # noqa: E731

@@ -21,7 +21,8 @@ def small_model(seed=0):
 
 def trained_batch(generator, samples=4, seed=0):
     batch = generator.generate(PROMPTS, samples, seed=seed)
-    batch["advantage"] = group_advantages(torch.randn(len(PROMPTS) * samples, generator=torch.Generator().manual_seed(1)), samples)
+    rewards = torch.randn(len(PROMPTS) * samples, generator=torch.Generator().manual_seed(1))
+    batch["advantage"] = group_advantages(rewards, samples)
     return batch
 
 
@@ -83,8 +84,9 @@ def test_kv_cache_decoding_matches_full_forward():
         full_logits, _ = model.forward(full_ids, full_mask, positions_from_mask(full_mask))
         logits, cache = model.forward(ids, mask, positions_from_mask(mask))
         steps = [logits[:, -1]]
+        positions = positions_from_mask(full_mask)
         for t in range(ids.shape[1], full_ids.shape[1] - 1):
-            logits, cache = model.forward(full_ids[:, t : t + 1], full_mask[:, : t + 1], positions_from_mask(full_mask)[:, t : t + 1], cache)
+            logits, cache = model.forward(full_ids[:, t : t + 1], full_mask[:, : t + 1], positions[:, t : t + 1], cache)
             steps.append(logits[:, -1])
     incremental = torch.stack(steps, dim=1)
     expected = full_logits[:, ids.shape[1] - 1 : -1]
@@ -100,10 +102,9 @@ def test_greedy_is_temperature_zero_sampling():
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    assert _top_p_filter(probs, 0.7).tolist() == pytest.approx([[0.5, 0.3, 0.0, 0.0]])
-    assert _top_p_filter(probs, 0.8).tolist() == pytest.approx([[0.5, 0.3, 0.0, 0.0]])
-    assert _top_p_filter(probs, 0.81).tolist() == pytest.approx([[0.5, 0.3, 0.15, 0.0]])
-    assert _top_p_filter(probs, 0.5).tolist() == pytest.approx([[0.5, 0.0, 0.0, 0.0]])
+    expected = {0.5: [0.5, 0, 0, 0], 0.7: [0.5, 0.3, 0, 0], 0.85: [0.5, 0.3, 0.15, 0], 1.0: [0.5, 0.3, 0.15, 0.05]}
+    for top_p, kept in expected.items():
+        assert torch.allclose(_top_p_filter(probs, top_p), torch.tensor([kept])), top_p
 
 
 def test_weight_sync_in_buckets_is_exact_and_versioned():
@@ -228,3 +229,51 @@ def test_warm_start_is_cached_and_deterministic(tmp_path, monkeypatch):
         assert torch.equal(tensor, again.module.state_dict()[name])
         assert torch.equal(tensor, fresh.module.state_dict()[name])
     assert not torch.equal(first.module.token_embedding.weight, untrained.module.token_embedding.weight)
+
+
+def test_local_hf_model_runs_through_the_same_engines(tmp_path):
+    """hf:<path> with a tiny local Llama and a character tokenizer (no download)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from rldsl.models.tokenizer import SPECIAL_TOKENS, CharTokenizer
+
+    characters = CharTokenizer().characters
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *characters])}
+    char_tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    char_tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    char_tokenizer.decoder = tokenizers.decoders.Fuse()
+    char_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    special = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), **special)
+    fast.save_pretrained(tmp_path)
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+
+    generator = TorchGenerator(load_model(f"hf:{tmp_path}"), max_new_tokens=5)
+    trainer = TorchTrainer(load_model(f"hf:{tmp_path}"))
+    batch = trained_batch(generator)
+    assert torch.equal(response_logprobs(trainer.model, batch), batch["behaviour_logprobs"])
+    assert all(isinstance(text, str) for text in generator.decode(batch))
+    trainer.begin_train_step(0)
+    trainer.train_microbatch(0, batch)
+    version = trainer.finish_train_step(0).version
+    buckets = list(trainer.weight_buckets(bucket_bytes=8192))
+    for index, bucket in enumerate(buckets):
+        generator.update_weights(bucket, version, index == len(buckets) - 1)
+    for name, tensor in trainer.model.module.state_dict().items():
+        assert torch.equal(generator.model.module.state_dict()[name], tensor), name
+
+
+def test_right_padded_prompts_from_a_data_plane_are_realigned():
+    generator = TorchGenerator(small_model(), max_new_tokens=4)
+    batch = generator.generate(PROMPTS, 2, seed=3)
+    right_ids, right_mask = torch.zeros_like(batch["prompt_ids"]), torch.zeros_like(batch["prompt_mask"])
+    for row, (ids, mask) in enumerate(zip(batch["prompt_ids"], batch["prompt_mask"])):
+        real = ids[mask.bool()]
+        right_ids[row, : len(real)], right_mask[row, : len(real)] = real, 1
+    realigned = dict(batch, prompt_ids=right_ids, prompt_mask=right_mask)
+    assert torch.equal(TorchLogprob(small_model()).logprobs(realigned), batch["behaviour_logprobs"])

@@ -66,8 +66,9 @@ def load_hf_model(path: str, device="cpu", dtype: str = "float32", **kwargs) -> 
         raise FileNotFoundError(f"hf:{path}: no such local directory (models are never downloaded)")
     transformers = _import_transformers()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    module = transformers.AutoModelForCausalLM.from_pretrained(
-        path, torch_dtype=getattr(torch, dtype), local_files_only=True, **kwargs
-    )
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    dtype_argument = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
+    kwargs[dtype_argument] = getattr(torch, dtype)
+    module = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
     module.to(device)
     return HFCausalLM(module, HFTokenizer(tokenizer), f"hf:{path}", module.config.to_dict())

@@ -133,6 +133,7 @@ class CausalLM:
         self.tokenizer = tokenizer
         self.source = source
         self.config = config
+        self.warm_start_report: dict | None = None  # set by rldsl.models.warmstart
 
     @property
     def eos_id(self) -> int:
@@ -176,8 +177,9 @@ def load_model(
     For the builtin model, ``warm_start_task`` (e.g. ``"builtin:arith"``)
     loads the cached supervised warm start for that task (training it first if
     no cache exists; see ``rldsl.models.warmstart``; ``warm_start_settings``
-    overrides ``WarmStartSettings`` fields). ``options`` override
-    ``TinyLMConfig`` fields, or reach ``rldsl.models.hf.load_hf_model``.
+    overrides ``WarmStartSettings`` fields). HF models are pretrained: seed
+    and warm start are ignored for them. ``options`` override ``TinyLMConfig``
+    fields, or reach ``rldsl.models.hf.load_hf_model`` (e.g. ``dtype``).
     """
     if source == BUILTIN_TINY:
         if warm_start_task is None:

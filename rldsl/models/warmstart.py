@@ -178,7 +178,12 @@ def answer_batch(tokenizer, prompts) -> dict:
     for row, ids in enumerate(answers):
         response_ids[row, : len(ids)] = torch.tensor(ids)
         response_mask[row, : len(ids)] = 1
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids, "response_mask": response_mask}
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+    }
 
 
 def greedy_accuracy(model: CausalLM, prompts, max_new_tokens: int = 8) -> float:

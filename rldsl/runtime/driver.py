@@ -20,8 +20,9 @@ _READY_TIMEOUT_S = 600.0
 
 class Driver:
     def __init__(self, plan: ExecutionPlan, pipe: PipelinePlan, settings: RunSettings, run_dir: Path,
-                 address: str | None = None, resume: bool = False):
+                 address: str | None = None, resume: bool = False, started: float | None = None):
         self.plan, self.pipe, self.settings, self.address = plan, pipe, settings, address
+        self.started = started if started is not None else time.monotonic()  # the whole run, start-up included
         self.run_dir = run_dir.resolve()  # actors write checkpoints here, whatever their working directory
         self.trainer_engine = pipe.stage(pipe.batch.train_stage).engine.name
         self.evals: list[dict] = _previous_evals(self.run_dir) if resume else []
@@ -254,7 +255,8 @@ class Driver:
             summary["eval_start"] = self.evals[0]["accuracy"]
             summary["eval_end"] = self.evals[-1]["accuracy"]
             summary["evals"] = self.evals
-        summary["wall_clock_s"] = time.monotonic() - progress.started
+        summary["wall_clock_s"] = time.monotonic() - self.started
+        summary["train_loop_s"] = time.monotonic() - progress.started
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         progress.final_table(summary, self.run_dir)
         return 0

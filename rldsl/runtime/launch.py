@@ -51,6 +51,7 @@ def run_plan(plan: ExecutionPlan, args) -> int:
         print("  = help: `check` and `plan` cover the shared cluster; run each pipeline from its own file",
               file=sys.stderr)
         return EXIT_USAGE
+    started = time.monotonic()
     pipe = plan.pipeline()
     resume = bool(getattr(args, "resume", None))
     run_dir = Path(args.resume or args.run_dir or f"runs/{pipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -62,7 +63,7 @@ def run_plan(plan: ExecutionPlan, args) -> int:
     from rldsl.runtime.driver import Driver, ResumeError
 
     try:
-        return Driver(plan, pipe, settings, run_dir, address=args.address, resume=resume).run()
+        return Driver(plan, pipe, settings, run_dir, address=args.address, resume=resume, started=started).run()
     except (ClusterError, ResumeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE

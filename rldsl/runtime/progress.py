@@ -111,7 +111,7 @@ class Progress:
                 ("trained", f"{ledger['trained']}"),
                 ("dropped", ", ".join(f"{k} {v}" for k, v in ledger["dropped"].items()) or "0"),
                 ("max lag", f"{summary['max_lag']}"), ("samples/s", f"{summary['samples_per_s']:.1f}"),
-                ("wall clock", f"{summary['wall_clock_s']:.0f}s")]
+                ("wall clock", f"{summary['wall_clock_s']:.0f}s (training loop {summary['train_loop_s']:.0f}s)")]
         if "eval_start" in summary:
             rows.append(("held-out accuracy", f"{summary['eval_start']:.3f} -> {summary['eval_end']:.3f} "
                                               f"({summary['eval_end'] - summary['eval_start']:+.3f})"))

@@ -118,7 +118,8 @@ def _layer_rules(layer: int, shape: LlamaShape, fused_norms: bool) -> list[Rule]
         Rule(mc + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",)),
     ]
     if shape.qkv_bias:
-        rules.append(Rule(mc + "self_attention.linear_qkv.bias", tuple(f"{attention}{p}_proj.bias" for p in "qkv"), QKV))
+        biases = tuple(f"{attention}{p}_proj.bias" for p in "qkv")
+        rules.append(Rule(mc + "self_attention.linear_qkv.bias", biases, QKV))
     return rules
 
 

@@ -13,6 +13,11 @@ Each patch, and why:
    DDP wrapper and the fp32 optimizer pass ``torch.cuda.current_device()`` as
    a device; ``"cpu"`` is a valid device there, and torch's own function
    raises on a CPU build.
+   ``torch.cuda.synchronize`` does nothing: pipeline-parallel send/receive
+   calls it around gloo transfers, which are already synchronous on a CPU.
+   ``Tensor.cuda`` returns the tensor itself: with tied embeddings and
+   pipeline parallelism the first and last stages move the shared weight
+   "to the GPU" before all-reducing it over the embedding group.
 2. The module-level ``torch`` of the megatron modules below is swapped for a
    proxy whose tensor factories map ``device="cuda"`` to the CPU. These
    modules allocate small bookkeeping tensors (token counters, overflow
@@ -120,6 +125,8 @@ def megatron_on_cpu() -> Iterator[None]:
     patches = _Patches()
     try:
         patches.set(torch.cuda, "current_device", lambda: "cpu")
+        patches.set(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+        patches.set(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
         cpu_torch = _CpuTorch()
         for module_name in _MODULES_WITH_CUDA_LITERALS:
             patches.set(importlib.import_module(module_name), "torch", cpu_torch)

@@ -130,7 +130,9 @@ class WeightReceiver:
 
     def require_consistent_weights(self) -> None:
         if self._pending_version is not None:
-            raise RuntimeError(f"weight sync to version {self._pending_version} is in progress (last bucket not received)")
+            raise RuntimeError(
+                f"weight sync to version {self._pending_version} is in progress (last bucket not received)"
+            )
 
     def sleep(self) -> None:
         """Move the weights to CPU memory to free the accelerator; a no-op on CPU."""

@@ -33,9 +33,11 @@ from rldsl.runtime.protocols import (
 
 
 class TorchGenerator(WeightReceiver):
+    GREEDY_ROWS_PER_DECODE = 256  # bounds the KV cache when evaluating a large split
+
     def __init__(self, model, max_new_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0):
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError("need max_new_tokens >= 1, temperature >= 0 and top_p in (0, 1]")
         self.model = model
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
@@ -50,6 +52,8 @@ class TorchGenerator(WeightReceiver):
     def generate(self, prompts: list[Prompt], samples_per_prompt: int, seed: int) -> Batch:
         """Rows prompt-major; the same seed and weights give the same batch."""
         self.require_consistent_weights()
+        if not prompts or samples_per_prompt < 1:
+            raise ValueError("generate needs at least one prompt and samples_per_prompt >= 1")
         texts = [prompt.text for prompt in prompts for _ in range(samples_per_prompt)]
         sampler = torch.Generator(device="cpu").manual_seed(seed)
         batch = self._decode(texts, lambda logits: self._sample(logits, sampler))
@@ -61,8 +65,12 @@ class TorchGenerator(WeightReceiver):
     def generate_greedy(self, prompts: list[Prompt]) -> list[str]:
         """One argmax response per prompt, for evaluation."""
         self.require_consistent_weights()
-        batch = self._decode([prompt.text for prompt in prompts], lambda logits: logits.argmax(dim=-1))
-        return decode_responses(self.tokenizer, batch)
+        texts = [prompt.text for prompt in prompts]
+        responses = []
+        for start in range(0, len(texts), self.GREEDY_ROWS_PER_DECODE):
+            chunk = texts[start : start + self.GREEDY_ROWS_PER_DECODE]
+            responses += decode_responses(self.tokenizer, self._decode(chunk, lambda logits: logits.argmax(dim=-1)))
+        return responses
 
     def decode(self, batch: Batch) -> list[str]:
         return decode_responses(self.tokenizer, batch)

@@ -70,7 +70,10 @@ class TorchTrainer:
         self.version = 0
         self._open_step: int | None = None
         self._sums: dict[str, float] = {}
-        model.module.train()
+        # Dropout stays off: the trainer's logprobs must equal the generator's
+        # for the same weights, or the importance ratio is noise. Gradients
+        # flow the same in eval mode.
+        model.module.eval()
 
     # -- the split-step protocol -------------------------------------------------
 

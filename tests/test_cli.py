@@ -120,3 +120,26 @@ def test_check_and_plan_import_no_heavy_modules():
 def test_python_dash_m_works():
     proc = subprocess.run([sys.executable, "-m", "rldsl", "check", GRPO], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_run_refuses_gpu_engines_on_a_cpu_machine_before_starting_anything(capsys, tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["run", str(ROOT / "pipelines" / "gpu_cluster.rlp"), "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "rldsl[gpu]" in err
+
+
+def test_run_names_a_misspelt_reward_function(capsys, tmp_path):
+    pytest.importorskip("torch")
+    bad = tmp_path / "bad.rlp"
+    bad.write_text((ROOT / "pipelines" / "sim_async.rlp").read_text().replace("exact_match", "exact_mach"))
+    assert main(["run", str(bad), "--run-dir", str(tmp_path / "run")]) == 2
+    assert "did you mean 'exact_match'" in capsys.readouterr().err
+
+
+def test_resume_of_a_directory_that_is_not_a_run(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--resume", str(tmp_path)])
+    assert exc.value.code == 2

@@ -52,11 +52,11 @@ class Driver:
 
     def _prepare_models(self) -> None:
         """Build the warm start (cached) once here rather than in every actor."""
-        if self.trainer_engine != "torch":
-            return
+        model = next(m for m in self.pipe.models if m.name == self.pipe.stage(self.pipe.batch.train_stage).model)
+        if self.trainer_engine != "torch" or not model.source.startswith("builtin:"):
+            return  # local models load in the actors; their errors are reported per stage
         from rldsl.runtime.engine_factory import load_policy
 
-        model = next(m for m in self.pipe.models if m.name == self.pipe.stage(self.pipe.batch.train_stage).model)
         started = time.monotonic()
         self._say(f"loading {model.source} (the first run builds a cached warm start)")
         load_policy(model, self.pipe, self.pipe.run.seed)
@@ -134,7 +134,10 @@ class Driver:
             if not done:
                 raise TimeoutError(f"stage actors not ready after {_READY_TIMEOUT_S:.0f}s: "
                                    + ", ".join(sorted(set(pending.values()))))
-            ray.get(done[0])  # raises the actor's own start-up error, named
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayError as err:  # the actor's own start-up error, named, without Ray's wrapping
+                raise StageStartError(f"stage `{pending[done[0]]}` failed to start: {_root_cause(err)}") from None
             pending.pop(done[0])
 
     # --------------------------------------------------------------- resume
@@ -283,3 +286,17 @@ def _previous_evals(run_dir: Path) -> list[dict]:
 
 class ResumeError(RuntimeError):
     pass
+
+
+class StageStartError(RuntimeError):
+    pass
+
+
+def _root_cause(err: BaseException) -> str:
+    """The innermost error's type and message, not Ray's remote traceback."""
+    cause = getattr(err, "cause", None) or err.__cause__
+    while cause is not None and (getattr(cause, "cause", None) or cause.__cause__) is not None:
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    cause = cause or err
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"

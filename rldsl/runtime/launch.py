@@ -41,6 +41,52 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None) -> RunSetti
     )
 
 
+class PreflightError(RuntimeError):
+    """The plan cannot run on this machine; said before anything starts."""
+
+
+def preflight(pipe: PipelinePlan) -> None:
+    """What would otherwise fail inside an actor, checked up front: GPU
+    engines need their libraries and a GPU, reward functions must import,
+    local model and dataset paths must exist."""
+    import importlib.util
+
+    from rldsl.rewards import RewardLoadError, load_reward
+
+    for stage in pipe.stages:
+        engine = stage.engine.name if stage.engine else None
+        if engine in ("vllm", "megatron"):
+            module = "vllm" if engine == "vllm" else "megatron.core"
+            if importlib.util.find_spec(module.split(".")[0]) is None or not _has_cuda():
+                raise PreflightError(
+                    f"stage `{stage.name}` uses engine `{engine}`, which needs a CUDA GPU and {module}; "
+                    "this machine has " + ("no CUDA GPU" if not _has_cuda() else f"no {module}")
+                    + ". Install the GPU extras (pip install 'rldsl[gpu]', docs/engines.md) on a GPU machine, "
+                    "or use `engine = torch` / `sim(...)` here")
+        if stage.kind == "reward":
+            try:
+                load_reward(stage.settings["fn"])
+            except RewardLoadError as err:
+                raise PreflightError(f"stage `{stage.name}`: {err}") from None
+    for model in pipe.models:
+        path = model.source.removeprefix("hf:")
+        if model.source.startswith("hf:") and not Path(path).is_dir():
+            raise PreflightError(f"model `{model.name}`: {path} is not a directory; `hf:` takes a local Hugging "
+                                 "Face model directory (config.json, weights, tokenizer); nothing is downloaded")
+    for dataset in pipe.datasets:
+        path = dataset.source.removeprefix("jsonl:")
+        if dataset.source.startswith("jsonl:") and "{split}" not in path and not Path(path).exists():
+            raise PreflightError(f"dataset `{dataset.name}`: no such file {path}")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def run_plan(plan: ExecutionPlan, args) -> int:
     from rldsl.runtime.cluster import ClusterError
     from rldsl.runtime.controller import PipelineStalled, StepFailed
@@ -60,7 +106,12 @@ def run_plan(plan: ExecutionPlan, args) -> int:
         (run_dir / "plan.json").write_text(plan.to_json() + "\n")
         (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file, "pipeline": pipe.name}) + "\n")
     settings = settings_from_plan(pipe, args.steps)
-    from rldsl.runtime.driver import Driver, ResumeError
+    try:
+        preflight(pipe)
+    except PreflightError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    from rldsl.runtime.driver import Driver, ResumeError, StageStartError
 
     try:
         return Driver(plan, pipe, settings, run_dir, address=args.address, resume=resume, started=started).run()
@@ -70,4 +121,7 @@ def run_plan(plan: ExecutionPlan, args) -> int:
     except (PipelineStalled, StepFailed) as err:
         print(f"error: the run stopped: {err}", file=sys.stderr)
         print(f"  = note: metrics so far are in {run_dir}", file=sys.stderr)
+        return EXIT_FAILED
+    except StageStartError as err:
+        print(f"error: {err}", file=sys.stderr)
         return EXIT_FAILED

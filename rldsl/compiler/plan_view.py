@@ -67,10 +67,15 @@ def _gpu_map(plan: ExecutionPlan, result: CompileResult) -> list[str]:
                 cap = f" / {format_bytes(mem.capacity)}" if mem.capacity else ""
                 mem_text = f"   ~{format_bytes(mem.used)}{cap}"
             out.append(f"    gpu {local}: {', '.join(here) or '(idle)'}{mem_text}")
-    cpu = [f"{p.name + '/' if many else ''}{s.name}[{r.index}]" for p in plan.pipelines for s in p.stages
-           for r in s.ranks if not r.gpus]
+    cpu = [f"{p.name + '/' if many else ''}{s.name}{_index_ranges([r.index for r in s.ranks if not r.gpus])}"
+           for p in plan.pipelines for s in p.stages if any(not r.gpus for r in s.ranks)]
     out.append(f"  cpu: {', '.join(cpu + ['controller' + ('s' if many else '')])}")
     return out
+
+
+def _index_ranges(indices: list[int]) -> str:
+    """[0-31] rather than thirty-two entries."""
+    return f"[{indices[0]}]" if len(indices) == 1 else f"[{indices[0]}-{indices[-1]}]"
 
 
 def _coords(stage, rank) -> str:
@@ -91,12 +96,33 @@ def _stages(pipe: PipelinePlan) -> list[str]:
             continue
         engine = s.engine.name if s.engine else "python"
         shape = f"tp={s.tp} pp={s.pp} dp={s.dp}" if s.ranks and s.ranks[0].gpus else f"{len(s.ranks)} cpu worker(s)"
-        colo = f"  colocated with {', '.join(s.colocated_with)}" if s.colocated_with else ""
+        colo = f"  shares GPUs with {', '.join(s.colocated_with)}" if s.colocated_with else ""
         out.append(f"  {s.name:<12} {s.kind:<9} {engine:<8} {shape}{colo}")
+        out += [f"  {'':<12} {line}" for line in _groups(s)]
     b = pipe.batch
     out.append(f"batch: {b.prompts_per_step} prompts x {b.samples_per_prompt} samples = {b.global_batch} per step, "
                f"micro_batch {b.micro_batch}; buffer {b.buffer_capacity} groups, {b.max_inflight} in flight")
     return out
+
+
+def _groups(stage) -> list[str]:
+    """TP / DP / PP groups as node:gpu lists, for stages that have them."""
+    gpu_ranks = [r for r in stage.ranks if r.gpus]
+    if not gpu_ranks or stage.tp * stage.pp * stage.dp == 1:
+        return []
+    where = lambda r: ",".join(f"{r.node}:{g}" for g in r.gpus)  # noqa: E731
+    if stage.engine and stage.engine.name == "vllm":  # one actor per replica, TP inside it
+        return [f"replicas (tp {stage.tp} each): " + " ".join(f"[{where(r)}]" for r in gpu_ranks)]
+    lines = []
+    for name, size, key in (("tp", stage.tp, lambda r: (r.dp_rank, r.pp_rank)),
+                            ("dp", stage.dp, lambda r: (r.tp_rank, r.pp_rank)),
+                            ("pp", stage.pp, lambda r: (r.tp_rank, r.dp_rank))):
+        if size > 1:
+            groups: dict = {}
+            for r in gpu_ranks:
+                groups.setdefault(key(r), []).append(where(r))
+            lines.append(f"{name} groups: " + " ".join(f"[{' '.join(g)}]" for g in groups.values()))
+    return lines
 
 
 def _dataflow(pipe: PipelinePlan) -> list[str]:

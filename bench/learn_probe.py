@@ -22,7 +22,7 @@ import torch
 
 from rldsl.models import load_model
 from rldsl.rewards import exact_match, load_reward, safe_reward
-from rldsl.runtime.engines.torch_engine import TorchGenerator, TorchLogprob, TorchTrainer, group_advantages
+from rldsl.runtime.engines.torch_engine import TorchGenerator, TorchLogprob, TorchTrainer, batch_advantages
 from rldsl.tasks import load_dataset
 
 
@@ -105,7 +105,7 @@ class Probe:
             value, _ = safe_reward(self.reward, response, prompt.answer, prompt.text)
             rewards.append(value or 0.0)
         batch["reward"] = torch.tensor(rewards)
-        batch["advantage"] = group_advantages(batch["reward"], group)
+        batch["advantage"] = batch_advantages(batch["reward"], group)
         if self.reference is not None:
             batch["ref_logprobs"] = self.reference.logprobs(batch)
         return batch

@@ -5,13 +5,8 @@ import math
 import pytest
 import torch
 
-from rldsl.runtime.engines.grpo_loss import (
-    GRPOLossConfig,
-    advantages_for_group,
-    group_advantages,
-    grpo_loss,
-    k3_kl,
-)
+from rldsl.runtime.advantages import batch_advantages, group_advantages
+from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, grpo_loss, k3_kl
 
 # Two sequences; the second has one real token.
 LOGPROBS = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
@@ -78,12 +73,10 @@ def test_group_advantages_by_hand():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     # group 1: mean 0.5, sample std sqrt(4 * 0.25 / 3) = 0.57735; group 2: all equal -> 0
     expected = [0.5 / 0.57735027, -0.5 / 0.57735027, -0.5 / 0.57735027, 0.5 / 0.57735027] + [0.0] * 4
-    assert group_advantages(rewards, 4).tolist() == pytest.approx(expected, abs=1e-5)
-    assert advantages_for_group([1.0, 0.0, 0.0, 1.0]) == pytest.approx(expected[:4], abs=1e-5)
+    assert batch_advantages(rewards, 4).tolist() == pytest.approx(expected, abs=1e-5)
+    assert group_advantages([1.0, 0.0, 0.0, 1.0]) == pytest.approx(expected[:4], abs=1e-5)
 
 
-def test_group_advantages_reject_bad_groups():
+def test_batch_advantages_reject_bad_groups():
     with pytest.raises(ValueError, match="groups of 3"):
-        group_advantages(torch.zeros(4), 3)
-    with pytest.raises(ValueError, match="at least 2"):
-        advantages_for_group([1.0])
+        batch_advantages(torch.zeros(4), 3)

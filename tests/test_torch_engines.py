@@ -7,7 +7,7 @@ from rldsl.models import load_model
 from rldsl.models.tiny import build_tiny_lm
 from rldsl.models.warmstart import WarmStartSettings, arith_without_carry, load_warm_started, reverse_ends_only
 from rldsl.runtime.engines.torch_common import encode_prompts, positions_from_mask, response_logprobs
-from rldsl.runtime.engines.torch_engine import TorchGenerator, TorchLogprob, TorchTrainer, group_advantages
+from rldsl.runtime.engines.torch_engine import TorchGenerator, TorchLogprob, TorchTrainer, batch_advantages
 from rldsl.runtime.engines.torch_generate import _top_p_filter
 from rldsl.runtime.protocols import GenerationEngine, LogprobEngine, Prompt, Trainer
 from rldsl.tasks import load_dataset
@@ -22,7 +22,7 @@ def small_model(seed=0):
 def trained_batch(generator, samples=4, seed=0):
     batch = generator.generate(PROMPTS, samples, seed=seed)
     rewards = torch.randn(len(PROMPTS) * samples, generator=torch.Generator().manual_seed(1))
-    batch["advantage"] = group_advantages(rewards, samples)
+    batch["advantage"] = batch_advantages(rewards, samples)
     return batch
 
 
@@ -197,7 +197,7 @@ def test_few_grpo_steps_raise_mean_reward():
     rewards = []
     for step in range(15):
         batch = generator.generate(prompts, 8, seed=step)
-        batch["advantage"] = group_advantages(torch.tensor([sevens(t) for t in generator.decode(batch)]), 8)
+        batch["advantage"] = batch_advantages(torch.tensor([sevens(t) for t in generator.decode(batch)]), 8)
         rewards.append(mean_reward(batch))
         trainer.begin_train_step(step)
         trainer.train_microbatch(step, batch)

@@ -8,7 +8,6 @@ count at finish. ``sum / count`` over the whole batch is the usual loss.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -93,27 +92,3 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(policy || reference): e^d - d - 1, d = ref - policy."""
     delta = ref_logprobs - logprobs
     return torch.exp(delta) - delta - 1
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """(r - group mean) / (group std + eps) for prompt-major rows of ``group_size``.
-
-    The std is the sample std (unbiased), as in the GRPO paper's formula; a
-    group whose rewards are all equal gets advantage 0.
-    """
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    if group_size < 2:
-        raise ValueError("GRPO needs at least 2 samples per prompt")
-    groups = rewards.float().view(-1, group_size)
-    centred = groups - groups.mean(dim=1, keepdim=True)
-    return (centred / (groups.std(dim=1, keepdim=True) + eps)).view(-1)
-
-
-def advantages_for_group(rewards: list[float], eps: float = 1e-6) -> list[float]:
-    """``group_advantages`` for one group, in plain Python (no tensors needed)."""
-    if len(rewards) < 2:
-        raise ValueError("GRPO needs at least 2 samples per prompt")
-    mean = sum(rewards) / len(rewards)
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1))
-    return [(r - mean) / (std + eps) for r in rewards]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, group_advantages, grpo_loss
+from rldsl.runtime.advantages import batch_advantages
+from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, grpo_loss
 from rldsl.runtime.engines.torch_common import WeightReceiver, decode_responses, response_logprobs, split_rows
 from rldsl.runtime.engines.torch_generate import TorchGenerator
 from rldsl.runtime.engines.torch_train import TorchTrainer
@@ -45,6 +46,6 @@ __all__ = [
     "TorchLogprob",
     "TorchTrainer",
     "decode_responses",
-    "group_advantages",
+    "batch_advantages",
     "grpo_loss",
 ]

@@ -41,15 +41,16 @@ def run(pipeline: Path, steps: int, run_dir: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--pipeline", type=Path, default=PIPELINE)
     args = parser.parse_args()
-    text = PIPELINE.read_text()
+    text = args.pipeline.read_text()
     assert "max_lag = 1" in text
     with tempfile.TemporaryDirectory() as tmp:
         sync_file = Path(tmp) / "grpo_sync.rlp"
         sync_file.write_text(text.replace("max_lag = 1", "max_lag = 0"))
-        results = {"async (max_lag 1)": run(PIPELINE, args.steps, Path(tmp) / "async"),
+        results = {"async (max_lag 1)": run(args.pipeline, args.steps, Path(tmp) / "async"),
                    "sync (max_lag 0)": run(sync_file, args.steps, Path(tmp) / "sync")}
-    print(f"{args.steps} steps of pipelines/grpo_async.rlp on {os.cpu_count()} CPU cores")
+    print(f"{args.steps} steps of {args.pipeline.name} on {os.cpu_count()} CPU cores")
     print(f"{'':<18} {'loop s':>7} {'s/step':>7} {'tokens/s':>9} {'samples/s':>10} {'process s':>10}  busy share by stage")
     for name, r in results.items():
         busy = " ".join(f"{k} {v:.0%}" for k, v in r["busy"].items())

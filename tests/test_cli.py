@@ -70,7 +70,7 @@ def test_plan_text_has_map_and_summary(capsys):
     assert main(["plan", GRPO]) == 0
     out = capsys.readouterr().out
     assert "GPU map:" in out and "gpu 0: rollout[0]" in out
-    assert out.strip().splitlines()[-1].startswith("plan: ") and "4/4 GPUs" in out
+    assert out.strip().splitlines()[-1].startswith("plan: ") and "2/2 GPUs" in out
 
 
 def test_plan_out_round_trips(tmp_path, capsys):

@@ -6,9 +6,8 @@ import json
 import socket
 import sys
 import time
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
 
 from rldsl.plan import ExecutionPlan, PipelinePlan
 from rldsl.runtime.progress import Progress

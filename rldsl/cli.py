@@ -162,7 +162,8 @@ def cmd_run(args) -> int:
 def _missing_extras(err: ImportError):
     if err.name and err.name.split(".")[0] == "rldsl":
         raise err  # our own bug, not a missing install: let it show
-    _usage_error(f"the runtime needs `{err.name}`, which is not installed", "pip install -e '.[run]'")
+    _usage_error(f"the runtime needs `{err.name}`, which is not installed",
+                 "pip install -e '.[run,cpu]' (a GPU machine: '.[run,gpu]')")
 
 
 def cmd_report(args) -> int:

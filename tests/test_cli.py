@@ -128,7 +128,7 @@ def test_run_refuses_gpu_engines_on_a_cpu_machine_before_starting_anything(capsy
         pytest.skip("this machine has a GPU")
     assert main(["run", str(ROOT / "pipelines" / "gpu_cluster.rlp"), "--run-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "needs a CUDA GPU" in err and "rldsl[gpu]" in err
+    assert "needs a CUDA GPU" in err and "rldsl[run,gpu]" in err
 
 
 def test_run_names_a_misspelt_reward_function(capsys, tmp_path):

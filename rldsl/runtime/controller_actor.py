@@ -54,8 +54,12 @@ class ControllerActor:
 
         self.settings, self.pipe = settings, pipe
         kinds = {s.name: s.kind for s in pipe.stages}
-        self.handles = ray_stage_handles(workers, kinds, receivers, settings.sync_bucket_bytes,
-                                         pipe.batch.train_stage)
+        train = pipe.stage(pipe.batch.train_stage)
+        replicas: dict[int, list[int]] = {}
+        for rank in train.ranks:
+            replicas.setdefault(rank.dp_rank, []).append(rank.index)
+        self.handles = ray_stage_handles(workers, kinds, receivers, settings.sync_bucket_bytes, train.name,
+                                         list(replicas.values()))
         self.dataplane = connect_dataplane(dataplane_spec)
         self.checkpoint = checkpoint or {}
         resume = resume or {}

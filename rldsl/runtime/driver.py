@@ -150,7 +150,7 @@ class Driver:
         trainers = handles[self.pipe.batch.train_stage]
         path = str(self.resume["dir"] / TRAINER_FILE)
         version = ray.get([t.load_checkpoint.remote(path) for t in trainers])[0]
-        count = ray.get(trainers[0].prepare_buckets.remote(self.settings.sync_bucket_bytes))
+        count = ray.get([t.prepare_buckets.remote(self.settings.sync_bucket_bytes) for t in trainers])[0]
         for index in range(count):
             bucket = trainers[0].bucket.remote(index)
             ray.get([r.update_weights.remote(bucket, version, index == count - 1) for r in self._receivers(handles)])

@@ -48,6 +48,12 @@ def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int):
         model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
         return TorchGenerator(model, max_new_tokens=stage.settings["max_new_tokens"],
                               temperature=stage.settings["temperature"], top_p=stage.settings["top_p"])
+    if name == "vllm":
+        from rldsl.runtime.engines.vllm_engine import VLLMGenerator
+
+        return VLLMGenerator.from_path(_hf_path(pipe, stage), _vllm_options(stage), seed=seed,
+                                       max_new_tokens=stage.settings["max_new_tokens"],
+                                       temperature=stage.settings["temperature"], top_p=stage.settings["top_p"])
     raise _unavailable(stage)
 
 
@@ -62,6 +68,15 @@ def build_logprob(stage: StagePlan, pipe: PipelinePlan, seed: int):
 
         model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
         return TorchLogprob(model, rows_per_forward=stage.settings.get("micro_batch"))
+    if name == "vllm":
+        from rldsl.runtime.engines.vllm_engine import VLLMLogprob
+
+        return VLLMLogprob.from_path(_hf_path(pipe, stage), _vllm_options(stage), seed=seed)
+    if name == "megatron":
+        from rldsl.runtime.engines.megatron_logprob import MegatronLogprob
+
+        return MegatronLogprob.from_pretrained(_hf_path(pipe, stage), **_megatron_parallelism(stage),
+                                               rows_per_forward=stage.settings.get("micro_batch"), seed=pipe.run.seed)
     raise _unavailable(stage)
 
 
@@ -80,6 +95,20 @@ def build_trainer(stage: StagePlan, pipe: PipelinePlan, seed: int, process_group
         return TorchTrainer(model, loss=loss, lr=stage.settings["lr"], weight_decay=stage.settings["weight_decay"],
                             max_grad_norm=stage.settings["max_grad_norm"] or None,
                             rows_per_forward=pipe.batch.micro_batch, process_group=process_group)
+    if name == "megatron":
+        from rldsl.runtime.engines.megatron_engine import MegatronTrainer
+
+        loss = dict(stage.settings["loss"])
+        loss.pop("name", None)
+        args = stage.engine.args
+        # Megatron builds its groups from the default process group (the worker's, or a
+        # one-process group it creates), so `process_group` is not passed on.
+        return MegatronTrainer.from_pretrained(
+            _hf_path(pipe, stage), **_megatron_parallelism(stage),
+            distributed_optimizer=args["distributed_optimizer"], offload=args["offload"], loss=loss,
+            lr=stage.settings["lr"], weight_decay=stage.settings["weight_decay"],
+            max_grad_norm=stage.settings["max_grad_norm"] or None, rows_per_forward=pipe.batch.micro_batch,
+            global_batch=pipe.batch.global_batch, seed=pipe.run.seed)
     raise _unavailable(stage)
 
 
@@ -87,7 +116,28 @@ def _model(pipe: PipelinePlan, stage: StagePlan) -> ModelPlan:
     return next(m for m in pipe.models if m.name == stage.model)
 
 
+def _hf_path(pipe: PipelinePlan, stage: StagePlan) -> str:
+    """The local checkpoint directory the vllm and megatron engines load."""
+    source = _model(pipe, stage).source
+    if not source.startswith("hf:"):
+        raise EngineUnavailable(f"stage `{stage.name}`: engine `{stage.engine.name}` loads a local Hugging Face "
+                                f"checkpoint (`hf:<path>`), not {source!r}")
+    return source[len("hf:"):]
+
+
+def _vllm_options(stage: StagePlan):
+    from rldsl.runtime.engines.vllm_engine import VLLMOptions
+
+    args = stage.engine.args
+    return VLLMOptions(tp=args["tp"], gpu_memory=args["gpu_memory"], sleep=args["sleep"],
+                       max_model_len=args.get("max_model_len"), dtype=args["dtype"])
+
+
+def _megatron_parallelism(stage: StagePlan) -> dict:
+    args = stage.engine.args
+    return {"tp": args["tp"], "pp": args["pp"], "dtype": args["dtype"]}
+
+
 def _unavailable(stage: StagePlan) -> EngineUnavailable:
     return EngineUnavailable(
-        f"stage `{stage.name}` uses engine `{stage.engine.name}`, which needs a GPU machine with the GPU extras "
-        "(pip install 'rldsl[gpu]', see docs/engines.md); on a CPU use `engine = torch` or `sim(...)`")
+        f"stage `{stage.name}`: engine `{stage.engine.name}` cannot run a {stage.kind} stage here")

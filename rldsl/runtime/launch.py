@@ -61,7 +61,7 @@ def preflight(pipe: PipelinePlan) -> None:
                 raise PreflightError(
                     f"stage `{stage.name}` uses engine `{engine}`, which needs a CUDA GPU and {module}; "
                     "this machine has " + ("no CUDA GPU" if not _has_cuda() else f"no {module}")
-                    + ". Install the GPU extras (pip install 'rldsl[gpu]', docs/engines.md) on a GPU machine, "
+                    + ". Install the GPU extras (pip install 'rldsl[run,gpu]', docs/engines.md) on a GPU machine, "
                     "or use `engine = torch` / `sim(...)` here")
         if stage.kind == "reward":
             try:

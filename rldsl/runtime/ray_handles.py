@@ -33,14 +33,16 @@ class _Pool:
 
 
 def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receivers: list, bucket_bytes: int,
-                      train_stage: str) -> StageHandles:
+                      train_stage: str, replicas: list[list[int]]) -> StageHandles:
     """``workers``: stage name -> actor handles (one per rank); ``kinds``:
-    stage name -> stage kind; ``receivers``: the actors on sync edges."""
+    stage name -> stage kind; ``receivers``: the actors on sync edges;
+    ``replicas``: the trainer's rank indices per data-parallel replica (the
+    tp x pp ranks that must all see the same microbatch)."""
     generators = [a for name, actors in workers.items() if kinds[name] == "generate" for a in actors]
     pool = _Pool(generators)
     round_robin = {name: itertools.cycle(actors) for name, actors in workers.items()}
     trainers = workers[train_stage]
-    next_rank = itertools.cycle(trainers)
+    next_replica = itertools.cycle([[trainers[i] for i in ranks] for ranks in replicas])
 
     async def generate(prompts: Sequence, keys: Sequence[str], samples_per_prompt: int, seed: int) -> int:
         return await pool.call("generate", list(prompts), list(keys), samples_per_prompt, seed)
@@ -55,7 +57,8 @@ def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receivers
         await asyncio.gather(*(t.begin_train_step.remote(step) for t in trainers))
 
     async def train_microbatch(step: int, keys: Sequence[str]):
-        return await next(next_rank).train_microbatch.remote(step, list(keys))
+        results = await asyncio.gather(*(t.train_microbatch.remote(step, list(keys)) for t in next(next_replica)))
+        return next((r for r in results if r), results[0])  # pipeline stages without the loss report nothing
 
     async def finish_train_step(step: int):
         results = await asyncio.gather(*(t.finish_train_step.remote(step) for t in trainers))
@@ -65,7 +68,8 @@ def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receivers
         await asyncio.gather(*(t.abort_train_step.remote(step) for t in trainers), return_exceptions=True)
 
     async def push_weights(version: int) -> None:
-        count = await trainers[0].prepare_buckets.remote(bucket_bytes)
+        # every rank takes part (gathering TP/PP shards is a collective); rank 0 serves the buckets
+        count = (await asyncio.gather(*(t.prepare_buckets.remote(bucket_bytes) for t in trainers)))[0]
         for index in range(count):
             bucket = trainers[0].bucket.remote(index)  # an ObjectRef: stored once, read by every receiver
             last = index == count - 1

@@ -218,8 +218,11 @@ class TrainerWorker(_Worker):
 
 
 def _init_process_group(dist: dict):
+    import torch
     import torch.distributed as torch_dist
 
-    torch_dist.init_process_group("gloo", init_method=f"tcp://{dist['master']}", rank=dist["rank"],
+    # gloo for CPU tensors; NCCL for CUDA tensors when there is a GPU (megatron on GPUs)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    torch_dist.init_process_group(backend, init_method=f"tcp://{dist['master']}", rank=dist["rank"],
                                   world_size=dist["world_size"])
     return torch_dist.group.WORLD

@@ -7,10 +7,12 @@ The split step (seeds 000/001):
   saves and nulls the model config's ``grad_sync_func`` and
   ``finalize_model_grads_func`` and sets ``no_sync_func`` to a null context.
   Megatron's schedules call these hooks themselves: the no-pipelining
-  schedule runs its LAST microbatch outside ``no_sync_func`` and would then
-  count gradients as ready and reduce them (and assert on stale counts on
-  the next step), and ``finalize_model_grads_func`` would all-reduce after
-  every call. Nulled, the schedule leaves synchronisation to us.
+  schedule leaves its ``no_sync_func`` context before its last microbatch,
+  which marks the grad buckets as on their last microbatch even inside our
+  ``model.no_sync()``, so that backward counts gradients as ready (and the
+  next step asserts on the stale counts); ``finalize_model_grads_func``
+  would all-reduce after every call. Nulled, the schedule leaves
+  synchronisation to the trainer.
 - ``train_microbatch`` runs the schedule inside ``model.no_sync()`` on the
   UN-normalised GRPO loss sum (``grpo_loss``), so the grad buffers hold raw
   d(sum)/dθ, and adds the microbatch's local token and sequence counts.
@@ -109,7 +111,8 @@ class MegatronTrainer:
         module = mm.build_gpt_model(shape, self.config)
         if hf_weights is not None:
             mm.load_hf_weights(module, hf_weights, shape)
-        self.model = self._wrap_ddp(module, dtype, distributed_optimizer, overlap_grad_reduce)
+        self.ddp_config = self._ddp_config(dtype, distributed_optimizer, overlap_grad_reduce)
+        self.model = self._wrap_ddp(module)
         self.optimizer = self._build_optimizer(dtype, distributed_optimizer, lr, betas, weight_decay, max_grad_norm)
         self.scheduler = self._build_scheduler(lr, weight_decay, lr_warmup_samples)
         self._install_sync_hooks()
@@ -125,15 +128,20 @@ class MegatronTrainer:
 
     # -- construction ------------------------------------------------------------
 
-    def _wrap_ddp(self, module, dtype, distributed_optimizer, overlap_grad_reduce):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    @staticmethod
+    def _ddp_config(dtype, distributed_optimizer, overlap_grad_reduce):
+        from megatron.core.distributed import DistributedDataParallelConfig
 
-        self.ddp_config = DistributedDataParallelConfig(
+        return DistributedDataParallelConfig(
             grad_reduce_in_fp32=dtype != "fp32",
             overlap_grad_reduce=overlap_grad_reduce,
             use_distributed_optimizer=distributed_optimizer,
-            average_in_collective=False,  # a sum: we divide by the global count ourselves
+            average_in_collective=False,  # a sum: the trainer divides by the global count
         )
+
+    def _wrap_ddp(self, module):
+        from megatron.core.distributed import DistributedDataParallel
+
         model = DistributedDataParallel(config=self.config, ddp_config=self.ddp_config, module=module)
         model.broadcast_params()  # every data-parallel replica starts from rank 0's weights
         return model
@@ -231,6 +239,8 @@ class MegatronTrainer:
 
     def _train_microbatch_body(self, batch: Batch) -> dict[str, float]:
         chunks = list(split_rows(batch, self.rows_per_forward))
+        if not chunks:
+            return dict.fromkeys(COUNTS + LOSS_STATS, 0.0)  # no rows: nothing to add
         length = max(mm.packed_length(chunk) for chunk in chunks)
         rows = max(len(chunk[FIELD_RESPONSE_IDS]) for chunk in chunks)
         packed = [mm.pack_rows(chunk, self.device, length, rows) for chunk in chunks]
@@ -270,8 +280,6 @@ class MegatronTrainer:
         return result.loss_sum, count, {}
 
     def _finish_train_step_body(self) -> StepResult:
-        if self._open.failed:
-            raise RuntimeError(f"step {self._open.step} failed; abort it before finishing")
         totals = self._global_sums()
         count = totals["tokens" if self.loss.level == "token" else "sequences"]
         if count == 0:

@@ -121,8 +121,7 @@ def transformer_config(shape: LlamaShape, dtype: str = "bf16", tp: int = 1, pp: 
 def build_gpt_model(shape: LlamaShape, config):
     """This pipeline stage's GPTModel, on the compute device."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 
     if transformer_engine_available():
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
@@ -178,7 +177,8 @@ def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
     files = sorted(Path(path).glob("pytorch_model*.bin"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
-    return {name: tensor for file in files for name, tensor in torch.load(file, map_location="cpu").items()}
+    return {name: tensor for file in files
+            for name, tensor in torch.load(file, map_location="cpu", weights_only=True).items()}
 
 
 def load_hf_weights(model, hf: Mapping[str, torch.Tensor], shape: LlamaShape) -> None:

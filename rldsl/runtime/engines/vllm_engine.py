@@ -180,6 +180,22 @@ class WeightSync:
             raise RuntimeError(f"weight sync to version {self.pending} is in progress (last bucket not received)")
 
 
+def ties_word_embeddings(worker) -> bool:
+    config = getattr(getattr(worker.model_runner, "model_config", None), "hf_config", None)
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def with_tied_output_layer(items: list[tuple[str, torch.Tensor]], tied: bool) -> list[tuple[str, torch.Tensor]]:
+    """Add ``lm_head.weight`` = the embedding when a tied model's sync lacks it
+    (the megatron export sends the shared tensor once): vLLM's in-place
+    reload restores the OLD weight of a layer that receives nothing, which
+    would untie the output layer from the new embedding."""
+    names = dict(items)
+    if tied and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
+        return [*items, ("lm_head.weight", names["model.embed_tokens.weight"])]
+    return items
+
+
 class VLLMWeightLoader:
     """Mixed into every vLLM worker (``worker_extension_cls``); ``collective_rpc``
     calls its methods by name inside the workers.
@@ -196,7 +212,7 @@ class VLLMWeightLoader:
         return len(staged)
 
     def rldsl_apply_weights(self) -> int:
-        items = self.__dict__.pop("_rldsl_staged", [])
+        items = with_tied_output_layer(self.__dict__.pop("_rldsl_staged", []), ties_word_embeddings(self))
         if hasattr(self, "reload_weights"):  # vLLM's in-place reload (recent versions)
             self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
         else:

@@ -143,3 +143,13 @@ def test_resume_of_a_directory_that_is_not_a_run(tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["run", "--resume", str(tmp_path)])
     assert exc.value.code == 2
+
+
+def test_local_paths_in_the_plan_are_anchored_to_the_pipeline_file(tmp_path):
+    from rldsl.compiler.driver import compile_file
+
+    text = (ROOT / "pipelines" / "grpo_async.rlp").read_text().replace(
+        'source = "builtin:arith"', 'source = "jsonl:data/train.jsonl"')
+    (tmp_path / "p.rlp").write_text(text)
+    plan = compile_file(tmp_path / "p.rlp").plan
+    assert plan.pipeline().datasets[0].source == f"jsonl:{(tmp_path / 'data' / 'train.jsonl').resolve()}"

@@ -85,3 +85,19 @@ def test_ctrl_c_checkpoints_and_resume_continues_without_retraining(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == version + 2 and summary["version"] == version + 2
     assert summary["ledger"]["trained"] == 2 * 16 * 8
+
+
+def test_watchdog_stops_an_impossible_plan_forced_past_check(tmp_path):
+    """A buffer smaller than one step (RLP304) edited into a saved plan: the
+    run must stop with the watchdog's words and exit 3, not hang."""
+    plan_path = tmp_path / "plan.json"
+    subprocess.run([sys.executable, "-m", "rldsl", "plan", "pipelines/sim_async.rlp", "--out", str(plan_path)],
+                   check=True, cwd=ROOT, capture_output=True)
+    plan = json.loads(plan_path.read_text())
+    plan["pipelines"][0]["batch"]["buffer_capacity"] = 2
+    plan["pipelines"][0]["run"]["watchdog_s"] = 5.0
+    plan_path.write_text(json.dumps(plan))
+    proc, _ = run(["--plan", str(plan_path)], tmp_path)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "no progress for" in proc.stderr and "buffer full (2/2 groups" in proc.stderr
+    assert "Traceback" not in proc.stderr and "ray::" not in proc.stderr

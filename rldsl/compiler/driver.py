@@ -89,7 +89,7 @@ def _lower(result: CompileResult, base_dir: Path):
     params = {f"{pipe.name}/{m.name}": model_params(m, base_dir) for pipe in program.pipelines for m in pipe.models.values()}
     warnings = [f"warning[{d.code}]: {d.message}" for d in result.diagnostics]
     digest = hashlib.sha256(result.source.encode()).hexdigest()
-    return lower(program, result.contexts, result.placement, params, warnings, digest)
+    return lower(program, result.contexts, result.placement, params, warnings, digest, base_dir)
 
 
 def compile_file(path: str | Path, want_plan: bool = True) -> CompileResult:

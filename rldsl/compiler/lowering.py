@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl, Program
 from rldsl.compiler.ir import generations
@@ -14,12 +16,12 @@ from rldsl.plan import (
 
 
 def lower(program: Program, contexts: list[Context], placement: Placement, params: dict[str, int | None],
-          warnings: list[str], source_sha256: str) -> ExecutionPlan:
+          warnings: list[str], source_sha256: str, base_dir: Path = Path(".")) -> ExecutionPlan:
     cluster = program.cluster
     return ExecutionPlan(
         cluster=ClusterPlan(cluster["nodes"], cluster["gpus_per_node"], cluster.get("gpu"),
                             _int_or_none(cluster.get("gpu_memory")), cluster.get("cpus_per_node")),
-        pipelines=[_pipeline(ctx, placement, params) for ctx in contexts],
+        pipelines=[_pipeline(ctx, placement, params, base_dir) for ctx in contexts],
         source_file=program.filename,
         source_sha256=source_sha256,
         warnings=warnings,
@@ -30,15 +32,16 @@ def _int_or_none(value):
     return None if value is None else int(value)
 
 
-def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None]) -> PipelinePlan:
+def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None], base_dir: Path) -> PipelinePlan:
     pipe, sizing = ctx.pipe, ctx.sizing()
     staleness, run = pipe.block("staleness"), pipe.block("run")
     shares = _gpu_shares(placement)
     return PipelinePlan(
         name=pipe.name,
-        models=[ModelPlan(m.name, m["source"], params.get(f"{pipe.name}/{m.name}"), m.get("dtype"))
+        models=[ModelPlan(m.name, _anchored(m["source"], base_dir), params.get(f"{pipe.name}/{m.name}"), m.get("dtype"))
                 for m in pipe.models.values()],
-        datasets=[DatasetPlan(d.name, d["source"], _settings(d, skip=("source",))) for d in pipe.datasets.values()],
+        datasets=[DatasetPlan(d.name, _anchored(d["source"], base_dir), _settings(d, skip=("source",)))
+                  for d in pipe.datasets.values()],
         stages=[_stage(s, placement.of(pipe.name, s.name), placement, shares) for s in pipe.stages.values()],
         edges=[EdgePlan(u, v, d["kind"], list(d.get("fields", ())), d.get("sync"))
                for u, v, d in ctx.graph.edges(data=True)],
@@ -49,6 +52,15 @@ def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None])
                         sizing.micro_batch, sizing.capacity, sizing.max_inflight),
         run=RunPlan(run["steps"], run["seed"], run["eval_every"], run["checkpoint_every"], run["watchdog"]),
     )
+
+
+def _anchored(source: str, base_dir: Path) -> str:
+    """`hf:` and `jsonl:` paths are relative to the .rlp file; the plan holds
+    them absolute, so actors find them whatever their working directory."""
+    scheme, sep, path = source.partition(":")
+    if scheme not in ("hf", "jsonl") or not sep or Path(path).is_absolute():
+        return source
+    return f"{scheme}:{(base_dir / path).resolve()}"
 
 
 def _gpu_shares(placement: Placement) -> dict[int, int]:

@@ -100,17 +100,17 @@ def run_plan(plan: ExecutionPlan, args) -> int:
     started = time.monotonic()
     pipe = plan.pipeline()
     resume = bool(getattr(args, "resume", None))
-    run_dir = Path(args.resume or args.run_dir or f"runs/{pipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        (run_dir / "plan.json").write_text(plan.to_json() + "\n")
-        (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file, "pipeline": pipe.name}) + "\n")
     settings = settings_from_plan(pipe, args.steps)
     try:
         preflight(pipe)
     except PreflightError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    run_dir = Path(args.resume or args.run_dir or f"runs/{pipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        (run_dir / "plan.json").write_text(plan.to_json() + "\n")
+        (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file, "pipeline": pipe.name}) + "\n")
     from rldsl.runtime.driver import Driver, ResumeError, StageStartError
 
     try:
@@ -119,7 +119,8 @@ def run_plan(plan: ExecutionPlan, args) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except (PipelineStalled, StepFailed) as err:
-        print(f"error: the run stopped: {err}", file=sys.stderr)
+        original = getattr(err, "cause", None) or err  # Ray wraps the controller's error with its remote traceback
+        print(f"error: the run stopped: {original}", file=sys.stderr)
         print(f"  = note: metrics so far are in {run_dir}", file=sys.stderr)
         return EXIT_FAILED
     except StageStartError as err:

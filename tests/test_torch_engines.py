@@ -277,3 +277,12 @@ def test_right_padded_prompts_from_a_data_plane_are_realigned():
         right_ids[row, : len(real)], right_mask[row, : len(real)] = real, 1
     realigned = dict(batch, prompt_ids=right_ids, prompt_mask=right_mask)
     assert torch.equal(TorchLogprob(small_model()).logprobs(realigned), batch["behaviour_logprobs"])
+
+
+def test_compiler_knows_the_builtin_model_size():
+    """check's memory estimate uses a constant; it must match the model."""
+    from rldsl.compiler.memory import BUILTIN_PARAMS
+    from rldsl.models.tiny import build_tiny_lm
+
+    model = build_tiny_lm(0)
+    assert BUILTIN_PARAMS["tiny-lm"] == sum(p.numel() for p in model.module.parameters())

@@ -17,7 +17,7 @@ from rldsl.compiler.schema import can_sleep
 from rldsl.compiler.units import format_bytes
 
 # Builtin models' parameter counts (kept in sync by a test against the model).
-BUILTIN_PARAMS = {"tiny-lm": 420_000}
+BUILTIN_PARAMS = {"tiny-lm": 107_712}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 

@@ -84,7 +84,6 @@ class StalenessPlan:
     max_lag: int
     order: str
     too_stale: str
-    max_stale_fraction: float | None = None
 
 
 @dataclass(frozen=True)

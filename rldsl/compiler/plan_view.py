@@ -11,7 +11,7 @@ from rldsl.plan import ExecutionPlan, PipelinePlan
 STALENESS_MAPPING = [
     ("AReaL", "max_head_offpolicyness = {L}"),
     ("NeMo RL", "max_trajectory_age_steps = {L}"),
-    ("verl (fully async)", "trains samples up to {L} version(s) old; its staleness_threshold (a share of stale samples) is our max_stale_fraction"),
+    ("verl (fully async)", "trains samples up to {L} version(s) old (its staleness_threshold, a share of stale samples, has no counterpart: max_lag is the one bound)"),
     ("ROLL / async recipes", "generate_ahead_steps = {L1}"),
     ("OpenRLHF", "a rollout queue {L} step(s) deep"),
 ]

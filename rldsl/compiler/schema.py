@@ -154,7 +154,6 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "order": Key(Enum(("any", "in_order")), "any", "`any`: by lag then arrival; `in_order`: strictly by prompt"),
         "too_stale": Key(Enum(("wait", "drop")), "wait",
                          "`wait`: never dispatch what could go stale; `drop`: over-sample and drop stale groups"),
-        "max_stale_fraction": Key(Fraction(), None, "optional cap on the share of samples with lag > 0 per step"),
     },
     "buffer": {
         "capacity": Key(Int(low=1), DERIVED, "prompt groups stored (default prompts_per_step x (max_lag + 1))"),

@@ -147,32 +147,31 @@ def _staleness(pipe: PipelinePlan) -> list[str]:
     return out
 
 
+def _graph_parts(plan: ExecutionPlan):
+    """Nodes (id, label, shape) and edges (src, dst, label, is_data) of every
+    pipeline, ids prefixed by the pipeline when there are several."""
+    nodes, edges = [], []
+    for pipe in plan.pipelines:
+        prefix = f"{pipe.name}_" if len(plan.pipelines) > 1 else ""
+        nodes += [(prefix + d.name, d.name, "dataset") for d in pipe.datasets]
+        nodes += [(prefix + s.name, f"{s.name} ({s.kind})", "stage") for s in pipe.stages if s.kind != "sync"]
+        edges += [(prefix + e.src, prefix + e.dst,
+                   ", ".join(e.fields) if e.kind == "data" else f"weights ({e.via})", e.kind == "data")
+                  for e in pipe.edges]
+    return nodes, edges
+
+
 def render_graph(plan: ExecutionPlan, fmt: str) -> str:
+    nodes, edges = _graph_parts(plan)
     if fmt == "mermaid":
         lines = ["flowchart LR"]
-        for pipe in plan.pipelines:
-            prefix = f"{pipe.name}_" if len(plan.pipelines) > 1 else ""
-            for d in pipe.datasets:
-                lines.append(f"  {prefix}{d.name}[({d.name})]")
-            for s in pipe.stages:
-                if s.kind != "sync":
-                    lines.append(f"  {prefix}{s.name}[\"{s.name}<br/>{s.kind}\"]")
-            for e in pipe.edges:
-                arrow = "-->" if e.kind == "data" else "-.->"
-                label = ", ".join(e.fields) if e.kind == "data" else f"weights ({e.via})"
-                lines.append(f"  {prefix}{e.src} {arrow}|{label}| {prefix}{e.dst}")
-        return "\n".join(lines) + "\n"
-    lines = ["digraph rldsl {", "  rankdir=LR;"]
-    for pipe in plan.pipelines:
-        prefix = f"{pipe.name}." if len(plan.pipelines) > 1 else ""
-        for d in pipe.datasets:
-            lines.append(f'  "{prefix}{d.name}" [shape=cylinder];')
-        for s in pipe.stages:
-            if s.kind != "sync":
-                lines.append(f'  "{prefix}{s.name}" [shape=box, label="{s.name}\\n{s.kind}"];')
-        for e in pipe.edges:
-            style = "solid" if e.kind == "data" else "dashed"
-            label = ", ".join(e.fields) if e.kind == "data" else f"weights ({e.via})"
-            lines.append(f'  "{prefix}{e.src}" -> "{prefix}{e.dst}" [style={style}, label="{label}"];')
-    lines.append("}")
+        lines += [f"  {i}[({label})]" if shape == "dataset" else f'  {i}["{label}"]' for i, label, shape in nodes]
+        lines += [f"  {a} {'-->' if data else '-.->'}|{label}| {b}" for a, b, label, data in edges]
+    else:
+        lines = ["digraph rldsl {", "  rankdir=LR;"]
+        lines += [f'  "{i}" [shape={"cylinder" if shape == "dataset" else "box"}, label="{label}"];'
+                  for i, label, shape in nodes]
+        lines += [f'  "{a}" -> "{b}" [style={"solid" if data else "dashed"}, label="{label}"];'
+                  for a, b, label, data in edges]
+        lines.append("}")
     return "\n".join(lines) + "\n"

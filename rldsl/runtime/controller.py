@@ -31,6 +31,10 @@ from rldsl.runtime.settings import RunSettings
 StepCallback = Callable[[dict], None]
 
 
+async def _nothing() -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class StageHandles:
     """The async callables the controller drives; the Ray layer implements
@@ -54,6 +58,9 @@ class StageHandles:
     - ``push_weights(version)``: bucketed transfer trainer -> every generator;
       the new version takes effect when the last bucket lands.
     - ``generator_version() -> int``: the generators' weight version at start.
+    - ``sleep_generators()`` / ``wake_generators()``: release and reclaim the
+      accelerator memory of generators that share GPUs with the trainer
+      (``RunSettings.colocated``); no-ops otherwise.
     """
 
     generate: Callable[[Sequence[Prompt], Sequence[str], int, int], Awaitable[int]]
@@ -65,6 +72,8 @@ class StageHandles:
     abort_train_step: Callable[[int], Awaitable[None]]
     push_weights: Callable[[int], Awaitable[None]]
     generator_version: Callable[[], Awaitable[int]]
+    sleep_generators: Callable[[], Awaitable[None]] = _nothing
+    wake_generators: Callable[[], Awaitable[None]] = _nothing
 
 
 class PipelineStalled(RuntimeError):
@@ -148,6 +157,8 @@ class TrainPump:
 
     async def _fill(self, step: StepBuild) -> None:
         state = self.state
+        if state.settings.colocated:
+            await self._generation_phase(step)
         while not self._step_complete(step):
             for stale in state.sampler.evict(state.buffer, state.trainer_version):
                 state.drop(stale, outcomes.TOO_STALE, pump="train")
@@ -157,6 +168,30 @@ class TrainPump:
                 await state.changed.wait()
             else:
                 await self._train_group(step, group)
+
+    async def _generation_phase(self, step: StepBuild) -> None:
+        """Colocated: the step starts only when all its groups are ready and no
+        generator is mid-call; then the generators sleep until it finishes."""
+        state, per_step = self.state, self.state.settings.prompts_per_step
+        self.activity = "colocated: waiting for the step's groups before the generators sleep"
+        while not ((state.sampler.count_eligible(state.buffer, state.trainer_version, step.batch_index) >= per_step
+                    or (state.prompts_exhausted and state.buffer.count(GroupState.RESERVED) == 0))
+                   and state.generating == 0 and not state.pushing):
+            await state.changed.wait()
+        state.generators_asleep = True
+        state.changed.notify()
+        self.activity = "colocated: putting the generators to sleep"
+        await state.stages.sleep_generators()
+        self.activity = None
+
+    async def _wake_generators(self) -> None:
+        state = self.state
+        if state.generators_asleep:
+            self.activity = "colocated: waking the generators"
+            await state.stages.wake_generators()
+            state.generators_asleep = False
+            self.activity = None
+            state.changed.notify()
 
     def _step_complete(self, step: StepBuild) -> bool:
         state, per_step = self.state, self.state.settings.prompts_per_step
@@ -216,6 +251,7 @@ class TrainPump:
         state.batch_index += 1
         state.consumed_in_step = 0
         self._aborted_in_row = 0
+        await self._wake_generators()
         state.progress()  # the sync pump starts its push while the clear runs
         await self._clear_and_release(step.groups)
         self._report(step, result, lags)
@@ -224,6 +260,7 @@ class TrainPump:
         state = self.state
         state.last_error["train"] = str(failure)
         await resolve(state.stages.abort_train_step(step.batch_index))  # idempotent; a raise here is fatal
+        await self._wake_generators()
         for group in step.groups:
             state.ledger.dropped(group.keys, outcomes.STEP_ABORTED)
         state.consumed_in_step = 0

@@ -58,8 +58,10 @@ class ControllerActor:
         replicas: dict[int, list[int]] = {}
         for rank in train.ranks:
             replicas.setdefault(rank.dp_rank, []).append(rank.index)
+        sleepers = [a for s in pipe.stages if s.kind == "generate" and train.name in s.colocated_with
+                    for a in workers[s.name]]
         self.handles = ray_stage_handles(workers, kinds, receivers, settings.sync_bucket_bytes, train.name,
-                                         list(replicas.values()))
+                                         list(replicas.values()), sleepers)
         self.dataplane = connect_dataplane(dataplane_spec)
         self.checkpoint = checkpoint or {}
         resume = resume or {}

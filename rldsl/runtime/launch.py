@@ -23,6 +23,7 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None) -> RunSetti
     stages = {s.name: s for s in pipe.stages}
     flow_order = [name for generation in pipe.generations for name in generation]
     sync = next((s for s in pipe.stages if s.kind == "sync"), None)
+    train = pipe.batch.train_stage
     return RunSettings(
         pipeline=pipe.name,
         prompts_per_step=pipe.batch.prompts_per_step,
@@ -38,6 +39,7 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None) -> RunSetti
         sync_bucket_bytes=int(sync.settings["bucket"]) if sync else 256 << 20,
         watchdog_timeout_s=pipe.run.watchdog_s,
         seed=pipe.run.seed,
+        colocated=any(s.kind == "generate" and train in s.colocated_with for s in pipe.stages),
     )
 
 

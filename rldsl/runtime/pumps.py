@@ -88,6 +88,7 @@ class RunState:
         self.generating = 0  # groups inside a generate call
         self.sync_pending = False  # the sync pump holds dispatch to drain generation
         self.pushing = False  # weights are being read from the trainer
+        self.generators_asleep = False  # colocated: the trainer has the GPUs
         self.prompts_exhausted = False
         self.training_done = False
         self.pending_clear: list[str] = []  # dropped keys, cleared with the next step
@@ -162,6 +163,8 @@ class RolloutPump:
             return "run finished", None
         if state.sync_pending:
             return f"paused while weights sync to version {state.trainer_version}", None
+        if state.generators_asleep:
+            return "colocated generators sleep while the trainer runs", None
         if state.prompts_exhausted:
             return "prompt stream exhausted", None
         if not state.buffer.has_room:

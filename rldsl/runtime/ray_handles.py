@@ -33,11 +33,12 @@ class _Pool:
 
 
 def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receivers: list, bucket_bytes: int,
-                      train_stage: str, replicas: list[list[int]]) -> StageHandles:
+                      train_stage: str, replicas: list[list[int]], sleepers: list | None = None) -> StageHandles:
     """``workers``: stage name -> actor handles (one per rank); ``kinds``:
     stage name -> stage kind; ``receivers``: the actors on sync edges;
     ``replicas``: the trainer's rank indices per data-parallel replica (the
-    tp x pp ranks that must all see the same microbatch)."""
+    tp x pp ranks that must all see the same microbatch); ``sleepers``: the
+    generators sharing GPUs with the trainer, put to sleep while it trains."""
     generators = [a for name, actors in workers.items() if kinds[name] == "generate" for a in actors]
     pool = _Pool(generators)
     round_robin = {name: itertools.cycle(actors) for name, actors in workers.items()}
@@ -78,5 +79,11 @@ def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receivers
     async def generator_version() -> int:
         return await generators[0].version.remote()
 
+    async def sleep_generators() -> None:
+        await asyncio.gather(*(g.sleep.remote() for g in sleepers or ()))
+
+    async def wake_generators() -> None:
+        await asyncio.gather(*(g.wake.remote() for g in sleepers or ()))
+
     return StageHandles(generate, reward, logprob, begin_train_step, train_microbatch, finish_train_step,
-                        abort_train_step, push_weights, generator_version)
+                        abort_train_step, push_weights, generator_version, sleep_generators, wake_generators)

@@ -60,6 +60,9 @@ class RunSettings:
     advantage_eps: float = 1e-6
     seed: int = 0
     max_aborted_steps: int = 3  # consecutive aborts before the run gives up
+    # Generators share GPUs with the trainer: generation and training take
+    # turns (generators sleep while a step trains) instead of streaming.
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(self.pipeline), "pipeline name must not be empty")

@@ -172,7 +172,8 @@ class TrainerWorker(_Worker):
     def finish_train_step(self, step: int) -> p.StepResult:
         result = self.engine.finish_train_step(step)
         every = self.checkpoint.get("every")
-        if self.rank == 0 and every and result.version % every == 0 and hasattr(self.engine, "optimizer"):
+        # checkpoints cover the torch trainer; the megatron one has its own sharded format (docs/engines.md)
+        if self.rank == 0 and every and result.version % every == 0 and self.stage.engine.name == "torch":
             self.save_checkpoint()
         return result
 

@@ -7,6 +7,7 @@ fields back (one hop); the controller only passes keys and metadata.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Sequence
 
@@ -16,6 +17,8 @@ from rldsl.runtime import protocols as p
 # A worker process shares the machine with the others: one thread each keeps
 # generation and training truly concurrent on a small CPU.
 _THREADS = int(os.environ.get("RLDSL_TORCH_THREADS", "1"))
+
+log = logging.getLogger(__name__)
 
 GENERATED_FIELDS = [p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK, p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK]
 ANSWER_IDS = "answer_ids"  # the reference answer, tokenised, for reward workers
@@ -96,15 +99,15 @@ class RewardWorker(_Worker):
         from rldsl.rewards import safe_reward
 
         fields = self._get(keys, [p.FIELD_RESPONSE_IDS, p.FIELD_PROMPT_IDS, ANSWER_IDS])
-        values, self.last_failures = [], []
+        values = []
         for row in range(len(keys)):
             response = self._decode(fields[p.FIELD_RESPONSE_IDS][row])
             answer = self._decode(fields[ANSWER_IDS][row])
             prompt = self._decode(fields[p.FIELD_PROMPT_IDS][row])
             value, reason = safe_reward(self.fn, response, answer, prompt, self.timeout)
-            values.append(value)
             if reason:
-                self.last_failures.append(reason)
+                log.warning("reward %s dropped %s: %s", self.stage.name, keys[row], reason)
+            values.append(value)  # None drops the sample as reward_failed
         return values
 
     def _decode(self, ids) -> str:

@@ -47,7 +47,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=15)
     args = parser.parse_args()
-    check = [sys.executable, "-m", "rldsl", "check", str(ROOT / "pipelines" / "grpo_async.rlp")]
+    # the console script installed beside this interpreter, as users run it
+    # (not a version-manager shim on PATH, which would time the shim)
+    script = Path(sys.executable).parent / "rldsl"
+    entry = [str(script)] if script.exists() else [sys.executable, "-m", "rldsl"]
+    check = [*entry, "check", str(ROOT / "pipelines" / "grpo_async.rlp")]
     base = [sys.executable, "-c", BASELINE]
     wall(check), wall(base)  # warm the file cache and lark's grammar cache
     checks, bases = [], []
@@ -55,10 +59,11 @@ def main() -> None:
         checks.append(wall(check))
         bases.append(wall(base))
     c, b = statistics.median(checks), statistics.median(bases)
-    print(f"{'measure':<46} {'median s':>9}")
-    print(f"{'python -c ' + repr(BASELINE):<46} {b:>9.3f}")
-    print(f"{'rldsl check pipelines/grpo_async.rlp':<46} {c:>9.3f}")
-    print(f"{'ratio (goal <= 1.30)':<46} {c / b:>9.2f}")
+    cb, bb = min(checks), min(bases)  # best of N: the least disturbed start-up
+    print(f"{'measure':<46} {'median s':>9} {'best s':>8}")
+    print(f"{'python -c ' + repr(BASELINE):<46} {b:>9.3f} {bb:>8.3f}")
+    print(f"{'rldsl check pipelines/grpo_async.rlp':<46} {c:>9.3f} {cb:>8.3f}")
+    print(f"{'ratio (goal <= 1.30)':<46} {c / b:>9.2f} {cb / bb:>8.2f}")
 
     from rldsl.compiler.driver import compile_source
 
@@ -74,7 +79,7 @@ def main() -> None:
     print(f"{f'compile a {stages}-stage pipeline, in process':<46} {statistics.median(times):>9.3f}")
     with tempfile.NamedTemporaryFile("w", suffix=".rlp", delete=False) as f:
         f.write(text)
-    proc = statistics.median(wall([sys.executable, "-m", "rldsl", "check", f.name]) for _ in range(5))
+    proc = statistics.median(wall([*entry, "check", f.name]) for _ in range(5))
     print(f"{f'rldsl check on it, whole process (goal < 1 s)':<46} {proc:>9.3f}")
 
 

@@ -9,7 +9,6 @@ error or unreadable file.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -62,6 +61,8 @@ def _exit_code(result, strict: bool) -> int:
 
 
 def cmd_check(args) -> int:
+    import json
+
     from rldsl.compiler.diagnostics import render_text, to_json, to_sarif
 
     results = [_compile(path, want_plan=False) for path in args.files]

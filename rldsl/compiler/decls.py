@@ -1,15 +1,13 @@
 """Resolved declarations: typed settings with their spans, names bound."""
 
-from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from rldsl.compiler.diagnostics import Span
 
 
-@dataclass(frozen=True)
-class Setting:
+class Setting(NamedTuple):
     value: Any
     span: Span | None  # None for a default nobody wrote
     explicit: bool
@@ -42,8 +40,7 @@ class Decl:
         return bool(setting and setting.explicit)
 
 
-@dataclass(frozen=True)
-class FlowEdge:
+class FlowEdge(NamedTuple):
     src: str
     dst: str
     src_span: Span

@@ -4,10 +4,8 @@ A pass never raises on bad input; it returns ``Diagnostic`` values. The
 renderers here are the only place that knows how a finding looks.
 """
 
-from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 ERROR = "error"
 WARNING = "warning"
@@ -15,9 +13,9 @@ WARNING = "warning"
 JSON_SCHEMA_VERSION = 1
 
 
-@dataclass(frozen=True, order=True)
-class Span:
-    """A region of the source, 1-based lines and columns, end exclusive."""
+class Span(NamedTuple):
+    """A region of the source, 1-based lines and columns, end exclusive;
+    ordered by position (a tuple)."""
 
     line: int
     col: int
@@ -32,8 +30,7 @@ class Span:
 NO_SPAN = Span(1, 1, 1, 1)
 
 
-@dataclass(frozen=True)
-class Diagnostic:
+class Diagnostic(NamedTuple):
     code: str
     severity: str
     message: str
@@ -41,7 +38,7 @@ class Diagnostic:
     help: str | None = None
     notes: tuple[str, ...] = ()
     # Secondary places worth showing (for example where a name was first declared).
-    related: tuple[tuple[Span, str], ...] = field(default=())
+    related: tuple[tuple[Span, str], ...] = ()
 
     @property
     def is_error(self) -> bool:

@@ -102,15 +102,14 @@ def _settings(decl: Decl, skip: tuple[str, ...]) -> dict:
 
 
 def _json(value):
+    # the typed values are NamedTuples: match them before plain tuples
     if isinstance(value, Ref):
         return value.name
-    if isinstance(value, tuple):
-        return [_json(v) for v in value]
-    if isinstance(value, LossSpec):
-        return {"name": value.name, **value.args}
-    if isinstance(value, EngineSpec):
+    if isinstance(value, (LossSpec, EngineSpec)):
         return {"name": value.name, **value.args}
     if isinstance(value, GpuRequest):
         return list(value.ids) if value.ids is not None else value.count
+    if isinstance(value, tuple):
+        return [_json(v) for v in value]
     return value
 

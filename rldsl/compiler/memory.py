@@ -6,7 +6,6 @@ catch a 7B trainer on a 24 GiB GPU before launch, not to predict the peak.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +37,8 @@ def model_params(model: Decl, base_dir: Path) -> int | None:
         return BUILTIN_PARAMS.get(source.removeprefix("builtin:"))
     path = Path(source.removeprefix("hf:"))
     config = (path if path.is_absolute() else base_dir / path) / "config.json"
+    import json
+
     try:
         return _params_from_hf_config(json.loads(config.read_text()))
     except (OSError, ValueError, KeyError, TypeError):

@@ -7,17 +7,16 @@ placement groups are honoured first, then GPU counts are packed first-fit
 and the findings.
 """
 
-from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from rldsl.compiler.decls import Decl, Program
 from rldsl.compiler.diagnostics import ERROR, Diagnostic
 from rldsl.compiler.schema import ENGINES
 
 
-@dataclass(frozen=True)
-class RankPlacement:
+class RankPlacement(NamedTuple):
     index: int
     gpus: tuple[int, ...]  # global GPU ids; empty for CPU ranks
     tp_rank: int = 0

@@ -7,11 +7,9 @@ A type is a small object with ``convert(value) -> (python value | INVALID,
 diagnostics)`` and a ``describe`` used in messages and the reference docs.
 """
 
-from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from rldsl.compiler import ast
 from rldsl.compiler.diagnostics import ERROR, Diagnostic, Span, did_you_mean
@@ -46,24 +44,21 @@ def mismatch(expected: str, value: ast.Value, help: str | None = None) -> Result
     return INVALID, _err("RLP104", f"expected {expected}, found {_shown(value)}", value.span, help)
 
 
-@dataclass(frozen=True)
-class Ref:
+class Ref(NamedTuple):
     """A name that refers to another declaration; bound by the resolver."""
 
     name: str
     span: Span
 
 
-@dataclass(frozen=True)
-class EngineSpec:
+class EngineSpec(NamedTuple):
     name: str
     args: dict
     span: Span
-    arg_spans: dict = field(default_factory=dict, compare=False)
+    arg_spans: dict | None = None
 
 
-@dataclass(frozen=True)
-class GpuRequest:
+class GpuRequest(NamedTuple):
     """`gpus = 2` (a count, placed automatically) or `gpus = [0..1, 4]` (ids)."""
 
     count: int
@@ -71,8 +66,7 @@ class GpuRequest:
     span: Span
 
 
-@dataclass(frozen=True)
-class LossSpec:
+class LossSpec(NamedTuple):
     name: str
     args: dict
     span: Span

@@ -18,7 +18,6 @@ from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Program
 from rldsl.compiler.diagnostics import Diagnostic, sort_diagnostics
 from rldsl.compiler.ir import build_ir
-from rldsl.compiler.memory import GpuMemory, check_memory, estimate, model_params
 from rldsl.compiler.parser import parse
 from rldsl.compiler.placement import Placement, place
 from rldsl.compiler.resolve import resolve
@@ -36,7 +35,7 @@ class CompileResult:
     program: Program | None = None
     contexts: list[Context] = field(default_factory=list)
     placement: Placement | None = None
-    memory: list[GpuMemory] = field(default_factory=list)
+    memory: list = field(default_factory=list)  # rldsl.compiler.memory.GpuMemory per GPU, for `plan`
     plan: "ExecutionPlan | None" = None  # rldsl.plan.ExecutionPlan
 
     @property
@@ -73,7 +72,9 @@ def compile_source(text: str, filename: str = "<input>", base_dir: Path | None =
         for ctx in result.contexts:
             for check in PLACED_PASSES:
                 diags += check(ctx)
-    if not placement_diags:
+    if not placement_diags and (want_plan or program.cluster.get("gpu_memory")):
+        from rldsl.compiler.memory import check_memory, estimate  # `check` needs it only with a GPU size
+
         diags += check_memory(program, placement, base_dir)
         result.memory = estimate(program, placement, base_dir)
     result.diagnostics = sort_diagnostics(diags)
@@ -84,6 +85,7 @@ def compile_source(text: str, filename: str = "<input>", base_dir: Path | None =
 
 def _lower(result: CompileResult, base_dir: Path):
     from rldsl.compiler.lowering import lower  # imported here: `check` needs no plan
+    from rldsl.compiler.memory import model_params
 
     program = result.program
     params = {f"{pipe.name}/{m.name}": model_params(m, base_dir) for pipe in program.pipelines for m in pipe.models.values()}

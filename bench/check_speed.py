@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "import lark, networkx"  # what check itself imports; rich, torch and ray are not
 
 
-# As on a user's machine: bytecode cached. (Some sandboxes set
+# As on a user's machine: bytecode cached. (Some containers set
 # PYTHONDONTWRITEBYTECODE, which would time compiling our sources on every
 # start while the libraries, byte-compiled at install, load from .pyc.)
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}

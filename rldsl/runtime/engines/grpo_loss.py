@@ -88,6 +88,22 @@ def _stats(ratio, unclipped, clipped, kl, mask) -> dict[str, float]:
     }
 
 
+def step_metrics(totals: dict[str, float], count: float, grad_norm, lr: float) -> dict[str, float]:
+    """A finished step's metrics from the summed statistics of its microbatches
+    (``count`` is the global token or sequence count the loss was divided by)."""
+    tokens = max(totals["tokens"], 1.0)
+    return {
+        "loss": totals["loss_sum"] / count,
+        "kl": totals["kl_sum"] / tokens,
+        "clip_fraction": totals["clipped_tokens"] / tokens,
+        "mean_ratio": totals["ratio_sum"] / tokens,
+        "tokens": totals["tokens"],
+        "sequences": totals["sequences"],
+        "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+        "lr": lr,
+    }
+
+
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(policy || reference): e^d - d - 1, d = ref - policy."""
     delta = ref_logprobs - logprobs

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from rldsl.runtime.engines import megatron_model as mm
-from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, grpo_loss
+from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, grpo_loss, step_metrics
 from rldsl.runtime.engines.hf_megatron_weights import LlamaShape
 from rldsl.runtime.engines.torch_common import split_rows
 from rldsl.runtime.protocols import (
@@ -366,17 +366,7 @@ class MegatronTrainer:
         return dict(zip(COUNTS + LOSS_STATS, counts.tolist() + stats.tolist()))
 
     def _step_metrics(self, totals: dict[str, float], count: float, grad_norm) -> dict[str, float]:
-        tokens = max(totals["tokens"], 1.0)
-        metrics = {
-            "loss": totals["loss_sum"] / count,
-            "kl": totals["kl_sum"] / tokens,
-            "clip_fraction": totals["clipped_tokens"] / tokens,
-            "mean_ratio": totals["ratio_sum"] / tokens,
-            "tokens": totals["tokens"],
-            "sequences": totals["sequences"],
-            "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-            "lr": self.optimizer.param_groups[0]["lr"],
-        }
+        metrics = step_metrics(totals, count, grad_norm, self.optimizer.param_groups[0]["lr"])
         metrics.update(self._moe_aux_loss_metrics())
         return metrics
 

@@ -33,7 +33,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, grpo_loss
+from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, grpo_loss, step_metrics
 from rldsl.runtime.engines.torch_common import response_logprobs, split_rows, state_buckets
 from rldsl.runtime.protocols import (
     FIELD_ADVANTAGE,
@@ -174,14 +174,4 @@ class TorchTrainer:
         return float(torch.nn.utils.clip_grad_norm_(self.parameters, norm_limit))
 
     def _step_metrics(self, totals: dict[str, float], count: float, grad_norm: float) -> dict[str, float]:
-        tokens = max(totals["tokens"], 1.0)
-        return {
-            "loss": totals["loss_sum"] / count,
-            "kl": totals["kl_sum"] / tokens,
-            "clip_fraction": totals["clipped_tokens"] / tokens,
-            "mean_ratio": totals["ratio_sum"] / tokens,
-            "tokens": totals["tokens"],
-            "sequences": totals["sequences"],
-            "grad_norm": grad_norm,
-            "lr": self.optimizer.param_groups[0]["lr"],
-        }
+        return step_metrics(totals, count, grad_norm, self.optimizer.param_groups[0]["lr"])

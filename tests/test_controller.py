@@ -392,29 +392,20 @@ def test_watchdog_reports_generation_that_always_fails():
         run_controller(settings, SimConfig(generate_fail_prob=1.0))
 
 
-def test_watchdog_reports_a_stage_that_never_returns():
+@pytest.mark.parametrize("handle,report", [
+    ("reward", r"groups in flight"),
+    ("train_microbatch", r"train pump: step 0: in train_microbatch"),
+])
+def test_watchdog_reports_a_call_that_never_returns(handle, report):
     settings = make_settings(watchdog_timeout_s=0.3)
 
     def wrap(handles: StageHandles) -> StageHandles:
-        async def hang(stage, keys):
+        async def hang(*args):
             await asyncio.Event().wait()
 
-        return dataclasses.replace(handles, reward=hang)
+        return dataclasses.replace(handles, **{handle: hang})
 
-    with pytest.raises(PipelineStalled, match=r"groups in flight"):
-        run_controller(settings, wrap=wrap)
-
-
-def test_watchdog_reports_a_hanging_trainer_call():
-    settings = make_settings(watchdog_timeout_s=0.3)
-
-    def wrap(handles: StageHandles) -> StageHandles:
-        async def hang(step, keys):
-            await asyncio.Event().wait()
-
-        return dataclasses.replace(handles, train_microbatch=hang)
-
-    with pytest.raises(PipelineStalled, match=r"train pump: step 0: in train_microbatch"):
+    with pytest.raises(PipelineStalled, match=report):
         run_controller(settings, wrap=wrap)
 
 

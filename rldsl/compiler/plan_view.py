@@ -81,7 +81,7 @@ def _index_ranges(indices: list[int]) -> str:
 def _coords(stage, rank) -> str:
     if stage.tp * stage.pp == 1:
         return ""
-    if stage.engine and stage.engine.name == "vllm":
+    if _one_actor_per_replica(stage):
         return f" tp{stage.tp}"
     return f" tp{rank.tp_rank} pp{rank.pp_rank} dp{rank.dp_rank}"
 
@@ -105,13 +105,20 @@ def _stages(pipe: PipelinePlan) -> list[str]:
     return out
 
 
+def _one_actor_per_replica(stage) -> bool:
+    """Engines such as vLLM drive a whole tensor-parallel group from one actor."""
+    from rldsl.compiler.schema import ENGINES
+
+    return bool(stage.engine) and ENGINES[stage.engine.name].tp_per_actor
+
+
 def _groups(stage) -> list[str]:
     """TP / DP / PP groups as node:gpu lists, for stages that have them."""
     gpu_ranks = [r for r in stage.ranks if r.gpus]
     if not gpu_ranks or stage.tp * stage.pp * stage.dp == 1:
         return []
     where = lambda r: ",".join(f"{r.node}:{g}" for g in r.gpus)  # noqa: E731
-    if stage.engine and stage.engine.name == "vllm":  # one actor per replica, TP inside it
+    if _one_actor_per_replica(stage):
         return [f"replicas (tp {stage.tp} each): " + " ".join(f"[{where(r)}]" for r in gpu_ranks)]
     lines = []
     for name, size, key in (("tp", stage.tp, lambda r: (r.dp_rank, r.pp_rank)),

@@ -13,4 +13,15 @@ def load_model(source: str, device="cpu", **options):
     return _load_model(source, device, **options)
 
 
-__all__ = ["CharTokenizer", "load_model"]
+def load_tokenizer(source: str):
+    """The tokenizer of a model source, without loading its weights."""
+    if source.startswith("hf:"):
+        from transformers import AutoTokenizer
+
+        from rldsl.models.hf import HFTokenizer
+
+        return HFTokenizer(AutoTokenizer.from_pretrained(source[len("hf:"):], local_files_only=True))
+    return CharTokenizer()
+
+
+__all__ = ["CharTokenizer", "load_model", "load_tokenizer"]

@@ -17,6 +17,15 @@ from rldsl.runtime.protocols import Prompt
 from rldsl.runtime.settings import RunSettings
 
 
+def dataset_options(pipe: PipelinePlan, seed: int) -> dict:
+    """The `load_dataset` options of the pipeline's dataset: builtin tasks
+    take the run's seed, jsonl files their field names."""
+    dataset = pipe.datasets[0]
+    if dataset.source.startswith("builtin:"):
+        return {"seed": seed}
+    return {k: v for k, v in dataset.options.items() if k in ("prompt_field", "answer_field")}
+
+
 def prompt_stream(pipe: PipelinePlan, seed: int, trained_below: int = 0,
                   trained_above: frozenset[int] = frozenset()) -> Iterator[Prompt]:
     """The training prompts, epoch after epoch (reshuffled when the dataset
@@ -28,11 +37,7 @@ def prompt_stream(pipe: PipelinePlan, seed: int, trained_below: int = 0,
     from rldsl.tasks import load_dataset
 
     dataset = pipe.datasets[0]
-    if dataset.source.startswith("builtin:"):
-        options = {"seed": seed}
-    else:
-        options = {k: v for k, v in dataset.options.items() if k in ("prompt_field", "answer_field")}
-    rows = load_dataset(dataset.source, "train", **options)
+    rows = load_dataset(dataset.source, "train", **dataset_options(pipe, seed))
     index, epoch = 0, 0
     while True:
         order = list(range(len(rows)))

@@ -232,11 +232,12 @@ class Driver:
 
         if self.trainer_engine != "torch":
             return ""
+        from rldsl.runtime.controller_actor import dataset_options
         from rldsl.tasks import load_dataset
 
         dataset = self.pipe.datasets[0]
         size = dataset.options.get("eval_size", 64)
-        prompts = load_dataset(dataset.source, "eval", **self._dataset_options())[:size]
+        prompts = load_dataset(dataset.source, "eval", **dataset_options(self.pipe, self.pipe.run.seed))[:size]
         generate = next(s for s in self.pipe.stages if s.kind == "generate")
         accuracy = ray.get(trainer.evaluate.remote(prompts, generate.settings["max_new_tokens"]))
         self.evals.append({"step": step, "accuracy": accuracy, "prompts": len(prompts)})
@@ -245,12 +246,6 @@ class Driver:
         if step == 0 or final:
             self._say(text)
         return text
-
-    def _dataset_options(self) -> dict:
-        dataset = self.pipe.datasets[0]
-        if dataset.source.startswith("builtin:"):
-            return {"seed": self.pipe.run.seed}
-        return {k: v for k, v in dataset.options.items() if k in ("prompt_field", "answer_field")}
 
     def _finish(self, summary: dict, progress: Progress) -> int:
         if self.evals:

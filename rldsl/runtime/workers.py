@@ -121,16 +121,9 @@ def _tokenizer_for(pipe: PipelinePlan):
     gens = [s for s in pipe.stages if s.kind == "generate"]
     if not gens or gens[0].engine.name == "sim":
         return None
-    model = next(m for m in pipe.models if m.name == gens[0].model)
-    if model.source.startswith("hf:"):
-        from transformers import AutoTokenizer
+    from rldsl.models import load_tokenizer
 
-        from rldsl.models.hf import HFTokenizer
-
-        return HFTokenizer(AutoTokenizer.from_pretrained(model.source[len("hf:"):], local_files_only=True))
-    from rldsl.models.tokenizer import CharTokenizer
-
-    return CharTokenizer()
+    return load_tokenizer(next(m for m in pipe.models if m.name == gens[0].model).source)
 
 
 class LogprobWorker(_Worker):

@@ -1,0 +1,152 @@
+"""The data-plane contract every backend implements: sample keys, the
+``DataPlane`` interface, ``MissingDataError``, and the argument checks and
+row padding the backends share so that they behave identically.
+
+Semantics, identical on every backend:
+- ``put`` takes dense tensors, row i belonging to ``keys[i]``, and stores each
+  row per key. Writing a field again replaces it; tags merge.
+- ``get`` returns dense tensors, rows in the order of ``keys``. Rows of one
+  field may differ in length (e.g. from puts padded to different widths):
+  they are padded with 0 to the longest requested row, on the left for
+  ``left_padded_fields`` (the prompt fields by default, so prompts stay
+  aligned against their responses), else on the right. TransferQueue returns
+  every non-scalar field as a jagged nested tensor even when it was put
+  dense; its ``get`` converts it back (``dataplane_transferqueue``).
+- A missing key or field raises ``MissingDataError`` (TransferQueue itself
+  silently drops missing keys and returns an empty batch for missing fields).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Iterable, Mapping, Sequence
+
+from rldsl.runtime.protocols import FIELD_PROMPT_IDS, FIELD_PROMPT_MASK
+
+DEFAULT_LEFT_PADDED_FIELDS = frozenset({FIELD_PROMPT_IDS, FIELD_PROMPT_MASK})
+
+
+def sample_key(pipeline: str, prompt_index: int, sample_index: int) -> str:
+    """The data-plane key of one sample, unique per (pipeline, prompt, sample)."""
+    if not pipeline or "/" in pipeline:
+        raise ValueError(f"pipeline name must be non-empty and contain no '/': {pipeline!r}")
+    if prompt_index < 0 or sample_index < 0:
+        raise ValueError(f"indices must be >= 0, got prompt {prompt_index}, sample {sample_index}")
+    return f"{pipeline}/p{prompt_index}/s{sample_index}"
+
+
+def parse_sample_key(key: str) -> tuple[str, int, int]:
+    """Inverse of ``sample_key``: (pipeline, prompt_index, sample_index)."""
+    try:
+        pipeline, prompt, sample = key.split("/")
+        if not (prompt.startswith("p") and sample.startswith("s")):
+            raise ValueError
+        return pipeline, int(prompt[1:]), int(sample[1:])
+    except ValueError:
+        raise ValueError(f"not a sample key: {key!r}") from None
+
+
+class MissingDataError(KeyError):
+    """Requested keys or fields are not in the partition."""
+
+    def __init__(self, partition: str, missing_keys: Sequence[str] = (), missing_fields: Sequence[str] = ()):
+        super().__init__(partition, list(missing_keys), list(missing_fields))
+        self.partition, self.missing_keys, self.missing_fields = self.args
+
+    def __str__(self) -> str:
+        if self.missing_keys:
+            shown = ", ".join(self.missing_keys[:5]) + (" ..." if len(self.missing_keys) > 5 else "")
+            return f"{len(self.missing_keys)} key(s) not in partition {self.partition!r}: {shown}"
+        return f"field(s) {self.missing_fields} not written for every requested key in partition {self.partition!r}"
+
+
+class DataPlane(abc.ABC):
+    """Client of the data plane. See the module docstring for the semantics."""
+
+    backend = ""  # the name connect_dataplane knows this class by
+
+    def __init__(self, left_padded_fields: Iterable[str] = DEFAULT_LEFT_PADDED_FIELDS):
+        self.left_padded_fields = frozenset(left_padded_fields)
+
+    @property
+    def spec(self) -> dict:
+        """A small serialisable dict; ``connect_dataplane(spec)`` in another
+        process (e.g. a Ray actor) returns a client of the same store."""
+        return {"backend": self.backend, **self._options(), "left_padded_fields": sorted(self.left_padded_fields)}
+
+    def _options(self) -> dict:
+        return {}
+
+    @abc.abstractmethod
+    def put(self, keys: list[str], partition: str, fields: Mapping[str, Any], tags: list[dict] | None = None) -> None:
+        """Store ``fields`` (dense tensors, row i belongs to ``keys[i]``) and
+        merge ``tags`` (one dict per key). ``fields`` may be empty to only tag."""
+
+    @abc.abstractmethod
+    def get(self, keys: list[str], partition: str, fields: list[str]) -> dict[str, Any]:
+        """Dense padded tensors, rows in the order of ``keys``."""
+
+    @abc.abstractmethod
+    def list_tags(self, partition: str) -> dict[str, dict]:
+        """Every key present in ``partition`` with its merged tags."""
+
+    def list(self, partition: str) -> list[str]:
+        """The keys present in ``partition`` (an unknown partition is empty)."""
+        return list(self.list_tags(partition))
+
+    @abc.abstractmethod
+    def clear(self, keys: list[str], partition: str) -> None:
+        """Drop ``keys`` and their data; absent keys are ignored."""
+
+    def close(self) -> None:
+        """Release this client (the owner of a shared store also stops it)."""
+
+    def __enter__(self) -> DataPlane:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- validation
+
+
+def check_keys(keys: Sequence[str]) -> list[str]:
+    keys = list(keys)
+    if not all(isinstance(k, str) for k in keys):
+        raise TypeError("keys must be strings")
+    if len(set(keys)) != len(keys):
+        raise ValueError("keys must be unique within one call")
+    return keys
+
+
+def check_put(keys: Sequence[str], fields: Mapping[str, Any], tags: list[dict] | None) -> list[str]:
+    import torch
+
+    keys = check_keys(keys)
+    for name, tensor in fields.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            raise TypeError(f"field {name!r} must be a tensor with one row per key")
+        if tensor.shape[0] != len(keys):
+            raise ValueError(f"field {name!r} has {tensor.shape[0]} rows for {len(keys)} keys")
+    if tags is not None and len(tags) != len(keys):
+        raise ValueError(f"{len(tags)} tags for {len(keys)} keys")
+    return keys
+
+
+def check_get(keys: Sequence[str], fields: Sequence[str]) -> list[str]:
+    keys = check_keys(keys)
+    if not keys or not fields:
+        raise ValueError("get needs at least one key and one field")
+    return keys
+
+
+# ----------------------------------------------------------------- padding
+
+
+def pad_rows(rows: list, pad_left: bool):
+    """Dense [n, longest, ...] from rows of different lengths, padded with 0.
+    One allocation: on a busy machine fresh memory dominates the cost."""
+    import torch
+
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_side="left" if pad_left else "right")

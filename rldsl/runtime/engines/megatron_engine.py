@@ -35,6 +35,18 @@ by it (Megatron's router multiplies it by the token count instead, so after
 the 1/N at finish it has the weight Megatron's per-token mode gives it).
 The auxiliary-loss METRICS are accumulated over every pipeline microbatch
 of the step and divided by that count at finish.
+
+Outside a step (``megatron_state``): ``save_checkpoint(directory)`` is a
+collective in which every rank writes ``directory/megatron/rankNNNNN.pt``
+(its model shard, optimizer state, including the distributed optimizer's
+shard, LR scheduler, version and the tp/pp/dp layout) and waits for the
+others; ``load_checkpoint`` reads each rank's own file back and requires the
+same layout (no resharding). With ``offload = true``, ``sleep`` copies the
+weights (DDP's param buffers or the parameters) and the optimizer state
+(fp32 main params and moments) to host memory and frees their device
+storage in place, dropping the gradient buffers; ``wake`` restores them
+(gradients as zeros). Without offload both are no-ops. While asleep the
+trainer refuses steps, weight export and checkpoints.
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from rldsl.runtime.engines import megatron_model as mm
+from rldsl.runtime.engines import megatron_state as ms
 from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, grpo_loss, step_metrics
 from rldsl.runtime.engines.hf_megatron_weights import LlamaShape
 from rldsl.runtime.engines.torch_common import split_rows
@@ -105,7 +118,8 @@ class MegatronTrainer:
         self.loss = loss if isinstance(loss, GRPOLossConfig) else GRPOLossConfig(**(loss or {}))
         self.rows_per_forward = rows_per_forward
         self.global_batch = global_batch
-        self.offload = offload  # accepted; the runtime has no trainer sleep/wake hook yet
+        self.offload = offload  # sleep/wake move the weights and optimizer state to host memory
+        self._offload = ms.DeviceOffload()
         self.device = mm.compute_device()
         self.config = mm.transformer_config(shape, dtype, tp, pp)
         module = mm.build_gpt_model(shape, self.config)
@@ -188,6 +202,7 @@ class MegatronTrainer:
     def begin_train_step(self, step: int) -> None:
         if self._open is not None:
             raise RuntimeError(f"begin_train_step({step}) while step {self._open.step} is open; finish or abort it")
+        self._require_awake(f"begin_train_step({step})")
         self._zero_grads()
         self._save_and_null_sync_hooks()
         self._open = _OpenStep(step)
@@ -224,6 +239,7 @@ class MegatronTrainer:
         first rank of a model replica yields buckets."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self._require_awake("weight_buckets")
         bucket, used = {}, 0
         for name, tensor in mm.export_hf_weights(self.model.module, self.shape):
             size = tensor.numel() * tensor.element_size()
@@ -234,6 +250,49 @@ class MegatronTrainer:
             used += size
         if bucket:
             yield bucket
+
+    # -- checkpoints and offload (megatron_state) -----------------------------------
+
+    def save_checkpoint(self, directory) -> None:
+        """A collective: every rank writes ``directory/megatron/rank{rank:05d}.pt``
+        and, when it returns on any rank, every rank's file is written."""
+        self._require_idle("save_checkpoint")
+        ms.save_checkpoint(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                           version=self.version, distributed_optimizer=self.ddp_config.use_distributed_optimizer)
+
+    def load_checkpoint(self, directory) -> int:
+        """This rank's file back (same tp/pp/dp layout only); returns the version."""
+        self._require_idle("load_checkpoint")
+        self.version = ms.load_checkpoint(directory, model=self.model, optimizer=self.optimizer,
+                                          scheduler=self.scheduler,
+                                          distributed_optimizer=self.ddp_config.use_distributed_optimizer)
+        return self.version
+
+    def sleep(self) -> None:
+        """With offload: weights and optimizer state to host memory, device
+        storage freed, gradients dropped. Idempotent; a no-op without offload."""
+        if self._open is not None:
+            raise RuntimeError(f"sleep while step {self._open.step} is open; finish or abort it first")
+        if self.offload and not self._offload.asleep:
+            self.optimizer.zero_grad()  # drop .grad references into the grad buffers
+            self._offload.sleep(*ms.offload_tensors(self.model, self.optimizer), self.device)
+
+    def wake(self) -> None:
+        """Undo ``sleep`` (gradients come back as zeros); idempotent."""
+        self._offload.wake()
+
+    @property
+    def asleep(self) -> bool:
+        return self._offload.asleep
+
+    def _require_idle(self, call: str) -> None:
+        if self._open is not None:
+            raise RuntimeError(f"{call} while step {self._open.step} is open; finish or abort it first")
+        self._require_awake(call)
+
+    def _require_awake(self, call: str) -> None:
+        if self._offload.asleep:
+            raise RuntimeError(f"{call} while the trainer is asleep (offloaded); call wake first")
 
     # -- step bodies -------------------------------------------------------------
 

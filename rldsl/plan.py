@@ -124,6 +124,18 @@ class PipelinePlan:
     def stages_of(self, kind: str) -> list[StagePlan]:
         return [s for s in self.stages if s.kind == kind]
 
+    @property
+    def eval_size(self) -> int:
+        """Held-out prompts per evaluation (the compiler fills the default)."""
+        return self.datasets[0].options["eval_size"] if self.datasets else 0
+
+    @property
+    def evaluates(self) -> bool:
+        """Held-out evaluation runs (in an evaluator actor on the CPU): the
+        policy has real weights and the dataset a held-out split."""
+        train = self.stage(self.batch.train_stage)
+        return train.engine.name in ("torch", "megatron") and bool(self.stages_of("generate")) and self.eval_size > 0
+
 
 @dataclass(frozen=True)
 class ExecutionPlan:

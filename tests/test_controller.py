@@ -197,6 +197,34 @@ def test_abort_drops_the_step_and_the_run_recovers():
     assert dataplane.list("t") == []
 
 
+def test_request_stop_ends_the_run_after_the_call_in_flight_with_the_ledger_balanced():
+    """Ctrl-C's path: a stop during a step's first microbatch lets that call
+    complete, aborts the step and returns a summary; every generated sample
+    is trained or dropped, none twice."""
+    settings = make_settings(prompts_per_step=4, steps=50)
+    config = SimConfig(generate=Latency.constant(0.002), microbatch=Latency.constant(0.005))
+    dataplane = RecordingDataPlane()
+    sim = SimStages(settings, dataplane, config)
+    controller = None
+
+    async def stop_during_step_2(step, keys):
+        if step == 2:
+            controller.request_stop()
+        return await sim.handles.train_microbatch(step, keys)
+
+    handles = dataclasses.replace(sim.handles, train_microbatch=stop_during_step_2)
+    controller = Controller(settings, handles, dataplane, prompt_stream())
+    summary = asyncio.run(controller.run())  # the ledger check runs inside
+    assert summary["steps"] == summary["version"] == sim.trainer.version == 2
+    assert [c[1] for c in trainer_calls(sim, "abort_train_step")] == [2]
+    assert sim.trainer.open_step is None  # nothing half-trained is left open
+    ledger = summary["ledger"]
+    assert ledger["trained"] == 2 * 4 * 2
+    assert ledger["dropped"]["run_stopped"] == 2  # the one group of step 2 trained before the stop
+    assert set(ledger["dropped"]) <= {"run_stopped", "run_finished"}
+    assert dataplane.list("t") == []
+
+
 def test_abort_is_idempotent():
     trainer = SimTrainer()
     trainer.abort_train_step(0)  # nothing open: a no-op

@@ -233,25 +233,11 @@ def test_warm_start_is_cached_and_deterministic(tmp_path, monkeypatch):
 
 def test_local_hf_model_runs_through_the_same_engines(tmp_path):
     """hf:<path> with a tiny local Llama and a character tokenizer (no download)."""
-    transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
-    from rldsl.models.tokenizer import SPECIAL_TOKENS, CharTokenizer
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from tests.hf_tiny import save_char_llama
 
-    characters = CharTokenizer().characters
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *characters])}
-    char_tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    char_tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
-    char_tokenizer.decoder = tokenizers.decoders.Fuse()
-    char_tokenizer.save(str(tmp_path / "tokenizer.json"))
-    special = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), **special)
-    fast.save_pretrained(tmp_path)
-    config = transformers.LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    save_char_llama(tmp_path)
 
     generator = TorchGenerator(load_model(f"hf:{tmp_path}"), max_new_tokens=5)
     trainer = TorchTrainer(load_model(f"hf:{tmp_path}"))

@@ -18,7 +18,8 @@ STALENESS_MAPPING = [
 
 
 def actor_count(plan: ExecutionPlan) -> int:
-    return sum(len(s.ranks) for p in plan.pipelines for s in p.stages) + len(plan.pipelines)  # + one controller each
+    # + one controller each, + an evaluator for each pipeline that evaluates
+    return sum(len(s.ranks) for p in plan.pipelines for s in p.stages) + sum(1 + p.evaluates for p in plan.pipelines)
 
 
 def summary_line(plan: ExecutionPlan) -> str:
@@ -69,7 +70,8 @@ def _gpu_map(plan: ExecutionPlan, result: CompileResult) -> list[str]:
             out.append(f"    gpu {local}: {', '.join(here) or '(idle)'}{mem_text}")
     cpu = [f"{p.name + '/' if many else ''}{s.name}{_index_ranges([r.index for r in s.ranks if not r.gpus])}"
            for p in plan.pipelines for s in p.stages if any(not r.gpus for r in s.ranks)]
-    out.append(f"  cpu: {', '.join(cpu + ['controller' + ('s' if many else '')])}")
+    evaluators = [f"{p.name + '/' if many else ''}evaluator" for p in plan.pipelines if p.evaluates]
+    out.append(f"  cpu: {', '.join(cpu + evaluators + ['controller' + ('s' if many else '')])}")
     return out
 
 

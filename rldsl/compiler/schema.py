@@ -147,7 +147,7 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "prompt_field": Key(Str(), "prompt", "jsonl field holding the prompt"),
         "answer_field": Key(Str(), "answer", "jsonl field holding the reference answer"),
         "shuffle": Key(Bool(), True, "shuffle each epoch"),
-        "eval_size": Key(Int(low=0), 64, "held-out prompts for evaluation"),
+        "eval_size": Key(Int(low=0), 64, "held-out prompts per evaluation (0: no evaluation)"),
     },
     "staleness": {
         "max_lag": Key(Int(low=0), 0, "max trainer version minus generating version of a trained sample"),

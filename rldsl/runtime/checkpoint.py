@@ -1,11 +1,14 @@
 """Checkpoints: where they live and what makes one complete.
 
-    RUN_DIR/checkpoints/v000020/trainer.pt      model, optimizer, version (rank 0)
-    RUN_DIR/checkpoints/v000020/progress.json   steps done, prompts trained, evals
+    RUN_DIR/checkpoints/v000020/trainer/        the trainer engine's own files
+    RUN_DIR/checkpoints/v000020/trainer.json    written last: version, engine
+    RUN_DIR/checkpoints/v000020/progress.json   steps done, prompts trained
 
-Both are written for the same trainer version: the trainer at the end of
-``finish_train_step``, the controller when it records that step. A checkpoint
-is complete when both exist. Resuming reloads the trainer, pushes its weights
+The trainer engine saves its state in its own format (the torch engine one
+file from rank 0, megatron one file per rank); every rank takes part, and
+rank 0 writes ``trainer.json`` once all of them are done. The controller
+writes ``progress.json`` when it records the same version. A checkpoint is
+complete when both JSON files exist. Resuming reloads the trainer, pushes its weights
 to the generators and skips every prompt already trained, so no sample is
 trained twice; groups generated but not yet trained are generated again.
 """
@@ -16,7 +19,8 @@ import json
 import os
 from pathlib import Path
 
-TRAINER_FILE = "trainer.pt"
+TRAINER_DIR = "trainer"
+TRAINER_MARKER = "trainer.json"
 PROGRESS_FILE = "progress.json"
 
 
@@ -31,7 +35,8 @@ def write_json_atomically(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def save_trainer_state(path: Path, state: dict) -> None:
+def save_torch_state(path: Path, state: dict) -> None:
+    """``torch.save`` that never leaves a half-written file behind."""
     import torch
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -40,7 +45,7 @@ def save_trainer_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def load_trainer_state(path: Path) -> dict:
+def load_torch_state(path: Path) -> dict:
     import torch
 
     return torch.load(path, map_location="cpu", weights_only=False)
@@ -50,7 +55,7 @@ def latest_complete(run_dir: Path) -> Path | None:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return None
-    complete = [d for d in root.iterdir() if (d / TRAINER_FILE).exists() and (d / PROGRESS_FILE).exists()]
+    complete = [d for d in root.iterdir() if (d / TRAINER_MARKER).exists() and (d / PROGRESS_FILE).exists()]
     return max(complete, key=lambda d: d.name) if complete else None
 
 

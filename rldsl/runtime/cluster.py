@@ -105,6 +105,8 @@ def start_ray(
         context = ray.get_runtime_context()
         return RaySession(context.gcs_address, context.namespace, False, False)
     env = transferqueue_env()  # worker processes inherit it (see dataplane)
+    if os.environ.get("RLDSL_WORKER_SETUP"):  # workers.setup_worker_process
+        env["RLDSL_WORKER_SETUP"] = os.environ["RLDSL_WORKER_SETUP"]
     if address in (None, "", "local"):
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         for name, value in env.items():

@@ -84,6 +84,10 @@ class StepFailed(RuntimeError):
     """Too many consecutive train steps aborted."""
 
 
+class StopRequested(Exception):
+    """``Controller.request_stop`` was called: the open step ends unfinished."""
+
+
 class TrainCallFailed(Exception):
     """A trainer or data-plane call of the open step raised."""
 
@@ -116,7 +120,7 @@ class TrainPump:
     async def run(self) -> None:
         state = self.state
         try:
-            while state.finished_steps < state.settings.steps:
+            while state.finished_steps < state.settings.steps and not state.stop_requested:
                 step = self.step = StepBuild(state.batch_index, state.trainer_version, state.clock())
                 try:
                     await self._fill(step)
@@ -130,6 +134,9 @@ class TrainPump:
                 except TrainCallFailed as failure:
                     await self._abort(step, failure)
                     continue
+                except StopRequested:
+                    await self._drop_open_step(step, outcomes.RUN_STOPPED)
+                    return
                 await self._close_step(step, result)
         finally:
             state.training_done = True
@@ -160,12 +167,14 @@ class TrainPump:
         if state.settings.colocated:
             await self._generation_phase(step)
         while not self._step_complete(step):
+            if state.stop_requested:
+                raise StopRequested
             for stale in state.sampler.evict(state.buffer, state.trainer_version):
                 state.drop(stale, outcomes.TOO_STALE, pump="train")
             open_slots = state.settings.prompts_per_step - len(step.groups)
             group = state.sampler.select(state.buffer, state.trainer_version, step.batch_index, open_slots)
             if group is None:
-                await state.changed.wait()
+                await self._wait_unless_stopped()
             else:
                 await self._train_group(step, group)
 
@@ -177,7 +186,7 @@ class TrainPump:
         while not ((state.sampler.count_eligible(state.buffer, state.trainer_version, step.batch_index) >= per_step
                     or (state.prompts_exhausted and state.buffer.count(GroupState.RESERVED) == 0))
                    and state.generating == 0 and not state.pushing):
-            await state.changed.wait()
+            await self._wait_unless_stopped()
         state.generators_asleep = True
         state.changed.notify()
         self.activity = "colocated: putting the generators to sleep"
@@ -192,6 +201,13 @@ class TrainPump:
             state.generators_asleep = False
             self.activity = None
             state.changed.notify()
+
+    async def _wait_unless_stopped(self) -> None:
+        if self.state.stop_requested:
+            raise StopRequested
+        await self.state.changed.wait()
+        if self.state.stop_requested:
+            raise StopRequested
 
     def _step_complete(self, step: StepBuild) -> bool:
         state, per_step = self.state, self.state.settings.prompts_per_step
@@ -257,19 +273,24 @@ class TrainPump:
         self._report(step, result, lags)
 
     async def _abort(self, step: StepBuild, failure: TrainCallFailed) -> None:
-        state = self.state
-        state.last_error["train"] = str(failure)
-        await resolve(state.stages.abort_train_step(step.batch_index))  # idempotent; a raise here is fatal
-        await self._wake_generators()
-        for group in step.groups:
-            state.ledger.dropped(group.keys, outcomes.STEP_ABORTED)
-        state.consumed_in_step = 0
-        await self._clear_and_release(step.groups)
+        self.state.last_error["train"] = str(failure)
+        await self._drop_open_step(step, outcomes.STEP_ABORTED)
         self.aborted_steps += 1
         self._aborted_in_row += 1
-        if self._aborted_in_row >= state.settings.max_aborted_steps:
+        if self._aborted_in_row >= self.state.settings.max_aborted_steps:
             message = f"{self._aborted_in_row} consecutive train steps aborted; last: {failure}"
             raise StepFailed(message) from failure.error
+
+    async def _drop_open_step(self, step: StepBuild, outcome: str) -> None:
+        """Abort the trainer's open step and drop its groups as ``outcome``."""
+        state = self.state
+        if step.begun:
+            await resolve(state.stages.abort_train_step(step.batch_index))  # idempotent; a raise here is fatal
+        await self._wake_generators()
+        for group in step.groups:
+            state.ledger.dropped(group.keys, outcome)
+        state.consumed_in_step = 0
+        await self._clear_and_release(step.groups)
 
     async def _clear_and_release(self, groups: list[Group]) -> None:
         """The step's one data-plane clear (with keys dropped since the last
@@ -341,6 +362,13 @@ class Controller:
         await self._settle_leftovers()
         state.ledger.check()
         return self.summary()
+
+    def request_stop(self) -> None:
+        """End the run at the next safe point: a trainer call in flight
+        completes (a finished step is recorded), an open step is aborted, and
+        ``run`` returns its summary with the ledger balanced."""
+        self.state.stop_requested = True
+        self.state.changed.notify()
 
     def describe_waits(self) -> str:
         return (

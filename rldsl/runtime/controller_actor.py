@@ -60,13 +60,11 @@ class ControllerActor:
         self.settings, self.pipe = settings, pipe
         kinds = {s.name: s.kind for s in pipe.stages}
         train = pipe.stage(pipe.batch.train_stage)
-        replicas: dict[int, list[int]] = {}
-        for rank in train.ranks:
-            replicas.setdefault(rank.dp_rank, []).append(rank.index)
+        replicas = {s.name: _replicas(s) for s in pipe.stages if s.kind in ("train", "logprob")}
         sleepers = [a for s in pipe.stages if s.kind == "generate" and train.name in s.colocated_with
                     for a in workers[s.name]]
         self.handles = ray_stage_handles(workers, kinds, receivers, settings.sync_bucket_bytes, train.name,
-                                         list(replicas.values()), sleepers)
+                                         replicas, sleepers)
         self.dataplane = connect_dataplane(dataplane_spec)
         self.checkpoint = checkpoint or {}
         resume = resume or {}
@@ -76,15 +74,24 @@ class ControllerActor:
         self.steps: list[dict] = []
         self.last_version = -1
         self.controller = None
+        self.stop_requested = False
 
     async def run(self) -> dict:
         from rldsl.runtime.controller import Controller
 
         prompts = prompt_stream(self.pipe, self.settings.seed, *self.trained_before)
         self.controller = Controller(self.settings, self.handles, self.dataplane, prompts, on_step=self._on_step)
+        if self.stop_requested:
+            self.controller.request_stop()
         summary = await self.controller.run()
         summary["steps"] += self.step_offset
         return summary
+
+    def request_stop(self) -> None:
+        """Ctrl-C: finish the trainer call in flight, abort an open step, return."""
+        self.stop_requested = True
+        if self.controller is not None:
+            self.controller.request_stop()
 
     def _on_step(self, record: dict) -> None:
         record = {**record, "step": record["step"] + self.step_offset, "time": time.time()}
@@ -125,3 +132,11 @@ class ControllerActor:
         """Step records after ``since``, and what each pump is doing now."""
         waits = self.controller.describe_waits() if self.controller else "starting"
         return {"steps": self.steps[since:], "waits": waits}
+
+
+def _replicas(stage) -> list[list[int]]:
+    """Rank indices per data-parallel replica: the ranks that see the same rows."""
+    groups: dict[int, list[int]] = {}
+    for rank in stage.ranks:
+        groups.setdefault(rank.dp_rank, []).append(rank.index)
+    return list(groups.values())

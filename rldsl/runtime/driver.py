@@ -24,16 +24,19 @@ class Driver:
         self.started = started if started is not None else time.monotonic()  # the whole run, start-up included
         self.run_dir = run_dir.resolve()  # actors write checkpoints here, whatever their working directory
         self.trainer_engine = pipe.stage(pipe.batch.train_stage).engine.name
-        self.evals: list[dict] = _previous_evals(self.run_dir) if resume else []
+        self.previous_evals: list[dict] = _previous_evals(self.run_dir) if resume else []
+        self.evaluations = None  # EvaluationSchedule once the evaluator runs
         self.resume = _resume_point(self.run_dir) if resume else None
         self.checkpoint = {"run_dir": str(self.run_dir), "every": pipe.run.checkpoint_every}
 
     # ------------------------------------------------------------ lifecycle
 
     def run(self) -> int:
+        import ray
+
         from rldsl.runtime.cluster import logical_cpus_needed, ray_session
 
-        ranks = sum(len(s.ranks) for s in self.pipe.stages) + 1
+        ranks = sum(len(s.ranks) for s in self.pipe.stages) + 1 + self.pipe.evaluates  # + controller, evaluator
         cluster = self.plan.cluster
         gpus = cluster.nodes * cluster.gpus_per_node
         self._say(f"starting Ray: {ranks} actors, {gpus} GPUs ({'logical' if self.address is None else 'cluster'})")
@@ -44,6 +47,8 @@ class Driver:
             workers = self._start_workers(dataplane.spec)
             if self.resume:
                 self._restore(workers)
+            if self.settings.colocated:  # generation comes first: an offloading trainer starts offloaded
+                ray.get([t.sleep.remote() for t in workers[self.pipe.batch.train_stage]])
             return self._drive(workers, dataplane)
 
     def _say(self, text: str) -> None:
@@ -80,12 +85,12 @@ class Driver:
         classes = {"generate": w.GeneratorWorker, "reward": w.RewardWorker, "logprob": w.LogprobWorker,
                    "train": w.TrainerWorker}
         groups = self._placement_groups(create_placement_group)
-        dist = self._dist_info()
         handles: dict[str, list] = {}
         for stage in self.pipe.stages:
             if stage.kind == "sync":
                 continue
             actor_class = ray.remote(classes[stage.kind])
+            dist = self._dist_info()  # each stage is its own process group (trainer, megatron logprob)
             handles[stage.name] = []
             for rank in stage.ranks:
                 options = {"num_cpus": _ACTOR_CPUS, "name": f"{stage.name}-{rank.index}"}
@@ -95,11 +100,28 @@ class Driver:
                     options["num_gpus"] = rank.gpu_fraction * len(rank.gpus)
                     options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, bundle)
                 args = [self.pipe, stage, rank.index, spec]
+                if stage.kind in ("train", "logprob"):
+                    args.append({**dist, "rank": rank.index, "world_size": len(stage.ranks)})
                 if stage.kind == "train":
-                    args += [{**dist, "rank": rank.index, "world_size": len(stage.ranks)}, self.checkpoint]
+                    args.append(self.checkpoint)
                 handles[stage.name].append(actor_class.options(**options).remote(*args))
-        self._wait_ready(handles)
+        evaluator = self._start_evaluator()
+        self._wait_ready({**handles, **({"evaluator": [evaluator]} if evaluator else {})})
         return handles
+
+    def _start_evaluator(self):
+        """The held-out evaluator: one more weight receiver, on the CPU."""
+        import ray
+
+        from rldsl.runtime.evaluation import EvaluationSchedule, Evaluator
+
+        if not self.pipe.evaluates:
+            return None
+        actor = ray.remote(Evaluator).options(num_cpus=_ACTOR_CPUS, max_concurrency=2, name="evaluator")
+        handle = actor.remote(self.pipe)
+        self.evaluations = EvaluationSchedule(handle, self.pipe.run.eval_every, self.settings.steps,
+                                              self.previous_evals)
+        return handle
 
     def _placement_groups(self, create_placement_group) -> dict[tuple[int, int], tuple]:
         """One STRICT_PACK group per node holding that node's planned GPUs."""
@@ -118,7 +140,7 @@ class Driver:
         return out
 
     def _dist_info(self) -> dict:
-        with socket.socket() as sock:  # a free port for the trainers' gloo rendezvous
+        with socket.socket() as sock:  # a free port for the stage's rendezvous
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         return {"master": f"127.0.0.1:{port}"}
@@ -145,11 +167,8 @@ class Driver:
         """Trainer ranks reload the checkpoint; its weights go to every receiver."""
         import ray
 
-        from rldsl.runtime.checkpoint import TRAINER_FILE
-
         trainers = handles[self.pipe.batch.train_stage]
-        path = str(self.resume["dir"] / TRAINER_FILE)
-        version = ray.get([t.load_checkpoint.remote(path) for t in trainers])[0]
+        version = ray.get([t.load_checkpoint.remote(str(self.resume["dir"])) for t in trainers])[0]
         count = ray.get([t.prepare_buckets.remote(self.settings.sync_bucket_bytes) for t in trainers])[0]
         for index in range(count):
             bucket = trainers[0].bucket.remote(index)
@@ -169,23 +188,24 @@ class Driver:
         if settings.steps <= 0:
             self._say(f"nothing to do: {done_before} of {self.settings.steps} steps are done")
             return 0
-        trainer = handles[self.pipe.batch.train_stage][0]
         self.progress = progress = Progress(self.settings, self.run_dir)
-        if not self.resume:
-            self._evaluate(trainer, step=0)
+        if self.evaluations and not self.resume:
+            self.evaluations.request(step=0, version=0)
         controller = ray.remote(ControllerActor).options(num_cpus=_ACTOR_CPUS, name="controller").remote(
             settings, self.pipe, handles, self._receivers(handles), dataplane.spec, self.checkpoint, self.resume_info())
         result_ref = controller.run.remote()
         try:
             with progress:
-                self._follow(controller, result_ref, trainer, progress)
+                self._follow(controller, result_ref, progress)
         except KeyboardInterrupt:
-            return self._checkpoint_on_interrupt(trainer, controller)
+            return self._checkpoint_on_interrupt(handles, controller, result_ref)
         summary = ray.get(result_ref)  # raises PipelineStalled / StepFailed with the controller's words
-        self._evaluate(trainer, step=summary["steps"], final=True)
+        if self.evaluations:
+            self.evaluations.request(step=summary["steps"], version=summary["version"])
+            self._show_evaluations(wait=True)
         return self._finish(summary, progress)
 
-    def _follow(self, controller, result_ref, trainer, progress: Progress) -> None:
+    def _follow(self, controller, result_ref, progress: Progress) -> None:
         import ray
 
         seen = 0
@@ -195,8 +215,10 @@ class Driver:
             for record in report["steps"]:
                 seen += 1
                 progress.step(record)
-                if self._eval_due(record["step"]):
-                    progress.note(self._evaluate(trainer, record["step"]))
+                if self.evaluations and self.evaluations.due(record["step"]):
+                    self.evaluations.request(record["step"], record["version"])
+            if self.evaluations:
+                self._show_evaluations()
             progress.waits(report["waits"])
             if done:
                 return
@@ -204,54 +226,51 @@ class Driver:
     def resume_info(self) -> dict | None:
         return None if not self.resume else {k: v for k, v in self.resume.items() if k != "dir"}
 
-    def _checkpoint_on_interrupt(self, trainer, controller) -> int:
+    def _checkpoint_on_interrupt(self, handles: dict[str, list], controller, result_ref) -> int:
+        """Stop at the next safe point (the trainer call in flight completes,
+        an open step is aborted), then save the trainer and the progress."""
         import ray
 
-        if self.trainer_engine != "torch":
-            self._say("interrupted")
+        self._say("interrupted: stopping after the trainer call in flight (Ctrl-C again quits at once)")
+        controller.request_stop.remote()
+        try:
+            ray.get(result_ref)
+        except ray.exceptions.RayError as err:
+            self._say(f"interrupted; the run failed while stopping: {_root_cause(err)}")
             return 130
-        version = ray.get(trainer.save_checkpoint.remote())
-        saved = ray.get(controller.save_progress.remote(version))
-        if saved:
+        trainers = handles[self.pipe.batch.train_stage]
+        if not ray.get(trainers[0].can_checkpoint.remote()):
+            self._say(f"interrupted: the {self.trainer_engine} trainer keeps no checkpoints")
+            return 130
+        version = ray.get([t.save_checkpoint.remote() for t in trainers])[0]
+        if ray.get(controller.save_progress.remote(version)):
             self._say(f"interrupted: checkpoint saved at version {version}; continue with "
                       f"`rldsl run --resume {self.run_dir}`")
         else:
-            self._say("interrupted before the first finished step: nothing to checkpoint")
+            self._say("interrupted before a step finished in this run: nothing new to checkpoint")
         return 130
 
     def _receivers(self, handles: dict[str, list]) -> list:
         targets = {e.dst for e in self.pipe.edges if e.kind == "weights"}
-        return [a for name in sorted(targets) for a in handles[name]]
+        evaluator = [self.evaluations.actor] if self.evaluations else []
+        return [a for name in sorted(targets) for a in handles[name]] + evaluator
 
-    def _eval_due(self, step: int) -> bool:
-        every = self.pipe.run.eval_every
-        return bool(every) and step % every == 0 and step < self.settings.steps
-
-    def _evaluate(self, trainer, step: int, final: bool = False) -> str:
-        import ray
-
-        if self.trainer_engine != "torch":
-            return ""
-        from rldsl.runtime.controller_actor import dataset_options
-        from rldsl.tasks import load_dataset
-
-        dataset = self.pipe.datasets[0]
-        size = dataset.options.get("eval_size", 64)
-        prompts = load_dataset(dataset.source, "eval", **dataset_options(self.pipe, self.pipe.run.seed))[:size]
-        generate = next(s for s in self.pipe.stages if s.kind == "generate")
-        accuracy = ray.get(trainer.evaluate.remote(prompts, generate.settings["max_new_tokens"]))
-        self.evals.append({"step": step, "accuracy": accuracy, "prompts": len(prompts)})
-        self.progress.eval(step, accuracy)
-        text = f"eval @ step {step}: held-out accuracy {accuracy:.3f} ({len(prompts)} prompts, greedy)"
-        if step == 0 or final:
-            self._say(text)
-        return text
+    def _show_evaluations(self, wait: bool = False) -> None:
+        for result in self.evaluations.collect(wait):
+            self.progress.eval(result["step"], result["accuracy"])
+            text = (f"eval @ step {result['step']}: held-out accuracy {result['accuracy']:.3f} "
+                    f"({result['prompts']} prompts, greedy, weights v{result['version']})")
+            if result["step"] == 0 or wait:
+                self._say(text)
+            else:
+                self.progress.note(text)
 
     def _finish(self, summary: dict, progress: Progress) -> int:
-        if self.evals:
-            summary["eval_start"] = self.evals[0]["accuracy"]
-            summary["eval_end"] = self.evals[-1]["accuracy"]
-            summary["evals"] = self.evals
+        evals = self.evaluations.done if self.evaluations else []
+        if evals:
+            summary["eval_start"] = evals[0]["accuracy"]
+            summary["eval_end"] = evals[-1]["accuracy"]
+            summary["evals"] = evals
         summary["wall_clock_s"] = time.monotonic() - self.started
         summary["train_loop_s"] = time.monotonic() - progress.started
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
@@ -265,7 +284,7 @@ def _resume_point(run_dir: Path) -> dict:
 
     found = latest_complete(run_dir)
     if found is None:
-        raise ResumeError(f"{run_dir} has no complete checkpoint (checkpoints/v*/ with trainer.pt and progress.json)")
+        raise ResumeError(f"{run_dir} has no complete checkpoint (checkpoints/v*/ with trainer.json and progress.json)")
     progress = json.loads((found / PROGRESS_FILE).read_text())
     return {"dir": found, **progress}
 

@@ -20,6 +20,7 @@ LOGPROB_FAILED = "logprob_failed"
 GENERATION_FAILED = "generation_failed"
 STEP_ABORTED = "step_aborted"
 RUN_FINISHED = "run_finished"  # generated after the last step needed it
+RUN_STOPPED = "run_stopped"  # in the open step when the run was stopped (Ctrl-C)
 
 
 class LedgerError(AssertionError):

@@ -91,6 +91,7 @@ class RunState:
         self.generators_asleep = False  # colocated: the trainer has the GPUs
         self.prompts_exhausted = False
         self.training_done = False
+        self.stop_requested = False  # Ctrl-C: end the open step and stop cleanly
         self.pending_clear: list[str] = []  # dropped keys, cleared with the next step
         self.last_error: dict[str, str] = {}
         self.started_at = self.last_progress = clock()

@@ -1,8 +1,9 @@
 """StageHandles over Ray actors, built inside the controller actor.
 
-Generators hold one prompt group at a time (a pool of idle ones), reward and
-logprob ranks are used round-robin, the trainer's data-parallel ranks all
-take part in begin / finish / abort while each microbatch goes to one rank.
+Generators hold one prompt group at a time (a pool of idle ones), reward
+ranks are used round-robin, logprob replicas too (every tp rank of a replica
+computes, its first writes), the trainer's ranks all take part in begin /
+finish / abort while each microbatch goes to one data-parallel replica.
 Weights travel as one object per bucket: put once by the trainer, read by
 every receiver.
 """
@@ -33,17 +34,20 @@ class _Pool:
 
 
 def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receivers: list, bucket_bytes: int,
-                      train_stage: str, replicas: list[list[int]], sleepers: list | None = None) -> StageHandles:
+                      train_stage: str, replicas: dict[str, list[list[int]]],
+                      sleepers: list | None = None) -> StageHandles:
     """``workers``: stage name -> actor handles (one per rank); ``kinds``:
     stage name -> stage kind; ``receivers``: the actors on sync edges;
-    ``replicas``: the trainer's rank indices per data-parallel replica (the
-    tp x pp ranks that must all see the same microbatch); ``sleepers``: the
-    generators sharing GPUs with the trainer, put to sleep while it trains."""
+    ``replicas``: for the trainer and each logprob stage, the rank indices
+    of each data-parallel replica (the tp x pp ranks that must all see the
+    same rows); ``sleepers``: the generators sharing GPUs with the trainer,
+    put to sleep while it trains."""
     generators = [a for name, actors in workers.items() if kinds[name] == "generate" for a in actors]
     pool = _Pool(generators)
     round_robin = {name: itertools.cycle(actors) for name, actors in workers.items()}
+    next_replica = {name: itertools.cycle([[workers[name][i] for i in ranks] for ranks in groups])
+                    for name, groups in replicas.items()}
     trainers = workers[train_stage]
-    next_replica = itertools.cycle([[trainers[i] for i in ranks] for ranks in replicas])
 
     async def generate(prompts: Sequence, keys: Sequence[str], samples_per_prompt: int, seed: int) -> int:
         return await pool.call("generate", list(prompts), list(keys), samples_per_prompt, seed)
@@ -52,13 +56,14 @@ def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receivers
         return await next(round_robin[stage]).reward.remote(list(keys))
 
     async def logprob(stage: str, keys: Sequence[str]) -> None:
-        await next(round_robin[stage]).logprob.remote(list(keys))
+        await asyncio.gather(*(a.logprob.remote(list(keys)) for a in next(next_replica[stage])))
 
     async def begin_train_step(step: int) -> None:
         await asyncio.gather(*(t.begin_train_step.remote(step) for t in trainers))
 
     async def train_microbatch(step: int, keys: Sequence[str]):
-        results = await asyncio.gather(*(t.train_microbatch.remote(step, list(keys)) for t in next(next_replica)))
+        results = await asyncio.gather(*(t.train_microbatch.remote(step, list(keys))
+                                         for t in next(next_replica[train_stage])))
         return next((r for r in results if r), results[0])  # pipeline stages without the loss report nothing
 
     async def finish_train_step(step: int):
@@ -80,9 +85,15 @@ def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receivers
         return await generators[0].version.remote()
 
     async def sleep_generators() -> None:
+        """The train phase: generators release the GPUs, an offloaded trainer takes them back."""
         await asyncio.gather(*(g.sleep.remote() for g in sleepers or ()))
+        if sleepers:
+            await asyncio.gather(*(t.wake.remote() for t in trainers))
 
     async def wake_generators() -> None:
+        """The generation phase: the trainer offloads (if it does), generators wake."""
+        if sleepers:
+            await asyncio.gather(*(t.sleep.remote() for t in trainers))
         await asyncio.gather(*(g.wake.remote() for g in sleepers or ()))
 
     return StageHandles(generate, reward, logprob, begin_train_step, train_microbatch, finish_train_step,

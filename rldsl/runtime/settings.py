@@ -12,10 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rldsl.compiler.schema import BLOCK_KEYS
+
 Order = Literal["any", "in_order"]
 TooStale = Literal["drop", "wait"]
 
 MIB = 1 << 20
+# One set of defaults: a hand-built RunSettings means what an .rlp file that
+# leaves these keys out means.
+_STALENESS = {name: key.default for name, key in BLOCK_KEYS["staleness"].items()}
 
 
 @dataclass(frozen=True)
@@ -48,9 +53,9 @@ class RunSettings:
     prompts_per_step: int
     samples_per_prompt: int
     steps: int
-    max_lag: int = 1
-    order: Order = "any"
-    too_stale: TooStale = "drop"
+    max_lag: int = _STALENESS["max_lag"]
+    order: Order = _STALENESS["order"]
+    too_stale: TooStale = _STALENESS["too_stale"]
     buffer_capacity: int = 0  # 0 = one staleness window
     max_inflight: int = 0  # 0 = buffer_capacity
     reward_stages: tuple[str, ...] = ()

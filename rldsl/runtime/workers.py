@@ -7,8 +7,10 @@ fields back (one hop); the controller only passes keys and metadata.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from pathlib import Path
 from typing import Sequence
 
 from rldsl.plan import PipelinePlan, StagePlan
@@ -17,6 +19,7 @@ from rldsl.runtime import protocols as p
 # A worker process shares the machine with the others: one thread each keeps
 # generation and training truly concurrent on a small CPU.
 _THREADS = int(os.environ.get("RLDSL_TORCH_THREADS", "1"))
+WORKER_SETUP_ENV = "RLDSL_WORKER_SETUP"
 
 log = logging.getLogger(__name__)
 
@@ -24,17 +27,26 @@ GENERATED_FIELDS = [p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK, p.FIELD_RESPONSE_ID
 ANSWER_IDS = "answer_ids"  # the reference answer, tokenised, for reward workers
 
 
-def _setup_torch() -> None:
+def setup_worker_process() -> None:
+    """Once per worker process: torch threads, then the optional
+    ``RLDSL_WORKER_SETUP=module:function`` hook (site patches, or the test
+    suite's megatron-on-CPU shim)."""
+    import importlib
+
     import torch
 
     torch.set_num_threads(_THREADS)
+    hook = os.environ.get(WORKER_SETUP_ENV)
+    if hook:
+        module, _, function = hook.partition(":")
+        getattr(importlib.import_module(module), function)()
 
 
 class _Worker:
     def __init__(self, pipe: PipelinePlan, stage: StagePlan, rank: int, dataplane_spec: dict):
         from rldsl.runtime.dataplane import connect_dataplane
 
-        _setup_torch()
+        setup_worker_process()
         self.pipe, self.stage, self.rank = pipe, stage, rank
         self.partition = pipe.name
         self.dataplane = connect_dataplane(dataplane_spec)
@@ -127,16 +139,24 @@ def _tokenizer_for(pipe: PipelinePlan):
 
 
 class LogprobWorker(_Worker):
-    def __init__(self, pipe, stage, rank, dataplane_spec):
+    """One rank of a logprob stage. The ranks of a model-parallel replica
+    (megatron tp > 1) form a process group, all compute every batch, and the
+    first tensor-parallel rank writes the result."""
+
+    def __init__(self, pipe, stage, rank, dataplane_spec, dist: dict | None = None):
         from rldsl.runtime.engine_factory import build_logprob
 
         super().__init__(pipe, stage, rank, dataplane_spec)
+        if dist and dist["world_size"] > 1 and stage.engine.name == "megatron":
+            _init_process_group(dist)  # megatron builds its tp / dp groups from the default group
         self.engine = build_logprob(stage, pipe, seed=pipe.run.seed + 2000 + rank)
         self.field = p.FIELD_REF_LOGPROBS if stage.settings.get("frozen") else p.FIELD_BEHAVIOUR_LOGPROBS
+        self.writes = stage.ranks[rank].tp_rank == 0
 
     def logprob(self, keys: Sequence[str]) -> None:
-        batch = self._get(keys, GENERATED_FIELDS)
-        self._put(keys, {self.field: self.engine.logprobs(batch)})
+        logprobs = self.engine.logprobs(self._get(keys, GENERATED_FIELDS))
+        if self.writes:
+            self._put(keys, {self.field: logprobs})
 
     def update_weights(self, bucket: dict, version: int, last: bool) -> None:
         self.engine.update_weights(bucket, version, last)
@@ -168,8 +188,7 @@ class TrainerWorker(_Worker):
     def finish_train_step(self, step: int) -> p.StepResult:
         result = self.engine.finish_train_step(step)
         every = self.checkpoint.get("every")
-        # checkpoints cover the torch trainer; the megatron one has its own sharded format (docs/engines.md)
-        if self.rank == 0 and every and result.version % every == 0 and self.stage.engine.name == "torch":
+        if every and result.version % every == 0 and self.can_checkpoint():
             self.save_checkpoint()
         return result
 
@@ -181,37 +200,57 @@ class TrainerWorker(_Worker):
 
     def prepare_buckets(self, bucket_bytes: int) -> int:
         """Snapshot the weights into buckets; returns how many."""
-        self._buckets = [{k: v.detach().clone() for k, v in b.items()} for b in self.engine.weight_buckets(bucket_bytes)]
+        with self._awake():
+            self._buckets = [{k: v.detach().clone() for k, v in b.items()}
+                             for b in self.engine.weight_buckets(bucket_bytes)]
         return len(self._buckets)
+
+    @contextlib.contextmanager
+    def _awake(self):
+        """A trainer offloaded for the generation phase comes back for a
+        weight export or a checkpoint, then goes back to sleep."""
+        asleep = getattr(self.engine, "asleep", False)
+        if asleep:
+            self.engine.wake()
+        try:
+            yield
+        finally:
+            if asleep:
+                self.engine.sleep()
+
+    def sleep(self) -> None:
+        """Colocated: offload for the generation phase (engines that can)."""
+        if hasattr(self.engine, "sleep"):
+            self.engine.sleep()
+
+    def wake(self) -> None:
+        if hasattr(self.engine, "wake"):
+            self.engine.wake()
 
     def bucket(self, index: int) -> dict:
         return self._buckets[index]
 
-    def evaluate(self, prompts: list[p.Prompt], max_new_tokens: int) -> float:
-        """Held-out greedy accuracy of the current weights."""
-        from rldsl.models.warmstart import greedy_accuracy
-
-        return greedy_accuracy(self.engine.model, prompts, max_new_tokens=max_new_tokens)
+    def can_checkpoint(self) -> bool:
+        return hasattr(self.engine, "save_checkpoint")
 
     def save_checkpoint(self) -> int:
-        """Model, optimizer and version as of the last finished step (the
-        weights only change at finish, so an open step does not matter)."""
-        from rldsl.runtime.checkpoint import TRAINER_FILE, checkpoint_dir, save_trainer_state
+        """The engine's state as of the last finished step. A collective:
+        every trainer rank calls it (in the same order as the step calls)."""
+        from rldsl.runtime.checkpoint import TRAINER_DIR, TRAINER_MARKER, checkpoint_dir, write_json_atomically
 
         version = self.engine.version
-        state = {"model": self.engine.model.module.state_dict(), "optimizer": self.engine.optimizer.state_dict(),
-                 "version": version}
-        save_trainer_state(checkpoint_dir(self.checkpoint["run_dir"], version) / TRAINER_FILE, state)
+        directory = checkpoint_dir(self.checkpoint["run_dir"], version)
+        with self._awake():
+            self.engine.save_checkpoint(directory / TRAINER_DIR)
+        if self.rank == 0:  # the engine returns once every rank's files are written
+            write_json_atomically(directory / TRAINER_MARKER, {"version": version, "engine": self.stage.engine.name,
+                                                               "ranks": len(self.stage.ranks)})
         return version
 
-    def load_checkpoint(self, path: str) -> int:
-        from rldsl.runtime.checkpoint import load_trainer_state
+    def load_checkpoint(self, directory: str) -> int:
+        from rldsl.runtime.checkpoint import TRAINER_DIR
 
-        state = load_trainer_state(path)
-        self.engine.model.module.load_state_dict(state["model"])
-        self.engine.optimizer.load_state_dict(state["optimizer"])
-        self.engine.version = state["version"]
-        return self.engine.version
+        return self.engine.load_checkpoint(Path(directory) / TRAINER_DIR)
 
 
 def _init_process_group(dist: dict):

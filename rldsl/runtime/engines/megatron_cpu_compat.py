@@ -143,3 +143,16 @@ def megatron_on_cpu() -> Iterator[None]:
         yield
     finally:
         patches.undo()
+
+
+_installed: list = []  # the open context, kept alive: collecting it would undo the patches
+
+
+def install() -> None:
+    """The patches for the rest of this process: the test suite's end-to-end
+    run sets ``RLDSL_WORKER_SETUP`` to this function, so every Ray worker
+    of the run applies them before it builds an engine."""
+    if not _installed:
+        context = megatron_on_cpu()
+        context.__enter__()
+        _installed.append(context)

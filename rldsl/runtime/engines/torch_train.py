@@ -29,6 +29,7 @@ begin (tests read them).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ from rldsl.runtime.protocols import (
 )
 
 log = logging.getLogger(__name__)
+CHECKPOINT_FILE = "torch.pt"
 SUMMED_STATS = ("loss_sum", "tokens", "sequences", "kl_sum", "clipped_tokens", "ratio_sum")
 
 
@@ -122,6 +124,30 @@ class TorchTrainer:
 
     def weight_buckets(self, bucket_bytes: int):
         return state_buckets(self.model.module, bucket_bytes)
+
+    # -- checkpoints -------------------------------------------------------------
+
+    def save_checkpoint(self, directory) -> None:
+        """Model, optimizer and version in ``directory/torch.pt``, written by
+        rank 0 only: data-parallel replicas hold the same state."""
+        from rldsl.runtime.checkpoint import save_torch_state
+
+        if self._open_step is not None:
+            raise RuntimeError(f"save_checkpoint while step {self._open_step} is open; finish or abort it")
+        if self.process_group is None or dist.get_rank(self.process_group) == 0:
+            state = {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "version": self.version}
+            save_torch_state(Path(directory) / CHECKPOINT_FILE, state)
+
+    def load_checkpoint(self, directory) -> int:
+        """Every rank loads the same file; returns the version."""
+        from rldsl.runtime.checkpoint import load_torch_state
+
+        state = load_torch_state(Path(directory) / CHECKPOINT_FILE)
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+        return self.version
 
     # -- helpers -----------------------------------------------------------------
 

@@ -52,7 +52,8 @@ def prompt_stream(pipe: PipelinePlan, seed: int, trained_below: int = 0,
 
 class ControllerActor:
     def __init__(self, settings: RunSettings, pipe: PipelinePlan, workers: dict, receivers: list,
-                 dataplane_spec: dict, checkpoint: dict | None = None, resume: dict | None = None):
+                 dataplane_spec: dict, checkpoint: dict | None = None, resume: dict | None = None,
+                 observers: list | None = None):
         from rldsl.runtime.checkpoint import expand_indices
         from rldsl.runtime.dataplane import connect_dataplane
         from rldsl.runtime.ray_handles import ray_stage_handles
@@ -64,7 +65,7 @@ class ControllerActor:
         sleepers = [a for s in pipe.stages if s.kind == "generate" and train.name in s.colocated_with
                     for a in workers[s.name]]
         self.handles = ray_stage_handles(workers, kinds, receivers, settings.sync_bucket_bytes, train.name,
-                                         replicas, sleepers)
+                                         replicas, sleepers, observers)
         self.dataplane = connect_dataplane(dataplane_spec)
         self.checkpoint = checkpoint or {}
         resume = resume or {}

@@ -172,7 +172,8 @@ class Driver:
         count = ray.get([t.prepare_buckets.remote(self.settings.sync_bucket_bytes) for t in trainers])[0]
         for index in range(count):
             bucket = trainers[0].bucket.remote(index)
-            ray.get([r.update_weights.remote(bucket, version, index == count - 1) for r in self._receivers(handles)])
+            ray.get([r.update_weights.remote(bucket, version, index == count - 1)
+                     for r in self._receivers(handles) + self._observers()])
         self._say(f"resumed from {self.resume['dir'].name}: version {version}, "
                   f"{self.resume['steps_done']} steps done")
 
@@ -192,7 +193,8 @@ class Driver:
         if self.evaluations and not self.resume:
             self.evaluations.request(step=0, version=0)
         controller = ray.remote(ControllerActor).options(num_cpus=_ACTOR_CPUS, name="controller").remote(
-            settings, self.pipe, handles, self._receivers(handles), dataplane.spec, self.checkpoint, self.resume_info())
+            settings, self.pipe, handles, self._receivers(handles), dataplane.spec, self.checkpoint, self.resume_info(),
+            self._observers())
         result_ref = controller.run.remote()
         try:
             with progress:
@@ -252,8 +254,11 @@ class Driver:
 
     def _receivers(self, handles: dict[str, list]) -> list:
         targets = {e.dst for e in self.pipe.edges if e.kind == "weights"}
-        evaluator = [self.evaluations.actor] if self.evaluations else []
-        return [a for name in sorted(targets) for a in handles[name]] + evaluator
+        return [a for name in sorted(targets) for a in handles[name]]
+
+    def _observers(self) -> list:
+        """Weight receivers outside the sync edges: the evaluator."""
+        return [self.evaluations.actor] if self.evaluations else []
 
     def _show_evaluations(self, wait: bool = False) -> None:
         for result in self.evaluations.collect(wait):

@@ -16,10 +16,13 @@ in reasonable time, ``eval_size = 0`` on the dataset turns evaluation off.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 from rldsl.plan import PipelinePlan
+
+_NICENESS = 10
 
 
 def held_out_prompts(pipe: PipelinePlan) -> list:
@@ -40,6 +43,7 @@ class Evaluator:
         from rldsl.runtime.workers import setup_worker_process
 
         setup_worker_process()
+        os.nice(_NICENESS)  # background work: on a busy machine the stages get the CPU first
         train = pipe.stage(pipe.batch.train_stage)
         generate = next(s for s in pipe.stages if s.kind == "generate")
         model = next(m for m in pipe.models if m.name == train.model)

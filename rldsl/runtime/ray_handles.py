@@ -35,13 +35,14 @@ class _Pool:
 
 def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receivers: list, bucket_bytes: int,
                       train_stage: str, replicas: dict[str, list[list[int]]],
-                      sleepers: list | None = None) -> StageHandles:
+                      sleepers: list | None = None, observers: list | None = None) -> StageHandles:
     """``workers``: stage name -> actor handles (one per rank); ``kinds``:
     stage name -> stage kind; ``receivers``: the actors on sync edges;
     ``replicas``: for the trainer and each logprob stage, the rank indices
     of each data-parallel replica (the tp x pp ranks that must all see the
     same rows); ``sleepers``: the generators sharing GPUs with the trainer,
-    put to sleep while it trains."""
+    put to sleep while it trains; ``observers``: weight receivers the push
+    does not wait for (the evaluator: it must never hold up generation)."""
     generators = [a for name, actors in workers.items() if kinds[name] == "generate" for a in actors]
     pool = _Pool(generators)
     round_robin = {name: itertools.cycle(actors) for name, actors in workers.items()}
@@ -79,6 +80,8 @@ def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receivers
         for index in range(count):
             bucket = trainers[0].bucket.remote(index)  # an ObjectRef: stored once, read by every receiver
             last = index == count - 1
+            for observer in observers or ():  # in order per caller, so its buckets arrive in sequence
+                observer.update_weights.remote(bucket, version, last)
             await asyncio.gather(*(r.update_weights.remote(bucket, version, last) for r in receivers))
 
     async def generator_version() -> int:

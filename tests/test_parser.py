@@ -103,3 +103,16 @@ def test_colocation_chains_resolve_in_any_order():
 def test_sizes_are_whole_bytes_in_the_plan():
     result = compile_source(BASE.replace("to = rollout }", "to = rollout  bucket = 1.5MiB }"))
     assert result.plan.pipeline().stage("weights").settings["bucket"] == 1572864
+
+
+def test_a_megatron_logprob_stage_with_pipeline_parallelism_is_refused_at_check():
+    """MegatronLogprob runs pp = 1 only; the trainer may use pp."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "pipelines" / "hybrid_groups.rlp").read_text()
+    assert compile_source(text).ok  # its trainer runs pp = 2
+    engine = "engine = megatron(tp = 2, pp = 1"
+    assert engine in text
+    (diag,) = [d for d in compile_source(text.replace(engine, "engine = megatron(tp = 2, pp = 2", 1)).diagnostics
+               if d.code == "RLP108"]
+    assert "without pipeline parallelism" in diag.message and "pp = 2" in diag.message

@@ -33,6 +33,7 @@ class EngineInfo:
     gpu_only: bool
     tp_per_actor: bool  # one actor drives a whole TP group (vLLM) vs one per GPU
     doc: str
+    pp_kinds: tuple[str, ...] = ()  # stage kinds that may use pipeline parallelism (pp > 1)
 
 
 _PARALLEL = {"tp": Int(low=1), "pp": Int(low=1)}
@@ -49,12 +50,13 @@ ENGINES: dict[str, EngineInfo] = {
     "megatron": EngineInfo(
         ("train", "logprob"),
         {**_PARALLEL, "offload": Bool(), "dtype": _DTYPE, "distributed_optimizer": Bool()},
-        "offload", True, False, "megatron-core split-step trainer"),
+        "offload", True, False, "megatron-core split-step trainer", pp_kinds=("train",)),
     "sim": EngineInfo(
         ("generate", "logprob", "train"),
         {"latency": DURATION, "tail": Fraction(), "tail_factor": Float(low=1), "jitter": Fraction(), "sleep": Bool(),
          "tp": Int(low=1), "pp": Int(low=1)},
-        "sleep", False, False, "calibrated latencies without a model, for scheduler tests and benchmarks"),
+        "sleep", False, False, "calibrated latencies without a model, for scheduler tests and benchmarks",
+        pp_kinds=("generate", "logprob", "train")),
 }
 
 ENGINE_ARG_DEFAULTS = {

@@ -100,13 +100,14 @@ def start_ray(
     import ray
 
     from rldsl.runtime.dataplane import transferqueue_env
+    from rldsl.runtime.workers import WORKER_SETUP_ENV
 
     if ray.is_initialized():
         context = ray.get_runtime_context()
         return RaySession(context.gcs_address, context.namespace, False, False)
     env = transferqueue_env()  # worker processes inherit it (see dataplane)
-    if os.environ.get("RLDSL_WORKER_SETUP"):  # workers.setup_worker_process
-        env["RLDSL_WORKER_SETUP"] = os.environ["RLDSL_WORKER_SETUP"]
+    if os.environ.get(WORKER_SETUP_ENV):
+        env[WORKER_SETUP_ENV] = os.environ[WORKER_SETUP_ENV]
     if address in (None, "", "local"):
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         for name, value in env.items():

@@ -50,8 +50,8 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "A block lacks a key it cannot do without, or the file lacks a pipeline or a cluster.",
        "stage train actor { model = policy }"),
     _r("RLP108", ERROR, "engine cannot run this stage",
-       "Each engine serves some stage kinds (vLLM generates and scores, megatron trains and scores) and "
-       "GPU engines need GPUs.",
+       "Each engine serves some stage kinds (vLLM generates and scores, megatron trains and scores), "
+       "GPU engines need GPUs, and megatron runs logprob stages without pipeline parallelism (pp = 1).",
        "stage train actor { model = policy  engine = vllm(tp = 1)  prompts_per_step = 2 }"),
     _r("RLP201", ERROR, "dataflow cycle",
        "Data edges (`flow`) must form a DAG; the cycle is named. Weight edges (`sync`) close the RL loop and "

@@ -198,7 +198,8 @@ def _same_placement_group(pipe, a: str, b: str) -> bool:
 
 
 def check_engines(ctx: Context) -> list[Diagnostic]:
-    """RLP108: the engine serves this stage kind (and has GPUs if it needs them)."""
+    """RLP108: the engine serves this stage kind (with GPUs if it needs them,
+    with pipeline parallelism only where it supports it)."""
     out = []
     for stage in ctx.pipe.stages.values():
         engine = stage.get("engine")
@@ -213,6 +214,11 @@ def check_engines(ctx: Context) -> list[Diagnostic]:
         elif info.gpu_only and ctx.cluster["gpus_per_node"] == 0:
             out.append(Diagnostic("RLP108", ERROR, f"engine `{engine.name}` needs GPUs and the cluster has none",
                                   span, help="use `torch` on a CPU cluster"))
+        elif engine.args.get("pp", 1) > 1 and stage.stage_kind not in info.pp_kinds:
+            pp_span = (engine.arg_spans or {}).get("pp", span)
+            out.append(Diagnostic("RLP108", ERROR, f"engine `{engine.name}` runs a {stage.stage_kind} stage without "
+                                  f"pipeline parallelism, but `{stage.name}` asks for pp = {engine.args['pp']}",
+                                  pp_span, help="split the model with `tp` instead, or leave pp = 1"))
     return out
 
 

@@ -117,7 +117,8 @@ class Driver:
 
         if not self.pipe.evaluates:
             return None
-        actor = ray.remote(Evaluator).options(num_cpus=_ACTOR_CPUS, max_concurrency=2, name="evaluator")
+        # threads to spare: evaluations waiting for a version must never starve the push that brings it
+        actor = ray.remote(Evaluator).options(num_cpus=_ACTOR_CPUS, max_concurrency=4, name="evaluator")
         handle = actor.remote(self.pipe)
         self.evaluations = EvaluationSchedule(handle, self.pipe.run.eval_every, self.settings.steps,
                                               self.previous_evals)

@@ -34,16 +34,18 @@ def held_out_prompts(pipe: PipelinePlan) -> list:
 
 
 class Evaluator:
-    """A weight receiver that answers ``evaluate`` requests (run it as a Ray
-    actor with ``max_concurrency >= 2`` so pushes land during an evaluation)."""
+    """A weight receiver that answers ``evaluate`` requests. Run it as a
+    threaded Ray actor (``max_concurrency`` above the evaluations that can be
+    waiting at once) so pushes land while evaluations wait or decode."""
 
-    def __init__(self, pipe: PipelinePlan):
+    def __init__(self, pipe: PipelinePlan, background: bool = True):
         from rldsl.runtime.engine_factory import load_policy
         from rldsl.runtime.engines.torch_generate import TorchGenerator
         from rldsl.runtime.workers import setup_worker_process
 
         setup_worker_process()
-        os.nice(_NICENESS)  # background work: on a busy machine the stages get the CPU first
+        if background:  # on a busy machine the stages get the CPU first
+            os.nice(_NICENESS)
         train = pipe.stage(pipe.batch.train_stage)
         generate = next(s for s in pipe.stages if s.kind == "generate")
         model = next(m for m in pipe.models if m.name == train.model)

@@ -107,6 +107,29 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
         assert torch.allclose(_top_p_filter(probs, top_p), torch.tensor([kept])), top_p
 
 
+def test_a_checkpoint_resumes_the_same_next_step(tmp_path):
+    """save after step 0, a fresh trainer loads it: step 1 is identical (AdamW moments included)."""
+    batch = trained_batch(TorchGenerator(small_model(seed=1), max_new_tokens=4))
+
+    def step(trainer, index):
+        trainer.begin_train_step(index)
+        trainer.train_microbatch(index, batch)
+        return trainer.finish_train_step(index)
+
+    trainer = TorchTrainer(small_model(seed=1), lr=1e-2)
+    step(trainer, 0)
+    trainer.save_checkpoint(tmp_path)
+    expected = step(trainer, 1)
+    resumed = TorchTrainer(small_model(seed=5), lr=1e-2)
+    assert resumed.load_checkpoint(tmp_path) == 1
+    assert step(resumed, 1).version == expected.version == 2
+    for name, tensor in trainer.model.module.state_dict().items():
+        assert torch.equal(resumed.model.module.state_dict()[name], tensor), name
+    trainer.begin_train_step(2)
+    with pytest.raises(RuntimeError, match="open"):
+        trainer.save_checkpoint(tmp_path)
+
+
 def test_weight_sync_in_buckets_is_exact_and_versioned():
     trainer = TorchTrainer(small_model(seed=1), lr=1e-2)
     generator = TorchGenerator(small_model(seed=2), max_new_tokens=4)

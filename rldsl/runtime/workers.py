@@ -39,7 +39,11 @@ def setup_worker_process() -> None:
     hook = os.environ.get(WORKER_SETUP_ENV)
     if hook:
         module, _, function = hook.partition(":")
-        getattr(importlib.import_module(module), function)()
+        try:
+            setup = getattr(importlib.import_module(module), function)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise RuntimeError(f"{WORKER_SETUP_ENV}={hook!r} names no importable module:function ({err})") from None
+        setup()
 
 
 class _Worker:

@@ -179,11 +179,12 @@ def make_batch(shape: hmw.LlamaShape) -> dict:
     return batch
 
 
-def reference_gradients(megatron, shape, weights, batch, config) -> dict[str, torch.Tensor]:
+def reference_gradients(megatron, shape, weights, batch, config, device="cpu") -> dict[str, torch.Tensor]:
     """One forward/backward over the whole batch of the normalised loss, no DDP."""
-    model = megatron.build_gpt_model(shape, megatron.transformer_config(shape, "fp32"))
+    model = megatron.build_gpt_model(shape, megatron.transformer_config(shape, "fp32")).to(device)
     megatron.load_hf_weights(model, weights, shape)
-    packed = megatron.pack_rows(batch, "cpu")
+    batch = {name: value.to(device) for name, value in batch.items()}
+    packed = megatron.pack_rows(batch, device)
     logprobs = megatron.response_logprobs_from_logits(megatron.forward_logits(model, packed), packed)
     out = grpo_loss(logprobs, batch["behaviour_logprobs"], batch["advantage"], batch["response_mask"], config,
                     batch["ref_logprobs"])

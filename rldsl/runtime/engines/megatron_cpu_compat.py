@@ -9,6 +9,9 @@ of it is needed.
 
 Each patch, and why:
 
+0. ``torch.cuda.is_available`` returns False, so the tests run on the CPU
+   on any machine, a GPU machine included (their numbers must not depend
+   on where they run; tests/test_megatron_gpu.py covers the GPU).
 1. ``torch.cuda.current_device`` returns ``"cpu"``. Rotary embeddings, the
    DDP wrapper and the fp32 optimizer pass ``torch.cuda.current_device()`` as
    a device; ``"cpu"`` is a valid device there, and torch's own function
@@ -130,6 +133,7 @@ def megatron_on_cpu() -> Iterator[None]:
 
     patches = _Patches()
     try:
+        patches.set(torch.cuda, "is_available", lambda: False)
         patches.set(torch.cuda, "current_device", lambda: "cpu")
         patches.set(torch.cuda, "synchronize", lambda *args, **kwargs: None)
         patches.set(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)

@@ -1,0 +1,120 @@
+"""The megatron trainer on a CUDA GPU: what the CPU tests cannot cover.
+
+Skipped without CUDA (CI has none). On a GPU machine, one process, one GPU:
+
+- fp32 (TF32 off): the split-step gradient equals one full-batch backward
+  of the normalised loss, as on CPU;
+- bf16 with the distributed optimizer: steps train, a checkpoint resumes
+  the same next step, and offload really frees GPU memory and gives the
+  same next step after wake.
+
+bf16 comparisons use tolerances, not equality: some CUDA backward kernels
+(the embedding's) accumulate with atomics, so two runs may differ in the
+last bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_megatron_engine import SHAPES, make_batch, make_trainer, random_hf_weights, reference_gradients
+from rldsl.runtime.engines.grpo_loss import GRPOLossConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+BF16 = dict(dtype="bf16", distributed_optimizer=True, lr=1e-3, max_grad_norm=1.0, lr_warmup_samples=40)
+
+
+@pytest.fixture(scope="module")
+def megatron_gpu():
+    """megatron-core on the GPU (no shim), with one-process model-parallel groups."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'rldsl[gpu]')")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from rldsl.runtime.engines import megatron_model
+
+    created_group = not dist.is_initialized()
+    megatron_model.ensure_model_parallel(tp=1, pp=1, seed=0)
+    yield megatron_model
+    parallel_state.destroy_model_parallel()
+    if created_group:
+        dist.destroy_process_group()
+
+
+def step_on(trainer, shape, step: int):
+    trainer.begin_train_step(step)
+    trainer.train_microbatch(step, make_batch(shape))
+    return trainer.finish_train_step(step)
+
+
+def weights_of(trainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().float().cpu().clone() for name, p in trainer.model.module.named_parameters()}
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        scale = max(float(b[name].abs().max()), 1e-6)
+        assert float((a[name] - b[name]).abs().max()) / scale < rtol, name
+
+
+def test_split_step_gradient_equals_full_batch_gradient_on_cuda_fp32(megatron_gpu, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    shape = SHAPES["llama"]
+    weights = random_hf_weights(shape, seed=1)
+    batch = make_batch(shape)
+    config = GRPOLossConfig(clip=0.2, kl=0.05, level="token")
+    expected = reference_gradients(megatron_gpu, shape, weights, batch, config, device="cuda")
+    trainer = make_trainer(shape, weights, loss=config, rows_per_forward=2)
+    for step in range(2):  # the second step is the one a leftover no_sync hook breaks
+        trainer.begin_train_step(step)
+        for start, stop in [(0, 3), (3, 4), (4, 10)]:
+            trainer.train_microbatch(step, {name: value[start:stop] for name, value in batch.items()})
+        trainer.finish_train_step(step)
+    actual = {name: p.main_grad.float().cpu() for name, p in trainer.model.module.named_parameters()}
+    assert_close(actual, {name: g.cpu() for name, g in expected.items()}, rtol=1e-4)
+
+
+def test_bf16_distributed_optimizer_trains_and_resumes_the_same_next_step(megatron_gpu, tmp_path):
+    shape = SHAPES["qwen2"]
+    first = make_trainer(shape, random_hf_weights(shape, seed=1), **BF16)
+    before = weights_of(first)
+    for step in range(2):
+        result = step_on(first, shape, step)
+    assert result.version == 2 and all(torch.isfinite(torch.tensor(v)) for v in result.metrics.values())
+    assert any(not torch.equal(before[n], w) for n, w in weights_of(first).items())
+    first.save_checkpoint(tmp_path)
+    expected = step_on(first, shape, 2)
+    resumed = make_trainer(shape, random_hf_weights(shape, seed=2), **BF16)
+    assert resumed.load_checkpoint(tmp_path) == 2
+    actual = step_on(resumed, shape, 2)
+    assert actual.version == expected.version == 3
+    assert actual.metrics["lr"] == expected.metrics["lr"]
+    assert_close(weights_of(resumed), weights_of(first), rtol=1e-2)
+
+
+def test_offload_frees_gpu_memory_and_wake_gives_the_same_next_step(megatron_gpu):
+    shape = SHAPES["qwen2"]
+    sleeper = make_trainer(shape, random_hf_weights(shape, seed=1), offload=True, **BF16)
+    awake = make_trainer(shape, random_hf_weights(shape, seed=1), offload=True, **BF16)
+    for trainer in (sleeper, awake):
+        step_on(trainer, shape, 0)  # the optimizer state exists from the first step on
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    sleeper.sleep()
+    torch.cuda.synchronize()
+    freed = held - torch.cuda.memory_allocated()
+    parameter_bytes = sum(p.numel() * p.element_size() for p in sleeper.model.module.parameters())
+    assert sleeper.asleep and freed >= parameter_bytes  # weights, main params and Adam moments are gone
+    sleeper.wake()
+    assert not sleeper.asleep
+    assert all(torch.equal(w, weights_of(awake)[n]) for n, w in weights_of(sleeper).items())  # an exact copy back
+    expected, actual = step_on(awake, shape, 1), step_on(sleeper, shape, 1)
+    assert actual.version == expected.version == 2
+    assert_close(weights_of(sleeper), weights_of(awake), rtol=1e-2)

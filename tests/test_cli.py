@@ -153,3 +153,12 @@ def test_local_paths_in_the_plan_are_anchored_to_the_pipeline_file(tmp_path):
     (tmp_path / "p.rlp").write_text(text)
     plan = compile_file(tmp_path / "p.rlp").plan
     assert plan.pipeline().datasets[0].source == f"jsonl:{(tmp_path / 'data' / 'train.jsonl').resolve()}"
+
+
+def test_run_refuses_pipelines_sharing_a_real_gpu_before_anything_starts(capsys):
+    """With --address the GPUs are real: pipelines that share one would need a
+    cross-pipeline scheduler. Refused before Ray is contacted (the address is unused)."""
+    code = main(["run", str(ROOT / "pipelines" / "multi_pipeline_cpu.rlp"), "--address", "127.0.0.1:9"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "pipelines arith and reverse share GPU 0 of node 0" in err and "cross-pipeline scheduler" in err

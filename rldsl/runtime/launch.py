@@ -93,30 +93,35 @@ def run_plan(plan: ExecutionPlan, args) -> int:
     from rldsl.runtime.cluster import ClusterError
     from rldsl.runtime.controller import PipelineStalled, StepFailed
 
-    if len(plan.pipelines) > 1:
-        print(f"error: {plan.source_file} declares {len(plan.pipelines)} pipelines; `rldsl run` runs one pipeline "
-              "per file for now", file=sys.stderr)
-        print("  = help: `check` and `plan` cover the shared cluster; run each pipeline from its own file",
-              file=sys.stderr)
-        return EXIT_USAGE
     started = time.monotonic()
-    pipe = plan.pipeline()
     resume = bool(getattr(args, "resume", None))
-    settings = settings_from_plan(pipe, args.steps)
+    settings = {pipe.name: settings_from_plan(pipe, args.steps) for pipe in plan.pipelines}
     try:
-        preflight(pipe)
+        for pipe in plan.pipelines:
+            preflight(pipe)
     except PreflightError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    run_dir = Path(args.resume or args.run_dir or f"runs/{pipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    shared = plan.gpus_shared_across_pipelines()
+    if shared and (args.address or _has_cuda()):
+        (node, gpu), names = next(iter(shared.items()))
+        print(f"error: pipelines {' and '.join(names)} share GPU {gpu} of node {node}: on real GPUs pipelines that "
+              "share a GPU must take turns, which needs a cross-pipeline scheduler `rldsl run` does not have yet",
+              file=sys.stderr)
+        print("  = help: give each pipeline GPUs of its own, or run each pipeline from a file of its own "
+              "(`check` and `plan` cover the shared cluster)", file=sys.stderr)
+        return EXIT_USAGE
+    name = plan.pipelines[0].name if len(plan.pipelines) == 1 else Path(plan.source_file or "pipelines").stem
+    run_dir = Path(args.resume or args.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
         (run_dir / "plan.json").write_text(plan.to_json() + "\n")
-        (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file, "pipeline": pipe.name}) + "\n")
+        (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file,
+                                                       "pipelines": [p.name for p in plan.pipelines]}) + "\n")
     from rldsl.runtime.driver import Driver, ResumeError, StageStartError
 
     try:
-        return Driver(plan, pipe, settings, run_dir, address=args.address, resume=resume, started=started).run()
+        return Driver(plan, settings, run_dir, address=args.address, resume=resume, started=started).run()
     except (ClusterError, ResumeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE

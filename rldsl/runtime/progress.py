@@ -12,10 +12,12 @@ from rldsl.runtime.settings import RunSettings
 
 
 class Progress:
-    def __init__(self, settings: RunSettings, run_dir: Path):
+    def __init__(self, settings: RunSettings, run_dir: Path, prefix: str = "", live: bool = True):
+        """``prefix`` starts every line (several pipelines in one run);
+        ``live=False`` keeps the line-per-step output on a terminal too."""
         from rich.console import Console
 
-        self.settings = settings
+        self.settings, self.prefix, self.want_live = settings, prefix, live
         self.metrics_path = run_dir / "metrics.jsonl"
         self.tensorboard = _tensorboard(run_dir / "tensorboard")
         self.console = Console(stderr=True)
@@ -28,7 +30,7 @@ class Progress:
         self.wait_text = ""
 
     def __enter__(self) -> "Progress":
-        if self.console.is_terminal:
+        if self.console.is_terminal and self.want_live:
             from rich.live import Live
 
             self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
@@ -59,14 +61,14 @@ class Progress:
         if self.live is not None:
             self.live.update(self._render())
         else:
-            self.console.print(self._line(record), highlight=False)
+            self.console.print(self.prefix + self._line(record), highlight=False)
 
     def note(self, text: str) -> None:
         if not text:
             return
         self.notes.append(text)
         if self.live is None:
-            self.console.print(text, highlight=False)
+            self.console.print(self.prefix + text, highlight=False)
         else:
             self.live.update(self._render())
 
@@ -118,7 +120,7 @@ class Progress:
         for name, value in rows:
             table.add_row(name, value)
         self.console.print(table)
-        self.console.print(f"run directory: {run_dir}  (summary.json, metrics.jsonl)")
+        self.console.print(f"{self.prefix}run directory: {run_dir}  (summary.json, metrics.jsonl)")
 
 
     def _scalars(self, record: dict) -> None:

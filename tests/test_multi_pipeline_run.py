@@ -1,0 +1,73 @@
+"""`rldsl run` of a file with two pipelines: one Ray, one data plane, one set
+of placement groups, a controller each, followed together."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+# Two sim pipelines sharing logical GPU 1; `slow` stalls (its trainer outlasts the watchdog) when asked.
+PIPELINES = """
+cluster {{ nodes = 1  gpus_per_node = 2 }}
+pipeline fast {{
+  model policy {{ source = "builtin:tiny-lm" }}
+  dataset prompts {{ source = "builtin:arith" }}
+  stage generate rollout {{ model = policy  engine = sim(latency = 10ms)  gpus = [0]  samples_per_prompt = 4 }}
+  stage reward score {{ fn = "rldsl.rewards:exact_match" }}
+  stage train actor {{ model = policy  engine = sim(latency = 10ms)  gpus = [1]  prompts_per_step = 2 }}
+  stage sync weights {{ from = actor  to = rollout }}
+  flow prompts -> rollout -> score -> actor
+  staleness {{ max_lag = 1 }}
+  run {{ steps = 4 }}
+}}
+pipeline slow {{
+  model policy {{ source = "builtin:tiny-lm" }}
+  dataset prompts {{ source = "builtin:reverse" }}
+  stage generate rollout {{ model = policy  engine = sim(latency = 20ms)  gpus = [1]  samples_per_prompt = 2 }}
+  stage reward score {{ fn = "rldsl.rewards:char_match" }}
+  stage train actor {{ model = policy  engine = sim(latency = {train_latency})  gpus = [1]  prompts_per_step = 2 }}
+  stage sync weights {{ from = actor  to = rollout }}
+  flow prompts -> rollout -> score -> actor
+  staleness {{ max_lag = 0 }}
+  run {{ steps = 3  watchdog = {watchdog} }}
+}}
+"""
+
+
+def run(tmp_path, train_latency="20ms", watchdog="60s"):
+    pipeline = tmp_path / "two.rlp"
+    pipeline.write_text(PIPELINES.format(train_latency=train_latency, watchdog=watchdog))
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, "-m", "rldsl", "run", str(pipeline), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    return proc, tmp_path / "run"
+
+
+def summary(run_dir: Path, name: str) -> dict:
+    return json.loads((run_dir / name / "summary.json").read_text())
+
+
+def test_two_pipelines_run_together_each_with_its_own_run_directory(tmp_path):
+    proc, run_dir = run(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fast, slow = summary(run_dir, "fast"), summary(run_dir, "slow")
+    assert (fast["pipeline"], fast["steps"], fast["ledger"]["trained"]) == ("fast", 4, 4 * 2 * 4)
+    assert (slow["pipeline"], slow["steps"], slow["ledger"]["trained"]) == ("slow", 3, 3 * 2 * 2)
+    assert slow["max_lag"] == 0 and fast["max_lag"] <= 1  # each pipeline keeps its own staleness bound
+    assert "fast/step 4/4" in proc.stderr and "slow/step 3/3" in proc.stderr  # lines say whose they are
+    assert json.loads((run_dir / "run.json").read_text())["pipelines"] == ["fast", "slow"]
+    assert len(json.loads((run_dir / "plan.json").read_text())["pipelines"]) == 2
+
+
+def test_a_stalled_pipeline_fails_the_run_after_the_other_finishes(tmp_path):
+    proc, run_dir = run(tmp_path, train_latency="30s", watchdog="3s")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "error: the run stopped" in proc.stderr and "no progress" in proc.stderr
+    assert summary(run_dir, "fast")["steps"] == 4  # the healthy pipeline ran to its end
+    assert not (run_dir / "slow" / "summary.json").exists()

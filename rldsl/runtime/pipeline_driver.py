@@ -33,6 +33,7 @@ class PipelineDriver:
         self.prefix = prefix  # "name/" for actor names and messages when several pipelines share the run
         self.started = started if started is not None else time.monotonic()  # the whole run, start-up included
         self.run_dir = run_dir.resolve()  # actors write checkpoints here, whatever their working directory
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # RUN_DIR/<pipeline> when several share the run
         self.trainer_engine = pipe.stage(pipe.batch.train_stage).engine.name
         self.previous_evals: list[dict] = _previous_evals(self.run_dir) if resume else []
         self.evaluations = None  # EvaluationSchedule once the evaluator runs

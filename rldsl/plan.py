@@ -151,15 +151,18 @@ class ExecutionPlan:
             return self.pipelines[0]
         return next(p for p in self.pipelines if p.name == name)
 
-    def gpus_shared_across_pipelines(self) -> dict[tuple[int, int], list[str]]:
-        """(node, gpu) -> the pipelines placed on it, for GPUs more than one uses."""
+    def gpu_users(self) -> dict[tuple[int, int], list[str]]:
+        """(node, gpu) -> the pipelines with ranks on it, for every GPU the plan uses."""
         users: dict[tuple[int, int], set[str]] = {}
         for pipe in self.pipelines:
             for stage in pipe.stages:
                 for rank in stage.ranks:
                     for gpu in rank.gpus:
                         users.setdefault((rank.node, gpu), set()).add(pipe.name)
-        return {where: sorted(names) for where, names in sorted(users.items()) if len(names) > 1}
+        return {where: sorted(names) for where, names in sorted(users.items())}
+
+    def gpus_shared_across_pipelines(self) -> dict[tuple[int, int], list[str]]:
+        return {where: names for where, names in self.gpu_users().items() if len(names) > 1}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

@@ -62,14 +62,10 @@ class Driver:
         from rldsl.runtime.cluster import create_placement_group
 
         used: dict[int, set[int]] = {}
-        for pipe in self.plan.pipelines:
-            for stage in pipe.stages:
-                for rank in stage.ranks:
-                    used.setdefault(rank.node, set()).update(rank.gpus)
+        for node, gpu in self.plan.gpu_users():
+            used.setdefault(node, set()).add(gpu)
         out = {}
         for node, gpus in sorted(used.items()):
-            if not gpus:
-                continue
             ordered = sorted(gpus)
             pg = create_placement_group([{"GPU": 1.0} for _ in ordered], "STRICT_PACK",
                                         name=f"{self.plan.pipelines[0].name}-node{node}", timeout_s=60.0)

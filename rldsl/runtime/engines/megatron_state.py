@@ -35,6 +35,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from rldsl.runtime.checkpoint import save_torch_state
+
 CHECKPOINT_SUBDIR = "megatron"
 
 
@@ -80,10 +82,7 @@ def save_checkpoint(directory, *, model, optimizer, scheduler, version: int, dis
         "scheduler": scheduler.state_dict(),
     }
     path = checkpoint_file(directory, layout["rank"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # never a half-written rank file
+    save_torch_state(path, state)  # never a half-written rank file
     if layout["world_size"] > 1:
         dist.barrier()  # on return, every rank's file is complete
     return path

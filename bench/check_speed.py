@@ -88,7 +88,7 @@ def main() -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".rlp", delete=False) as f:
         f.write(text)
     proc = statistics.median(wall([*entry, "check", f.name]) for _ in range(5))
-    print(f"{f'rldsl check on it, whole process (goal < 1 s)':<46} {proc:>9.3f}")
+    print(f"{'rldsl check on it, whole process (goal < 1 s)':<46} {proc:>9.3f}")
 
 
 if __name__ == "__main__":

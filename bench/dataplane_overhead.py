@@ -85,8 +85,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-    from rldsl.runtime.cluster import ray_session
     from rldsl.runtime.dataplane import TransferQueueDataPlane
+    from rldsl.runtime.ray_lowering.cluster import ray_session
 
     with ray_session(namespace="rldsl-bench") as session:
         plane = TransferQueueDataPlane(storage_units=args.storage_units)

@@ -20,9 +20,10 @@ from collections import deque
 
 import torch
 
-from rldsl.models import load_model
 from rldsl.rewards import exact_match, load_reward, safe_reward
-from rldsl.runtime.engines.torch_engine import TorchGenerator, TorchLogprob, TorchTrainer, batch_advantages
+from rldsl.runtime.control.advantages import batch_advantages
+from rldsl.runtime.engines.torch import TorchGenerator, TorchLogprob, TorchTrainer
+from rldsl.runtime.engines.torch.warmstart import WarmStartSettings, load_warm_started
 from rldsl.tasks import load_dataset
 
 
@@ -68,7 +69,8 @@ class Probe:
         warm = {name: number(value) for name, value in (item.split("=", 1) for item in args.warm)}
 
         def model():
-            return load_model("builtin:tiny-lm", seed=args.seed, warm_start_task=args.task, warm_start_settings=warm, **shape)
+            settings = WarmStartSettings(**warm)
+            return load_warm_started(args.task, seed=args.seed, model_overrides=shape, settings=settings)
 
         started = time.perf_counter()
         policy = model()  # trains the warm start unless cached

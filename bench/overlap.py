@@ -27,11 +27,12 @@ import asyncio
 import itertools
 import time
 
-from rldsl.runtime.controller import Controller, StageHandles
+from rldsl.runtime.control.controller import Controller, StageHandles
+from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.dataplane import InMemoryDataPlane
-from rldsl.runtime.engines.sim import Latency, SimConfig, SimStages
+from rldsl.runtime.engines.sim import Latency
+from rldsl.runtime.inprocess import SimConfig, SimStages
 from rldsl.runtime.protocols import Prompt, StepResult
-from rldsl.runtime.settings import RunSettings
 
 PROMPTS_PER_STEP = 8
 SAMPLES_PER_PROMPT = 4

@@ -154,7 +154,7 @@ def cmd_run(args) -> int:
     else:
         _usage_error("give a pipeline file or --plan", "rldsl run pipelines/grpo_async.rlp")
     try:
-        from rldsl.runtime.launch import run_plan
+        from rldsl.runtime.ray_lowering.launch import run_plan
     except ImportError as err:
         _missing_extras(err)
     return run_plan(plan, args)
@@ -169,7 +169,7 @@ def _missing_extras(err: ImportError):
 
 def cmd_report(args) -> int:
     try:
-        from rldsl.runtime.report import write_report
+        from rldsl.report import write_report
     except ImportError as err:
         _missing_extras(err)
     return write_report(Path(args.run_dir))

@@ -81,9 +81,12 @@ class DatasetPlan:
 
 @dataclass(frozen=True)
 class StalenessPlan:
-    max_lag: int
-    order: str
-    too_stale: str
+    """The defaults are the language's (the schema reads them from here), so a
+    hand-built ``RunSettings`` means what an .rlp file that leaves them out means."""
+
+    max_lag: int = 0
+    order: str = "any"
+    too_stale: str = "wait"
 
 
 @dataclass(frozen=True)

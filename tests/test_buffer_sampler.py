@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rldsl.runtime.buffer import GroupState, ReplayBuffer, SlotError
-from rldsl.runtime.sampler import StalenessSampler, TrainProgress
-from rldsl.runtime.settings import RunSettings
+from rldsl.runtime.control.buffer import GroupState, ReplayBuffer, SlotError
+from rldsl.runtime.control.sampler import StalenessSampler, TrainProgress
+from rldsl.runtime.control.settings import RunSettings
 
 
 def keys(group_id: int, samples: int = 2) -> tuple[str, ...]:

@@ -15,16 +15,16 @@ import pytest
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
-from rldsl.runtime import cluster  # noqa: E402
-from rldsl.runtime.cluster import (  # noqa: E402
+from rldsl.runtime.dataplane import connect_dataplane, sample_key  # noqa: E402
+from rldsl.runtime.ray_lowering import cluster  # noqa: E402
+from rldsl.runtime.ray_lowering.cluster import (  # noqa: E402
     ACTOR_NUM_CPUS,
     ClusterError,
     RaySession,
-    create_placement_group,
     logical_cpus_needed,
     ray_session,
 )
-from rldsl.runtime.dataplane import connect_dataplane, sample_key  # noqa: E402
+from rldsl.runtime.ray_lowering.placement import create_placement_group  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -92,7 +92,7 @@ def test_unreachable_address_fails_fast_with_a_clear_message():
         port = probe.getsockname()[1]
     script = textwrap.dedent(
         f"""
-        from rldsl.runtime.cluster import ClusterError, start_ray
+        from rldsl.runtime.ray_lowering.cluster import ClusterError, start_ray
         try:
             start_ray("127.0.0.1:{port}", connect_timeout_s=2)
         except ClusterError as error:
@@ -153,7 +153,7 @@ def test_an_actor_writes_fields_the_driver_reads(session, transferqueue):
 
 
 def test_a_worker_setup_hook_that_does_not_import_is_named(monkeypatch):
-    from rldsl.runtime.workers import WORKER_SETUP_ENV, setup_worker_process
+    from rldsl.runtime.ray_lowering.workers import WORKER_SETUP_ENV, setup_worker_process
 
     monkeypatch.setenv(WORKER_SETUP_ENV, "no_such_module:install")
     with pytest.raises(RuntimeError, match="RLDSL_WORKER_SETUP='no_such_module:install' names no importable"):

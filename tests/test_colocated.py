@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from rldsl.runtime.engines.sim import Latency, SimConfig
+from rldsl.runtime.engines.sim import Latency
+from rldsl.runtime.inprocess import SimConfig
 from tests.test_controller import make_settings, run_controller
 
 

@@ -14,14 +14,17 @@ import itertools
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings as hyp_settings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 
-from rldsl.runtime.advantages import group_advantages
-from rldsl.runtime.controller import Controller, PipelineStalled, StageHandles, StepFailed
+from rldsl.runtime.control.advantages import group_advantages
+from rldsl.runtime.control.controller import Controller, PipelineStalled, StageHandles, StepFailed
+from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.dataplane import InMemoryDataPlane, parse_sample_key
-from rldsl.runtime.engines.sim import Latency, SimConfig, SimStages, SimTrainer, SplitStepError
+from rldsl.runtime.engines.sim import Latency, SimTrainer, SplitStepError
+from rldsl.runtime.inprocess import SimConfig, SimStages
 from rldsl.runtime.protocols import FIELD_ADVANTAGE, Prompt
-from rldsl.runtime.settings import RunSettings
 
 
 class RecordingDataPlane(InMemoryDataPlane):

@@ -30,7 +30,7 @@ BACKENDS = [
 @pytest.fixture(scope="module")
 def ray_cluster():
     pytest.importorskip("ray")
-    from rldsl.runtime.cluster import ray_session
+    from rldsl.runtime.ray_lowering.cluster import ray_session
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     with ray_session(num_gpus=0, namespace="rldsl-test-dataplane") as session:

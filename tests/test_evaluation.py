@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 
 from rldsl.compiler.driver import compile_source
-from rldsl.runtime.evaluation import EvaluationSchedule, Evaluator
+from rldsl.runtime.ray_lowering.evaluation import EvaluationSchedule, Evaluator
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rldsl.runtime.advantages import batch_advantages, group_advantages
+from rldsl.runtime.control.advantages import batch_advantages, group_advantages
 from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, grpo_loss, k3_kl
 
 # Two sequences; the second has one real token.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rldsl.runtime.ledger import Ledger, LedgerError
+from rldsl.runtime.control.ledger import Ledger, LedgerError
 
 
 def keys(*indices: int) -> list[str]:

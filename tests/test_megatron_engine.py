@@ -21,8 +21,8 @@ import json
 import pytest
 import torch
 
-from rldsl.runtime.engines import hf_megatron_weights as hmw
 from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, grpo_loss
+from rldsl.runtime.engines.megatron import hf_weights as hmw
 
 # megatron-core warns about missing Apex / Transformer Engine and its own deprecations on every build.
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -139,8 +139,8 @@ def megatron():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from rldsl.runtime.engines import megatron_model
-    from rldsl.runtime.engines.megatron_cpu_compat import megatron_on_cpu
+    from rldsl.runtime.engines.megatron import model as megatron_model
+    from rldsl.runtime.engines.megatron.cpu_compat import megatron_on_cpu
 
     created_group = not dist.is_initialized()
     with megatron_on_cpu():
@@ -152,7 +152,7 @@ def megatron():
 
 
 def make_trainer(shape, weights, **overrides):
-    from rldsl.runtime.engines.megatron_engine import MegatronTrainer
+    from rldsl.runtime.engines.megatron.trainer import MegatronTrainer
 
     options = dict(dtype="fp32", distributed_optimizer=False, overlap_grad_reduce=True, lr=0.0, max_grad_norm=None)
     return MegatronTrainer(shape, weights, **{**options, **overrides})
@@ -368,8 +368,8 @@ def test_converted_model_gives_the_hf_logits(megatron, hf_checkpoint):
 @pytest.mark.megatron
 def test_megatron_logprobs_match_the_torch_engine_on_padded_rows(megatron, hf_checkpoint):
     from rldsl.models.hf import HFCausalLM
-    from rldsl.runtime.engines.megatron_logprob import MegatronLogprob
-    from rldsl.runtime.engines.torch_common import response_logprobs
+    from rldsl.runtime.engines.megatron.logprob import MegatronLogprob
+    from rldsl.runtime.engines.torch.common import response_logprobs
 
     path, hf_model = hf_checkpoint
     engine = MegatronLogprob.from_pretrained(str(path), dtype="fp32", rows_per_forward=4)
@@ -382,7 +382,7 @@ def test_megatron_logprobs_match_the_torch_engine_on_padded_rows(megatron, hf_ch
 
 @pytest.mark.megatron
 def test_megatron_logprob_takes_hf_buckets_that_split_fused_weights(megatron):
-    from rldsl.runtime.engines.megatron_logprob import MegatronLogprob
+    from rldsl.runtime.engines.megatron.logprob import MegatronLogprob
 
     shape = SHAPES["qwen2"]
     old, new = random_hf_weights(shape, seed=1), random_hf_weights(shape, seed=2)
@@ -417,8 +417,8 @@ def _parallel_worker(rank: int, port: int, results: dict):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from megatron.core import parallel_state
 
-    from rldsl.runtime.engines import megatron_model
-    from rldsl.runtime.engines.megatron_cpu_compat import megatron_on_cpu
+    from rldsl.runtime.engines.megatron import model as megatron_model
+    from rldsl.runtime.engines.megatron.cpu_compat import megatron_on_cpu
 
     shape = PARALLEL_SHAPE
     weights, batch = random_hf_weights(shape, seed=1), make_batch(shape)

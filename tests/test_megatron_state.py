@@ -61,7 +61,7 @@ def weights_of(trainer) -> dict[str, torch.Tensor]:
 
 def optimizer_state(trainer) -> dict[str, torch.Tensor]:
     """Main parameters and optimizer state by position (the state's key order may differ after a load)."""
-    from rldsl.runtime.engines.megatron_state import sub_optimizers
+    from rldsl.runtime.engines.megatron.state import sub_optimizers
 
     state = {}
     for i, sub in enumerate(sub_optimizers(trainer.optimizer)):
@@ -103,7 +103,7 @@ def test_resume_from_a_checkpoint_gives_the_same_third_step(megatron, optimizer_
 
 @pytest.mark.megatron
 def test_a_checkpoint_of_another_layout_or_rank_is_a_clear_error(megatron, tmp_path):
-    from rldsl.runtime.engines.megatron_state import checkpoint_file
+    from rldsl.runtime.engines.megatron.state import checkpoint_file
 
     shape = SHAPES["llama"]
     trainer = make_trainer(shape, random_hf_weights(shape), lr=1e-2)
@@ -140,14 +140,14 @@ def test_checkpoints_and_sleep_are_refused_inside_a_step(megatron, tmp_path):
 
 def device_tensors(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(kept, dropped) as sleep sees them: the parameters, the optimizer's tensors; the grad buffers."""
-    from rldsl.runtime.engines.megatron_state import offload_tensors
+    from rldsl.runtime.engines.megatron.state import offload_tensors
 
     return offload_tensors(trainer.model, trainer.optimizer)
 
 
 @pytest.mark.megatron
 def test_sleep_frees_the_storages_and_wake_gives_a_bit_identical_next_step(megatron, optimizer_options):
-    from rldsl.runtime.engines.megatron_state import sub_optimizers
+    from rldsl.runtime.engines.megatron.state import sub_optimizers
 
     shape = SHAPES["qwen2"]
     weights = random_hf_weights(shape, seed=3)
@@ -230,9 +230,9 @@ def _dp2_worker(rank: int, port: int, directory: str, results: dict):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from megatron.core import parallel_state
 
-    from rldsl.runtime.engines import megatron_model
-    from rldsl.runtime.engines.megatron_cpu_compat import megatron_on_cpu
-    from rldsl.runtime.engines.megatron_state import checkpoint_file
+    from rldsl.runtime.engines.megatron import model as megatron_model
+    from rldsl.runtime.engines.megatron.cpu_compat import megatron_on_cpu
+    from rldsl.runtime.engines.megatron.state import checkpoint_file
 
     shape = SHAPES["qwen2"]
     batch = make_batch(shape)

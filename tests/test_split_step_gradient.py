@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 
 from rldsl.models.tiny import build_tiny_lm
 from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, grpo_loss
-from rldsl.runtime.engines.torch_common import response_logprobs
-from rldsl.runtime.engines.torch_train import TorchTrainer
+from rldsl.runtime.engines.torch.common import response_logprobs
+from rldsl.runtime.engines.torch.train import TorchTrainer
 
 ROWS = 10
 LOSS_CONFIGS = [GRPOLossConfig(clip=0.2, kl=0.05, level="token"), GRPOLossConfig(clip=0.2, kl=0.05, level="sequence")]

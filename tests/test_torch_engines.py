@@ -1,14 +1,20 @@
 """The torch engines: generation, logprobs, weight sync, trainer protocol, learning."""
 
-import torch
 import pytest
+import torch
 
 from rldsl.models import load_model
 from rldsl.models.tiny import build_tiny_lm
-from rldsl.models.warmstart import WarmStartSettings, arith_without_carry, load_warm_started, reverse_ends_only
-from rldsl.runtime.engines.torch_common import encode_prompts, positions_from_mask, response_logprobs
-from rldsl.runtime.engines.torch_engine import TorchGenerator, TorchLogprob, TorchTrainer, batch_advantages
-from rldsl.runtime.engines.torch_generate import _top_p_filter
+from rldsl.runtime.control.advantages import batch_advantages
+from rldsl.runtime.engines.torch import TorchGenerator, TorchLogprob, TorchTrainer
+from rldsl.runtime.engines.torch.common import encode_prompts, positions_from_mask, response_logprobs
+from rldsl.runtime.engines.torch.generate import _top_p_filter
+from rldsl.runtime.engines.torch.warmstart import (
+    WarmStartSettings,
+    arith_without_carry,
+    load_warm_started,
+    reverse_ends_only,
+)
 from rldsl.runtime.protocols import GenerationEngine, LogprobEngine, Prompt, Trainer
 from rldsl.tasks import load_dataset
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rldsl.runtime.engines import vllm_engine as ve
+from rldsl.runtime.engines import vllm as ve
 from rldsl.runtime.protocols import GenerationEngine, LogprobEngine, Prompt
 
 
@@ -85,7 +85,7 @@ def scripted_llm():
 
 
 def test_module_imports_without_vllm():
-    code = "import sys; sys.modules['vllm'] = None; import rldsl.runtime.engines.vllm_engine"
+    code = "import sys; sys.modules['vllm'] = None; import rldsl.runtime.engines.vllm"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -272,7 +272,7 @@ def real_engine(path, **options):
 
 
 def torch_logprobs(model, batch):
-    from rldsl.runtime.engines.torch_common import response_logprobs
+    from rldsl.runtime.engines.torch.common import response_logprobs
 
     with torch.no_grad():
         return response_logprobs(model, batch)
@@ -284,7 +284,7 @@ def torch_logprobs(model, batch):
 def test_vllm_behaviour_logprobs_and_in_place_weight_update(tmp_path, tied, monkeypatch):
     pytest.importorskip("transformers", reason="transformers is not installed")
     from rldsl.models.hf import load_hf_model
-    from rldsl.runtime.engines.torch_common import state_buckets
+    from rldsl.runtime.engines.torch.common import state_buckets
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, for the CPU build; ignored on a GPU
     path = write_tiny_checkpoint(tmp_path, tied=tied)
@@ -320,7 +320,7 @@ def test_vllm_loads_what_the_megatron_trainer_exports(tmp_path, monkeypatch):
     """The weight-sync path end to end: train a step, export, load in place."""
     pytest.importorskip("transformers", reason="transformers is not installed")
     from rldsl.models.hf import load_hf_model
-    from rldsl.runtime.engines.megatron_engine import MegatronTrainer
+    from rldsl.runtime.engines.megatron.trainer import MegatronTrainer
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     path = write_tiny_checkpoint(tmp_path, tied=True)  # the export sends the tied tensor once
@@ -348,7 +348,7 @@ def megatron_context():
         import contextlib
 
         return contextlib.nullcontext()
-    from rldsl.runtime.engines.megatron_cpu_compat import megatron_on_cpu
+    from rldsl.runtime.engines.megatron.cpu_compat import megatron_on_cpu
 
     return megatron_on_cpu()
 

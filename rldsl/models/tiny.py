@@ -1,15 +1,12 @@
-"""``builtin:tiny-lm``: a small causal transformer, and ``load_model``.
+"""``builtin:tiny-lm``: a small causal transformer.
 
 The model is deliberately plain: token + learned position embeddings,
 pre-norm blocks, causal self-attention with a key/value cache for
 incremental decoding, and an output head tied to the token embedding (so the
 state dict has no duplicate tensor to sync).
 
-Every engine talks to a model through ``CausalLM``, so the builtin model and
-a local Hugging Face model (``hf:<path>``, see ``rldsl.models.hf``) look the
-same: ``forward(input_ids, attention_mask, position_ids, cache)`` returns
-``(logits, cache)`` where ``attention_mask`` covers the cached keys plus the
-new tokens.
+Engines hold it behind ``CausalLM`` (``rldsl.models.base``), like a local
+Hugging Face model.
 """
 
 from __future__ import annotations
@@ -21,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rldsl.models.base import BUILTIN_TINY, CausalLM
 from rldsl.models.tokenizer import CharTokenizer
 
-BUILTIN_TINY = "builtin:tiny-lm"
 MASKED_SCORE = -1e9  # finite, so a row with every key masked (left padding) stays NaN-free
 
 
@@ -125,34 +122,6 @@ def _score_bias(key_mask, new_tokens: int, dtype):
     return bias.masked_fill_(~allowed, MASKED_SCORE)[:, None]
 
 
-class CausalLM:
-    """What engines hold: a torch module, its tokenizer and a uniform forward."""
-
-    def __init__(self, module: nn.Module, tokenizer, source: str, config: dict):
-        self.module = module
-        self.tokenizer = tokenizer
-        self.source = source
-        self.config = config
-        self.warm_start_report: dict | None = None  # set by rldsl.models.warmstart
-
-    @property
-    def eos_id(self) -> int:
-        return self.tokenizer.eos_id
-
-    @property
-    def device(self):
-        return next(self.module.parameters()).device
-
-    def forward(self, input_ids, attention_mask, position_ids, cache=None, use_cache=True):
-        """(logits [B, T, V], cache); the cache is None when ``use_cache`` is false."""
-        logits, new_cache = self.module(input_ids, attention_mask, position_ids, cache)
-        return logits, new_cache if use_cache else None
-
-    def to(self, device) -> "CausalLM":
-        self.module.to(device)
-        return self
-
-
 def build_tiny_lm(seed: int = 0, tokenizer: CharTokenizer | None = None, **overrides) -> CausalLM:
     """A freshly initialised tiny-lm; the same seed gives the same weights."""
     tokenizer = tokenizer or CharTokenizer()
@@ -161,37 +130,3 @@ def build_tiny_lm(seed: int = 0, tokenizer: CharTokenizer | None = None, **overr
         torch.manual_seed(seed)
         module = TinyLM(config)
     return CausalLM(module, tokenizer, BUILTIN_TINY, config.to_dict())
-
-
-def load_model(
-    source: str,
-    device="cpu",
-    *,
-    seed: int = 0,
-    warm_start_task: str | None = None,
-    warm_start_settings: dict | None = None,
-    **options,
-) -> CausalLM:
-    """Load ``builtin:tiny-lm`` or ``hf:<local path>`` onto ``device``.
-
-    For the builtin model, ``warm_start_task`` (e.g. ``"builtin:arith"``)
-    loads the cached supervised warm start for that task (training it first if
-    no cache exists; see ``rldsl.models.warmstart``; ``warm_start_settings``
-    overrides ``WarmStartSettings`` fields). HF models are pretrained: seed
-    and warm start are ignored for them. ``options`` override ``TinyLMConfig``
-    fields, or reach ``rldsl.models.hf.load_hf_model`` (e.g. ``dtype``).
-    """
-    if source == BUILTIN_TINY:
-        if warm_start_task is None:
-            model = build_tiny_lm(seed, **options)
-        else:
-            from rldsl.models.warmstart import WarmStartSettings, load_warm_started
-
-            settings = WarmStartSettings(**(warm_start_settings or {}))
-            model = load_warm_started(warm_start_task, seed=seed, model_overrides=options, settings=settings)
-        return model.to(device)
-    if source.startswith("hf:"):
-        from rldsl.models.hf import load_hf_model
-
-        return load_hf_model(source[len("hf:"):], device, **options)
-    raise ValueError(f"unknown model source {source!r}: expected {BUILTIN_TINY!r} or 'hf:<local path>'")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Protocol, runtime_checkable
 
 Batch = dict  # dict[str, torch.Tensor]; kept untyped so this module never imports torch
+MIB = 1 << 20  # weight buckets and sizes are counted in bytes
 
 FIELD_PROMPT_IDS = "prompt_ids"
 FIELD_PROMPT_MASK = "prompt_mask"

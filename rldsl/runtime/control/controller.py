@@ -1,0 +1,133 @@
+"""The single controller: three asyncio pumps that move only metadata.
+
+- rollout pump (rollout_pump.py): prompts -> generate -> reward -> logprob,
+  one prompt group at a time, gated by buffer capacity, the in-flight limit
+  and the staleness quota;
+- train pump (train_pump.py): the split-step trainer fed one ready group at
+  a time;
+- sync pump (sync_pump.py): pushes weights to the generators after each step.
+
+A watchdog turns any stall into a ``PipelineStalled`` error that says what
+each pump is waiting on. Engines sit behind ``StageHandles`` (handles.py); the Ray
+lowering provides them over actors, ``inprocess.sim_stages`` in process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Iterable
+
+from rldsl.runtime.control import ledger as outcomes
+from rldsl.runtime.control.errors import PipelineStalled, StepFailed, StopRequested, TrainCallFailed
+from rldsl.runtime.control.handles import StageHandles
+from rldsl.runtime.control.rollout_pump import RolloutPump
+from rldsl.runtime.control.settings import RunSettings
+from rldsl.runtime.control.state import RunState, resolve
+from rldsl.runtime.control.sync_pump import SyncPump
+from rldsl.runtime.control.train_pump import StepCallback, TrainPump
+from rldsl.runtime.protocols import Prompt
+
+__all__ = ["Controller", "PipelineStalled", "StageHandles", "StepFailed", "StopRequested", "TrainCallFailed"]
+
+
+class Controller:
+    """Runs ``settings.steps`` training steps and returns a summary.
+
+    ``on_step`` receives one dict per finished step (see ``TrainPump._report``);
+    ``clock`` is injectable for tests. The data plane needs ``put`` and
+    ``clear``; its methods may be plain or async."""
+
+    def __init__(
+        self,
+        settings: RunSettings,
+        stages: StageHandles,
+        dataplane: Any,
+        prompts: Iterable[Prompt],
+        *,
+        on_step: StepCallback | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.state = RunState(settings, stages, dataplane, clock)
+        self.rollout = RolloutPump(self.state, prompts)
+        self.train = TrainPump(self.state, on_step)
+        self.sync = SyncPump(self.state)
+
+    async def run(self) -> dict:
+        state = self.state
+        state.trainer_version = state.generator_version = int(await resolve(state.stages.generator_version()))
+        state.started_at = state.last_progress = state.clock()
+        await self._supervise()
+        await self._settle_leftovers()
+        state.ledger.check()
+        return self.summary()
+
+    def request_stop(self) -> None:
+        """End the run at the next safe point: a trainer call in flight
+        completes (a finished step is recorded), an open step is aborted, and
+        ``run`` returns its summary with the ledger balanced."""
+        self.state.stop_requested = True
+        self.state.changed.notify()
+
+    def describe_waits(self) -> str:
+        return (
+            f"rollout pump: {self.rollout.describe()} ; "
+            f"train pump: {self.train.describe()} ; "
+            f"sync pump: {self.sync.phase}"
+        )
+
+    def summary(self) -> dict:
+        state = self.state
+        elapsed = max(state.clock() - state.started_at, 1e-9)
+        return {
+            "pipeline": self.settings.pipeline,
+            "steps": state.finished_steps,
+            "requested_steps": self.settings.steps,
+            "version": state.trainer_version,
+            "aborted_steps": self.train.aborted_steps,
+            "weight_pushes": self.sync.pushes,
+            "elapsed_s": elapsed,
+            "steps_per_s": state.finished_steps / elapsed,
+            "samples_per_s": state.ledger.trained_count / elapsed,
+            "max_lag": state.ledger.max_lag,
+            "ledger": state.ledger.summary(),
+            "busy": state.busy_fractions(),
+        }
+
+    async def _supervise(self) -> None:
+        pumps = [
+            asyncio.create_task(self.rollout.run(), name="rollout pump"),
+            asyncio.create_task(self.train.run(), name="train pump"),
+            asyncio.create_task(self.sync.run(), name="sync pump"),
+        ]
+        watchdog = asyncio.create_task(self._watchdog(), name="watchdog")
+        try:
+            while not all(task.done() for task in pumps):
+                running = {task for task in pumps if not task.done()}
+                done, _ = await asyncio.wait(running | {watchdog}, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()
+        finally:
+            leftovers = pumps + [watchdog] + list(self.rollout.tasks)
+            for task in leftovers:
+                task.cancel()
+            await asyncio.gather(*leftovers, return_exceptions=True)
+
+    async def _watchdog(self) -> None:
+        timeout = self.settings.watchdog_timeout_s
+        while True:
+            await asyncio.sleep(min(timeout / 10, 1.0))
+            idle = self.state.clock() - self.state.last_progress
+            if idle >= timeout:
+                raise PipelineStalled(f"no progress for {idle:.1f}s (watchdog {timeout:g}s): {self.describe_waits()}")
+
+    async def _settle_leftovers(self) -> None:
+        """Groups generated after the last step needed them end as run_finished."""
+        state = self.state
+        leftovers = state.buffer.groups()
+        for group in leftovers:
+            state.ledger.dropped(group.keys, outcomes.RUN_FINISHED)
+            state.buffer.release(group.group_id)
+        await state.clear([key for group in leftovers for key in group.keys] + state.take_pending_clear())

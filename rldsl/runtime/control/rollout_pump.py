@@ -1,0 +1,159 @@
+"""The rollout pump: prompts -> generate -> reward stages -> logprob stages."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any, Iterable
+
+from rldsl.runtime.control import ledger as outcomes
+from rldsl.runtime.control.buffer import Group, GroupState
+from rldsl.runtime.control.sampler import DispatchPlan
+from rldsl.runtime.control.state import RunState
+from rldsl.runtime.dataplane.base import sample_key
+from rldsl.runtime.protocols import Prompt
+
+
+class RolloutPump:
+    """Prompts -> generate -> reward stages -> logprob stages, group by group."""
+
+    def __init__(self, state: RunState, prompts: Iterable[Prompt]) -> None:
+        self.state = state
+        self._prompts = iter(prompts)
+        self.tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        state = self.state
+        while not state.training_done:
+            blocked, plan = self.blocked_reason()
+            if blocked is not None:
+                await state.changed.wait()
+                continue
+            prompt = next(self._prompts, None)
+            if prompt is None:
+                state.prompts_exhausted = True
+                state.changed.notify()
+                continue
+            self._dispatch(prompt, plan)
+            await asyncio.sleep(0)  # let the new group start before planning the next
+        while self.tasks:  # drain: groups in flight finish their stages
+            await asyncio.wait(set(self.tasks))
+
+    def blocked_reason(self) -> tuple[str | None, DispatchPlan | None]:
+        state, settings = self.state, self.state.settings
+        if state.training_done:
+            return "run finished", None
+        if state.sync_pending:
+            return f"paused while weights sync to version {state.trainer_version}", None
+        if state.generators_asleep:
+            return "colocated generators sleep while the trainer runs", None
+        if state.prompts_exhausted:
+            return "prompt stream exhausted", None
+        if not state.buffer.has_room:
+            return f"buffer full ({state.buffer.describe()})", None
+        in_flight = state.buffer.count(GroupState.RESERVED)
+        if in_flight >= settings.max_inflight:
+            return f"in-flight limit ({in_flight}/{settings.max_inflight} groups dispatched, not yet ready)", None
+        plan = state.sampler.plan_dispatch(
+            state.buffer, state.train_progress(), state.generator_version, state.groups_dispatched
+        )
+        return plan.blocked, plan
+
+    def describe(self) -> str:
+        blocked, _ = self.blocked_reason()
+        text = blocked or "dispatching"
+        in_flight = self.state.buffer.count(GroupState.RESERVED)
+        if in_flight:
+            text += f"; {in_flight} groups in flight ({self.state.generating} generating)"
+        if "rollout" in self.state.last_error:
+            text += f"; last failure {self.state.last_error['rollout']}"
+        return text
+
+    def _dispatch(self, prompt: Prompt, plan: DispatchPlan) -> None:
+        state, settings = self.state, self.state.settings
+        keys = tuple(sample_key(settings.pipeline, prompt.index, i) for i in range(settings.samples_per_prompt))
+        group = state.buffer.reserve(prompt.index, keys, plan.target_step, state.generator_version)
+        state.ledger.register(keys)
+        state.groups_dispatched += 1
+        state.generating += 1  # counted now, so a weight push cannot slip in before the call
+        task = asyncio.create_task(self._process(group, prompt))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _process(self, group: Group, prompt: Prompt) -> None:
+        state = self.state
+        try:
+            version = await self._generate(group, prompt)
+        except Exception as error:  # an engine failure drops the group, never the run
+            state.drop(group, outcomes.GENERATION_FAILED, error)
+            return
+        rewards = await self._score(group)
+        if rewards is None or not await self._logprobs(group):
+            return
+        state.buffer.commit(group.group_id, group.keys, rewards, version)
+        state.progress()
+
+    async def _generate(self, group: Group, prompt: Prompt) -> int:
+        state, settings = self.state, self.state.settings
+        seed = (settings.seed * 1_000_003 + prompt.index) % (1 << 31)
+        try:
+            with state.meter("generate").track():
+                return int(await state.stages.generate([prompt], list(group.keys), settings.samples_per_prompt, seed))
+        finally:
+            state.generating -= 1
+            state.changed.notify()
+
+    async def _score(self, group: Group) -> tuple[float, ...] | None:
+        """Sum the reward stages per sample; failed samples are dropped.
+        Returns the survivors' rewards, or None when none survived."""
+        state = self.state
+        totals = dict.fromkeys(group.keys, 0.0)
+        for stage in state.settings.reward_stages:
+            alive = list(totals)
+            rewards = await self._reward_stage(stage, alive)
+            failed = [key for key, reward in zip(alive, rewards) if reward is None]
+            if failed:
+                state.ledger.dropped(failed, outcomes.REWARD_FAILED)
+                state.pending_clear.extend(failed)
+            for key, reward in zip(alive, rewards):
+                if reward is None:
+                    del totals[key]
+                else:
+                    totals[key] += reward
+        group.keys = tuple(totals)
+        if not totals:
+            state.buffer.release(group.group_id)
+            state.changed.notify()
+            return None
+        return tuple(totals.values())
+
+    async def _reward_stage(self, stage: str, keys: list[str]) -> list[float | None]:
+        """One reward per key, None where it failed; a raising stage fails all."""
+        state = self.state
+        try:
+            with state.meter(f"reward:{stage}").track():
+                results = list(await state.stages.reward(stage, keys))
+            if len(results) != len(keys):
+                raise ValueError(f"{len(results)} rewards for {len(keys)} samples")
+            return [_finite_or_none(r) for r in results]
+        except Exception as error:
+            state.last_error["rollout"] = f"{outcomes.REWARD_FAILED} ({stage}): {error!r}"
+            return [None] * len(keys)
+
+    async def _logprobs(self, group: Group) -> bool:
+        state = self.state
+        for stage in state.settings.logprob_stages:
+            try:
+                with state.meter(f"logprob:{stage}").track():
+                    await state.stages.logprob(stage, list(group.keys))
+            except Exception as error:
+                state.drop(group, outcomes.LOGPROB_FAILED, error)
+                return False
+        return True
+
+
+def _finite_or_none(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None

@@ -1,0 +1,126 @@
+"""What the controller's pumps need to know, and nothing else.
+
+The runtime fills a ``RunSettings`` from the compiled ExecutionPlan; tests and
+benchmarks build one by hand. Only local sanity is checked here (positive
+sizes, known enum values): cross-field rules such as "the buffer holds at
+least one step" are the compiler's job, and the controller's watchdog is the
+safety net when a plan skips them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rldsl.plan import PipelinePlan, StalenessPlan
+from rldsl.runtime.protocols import MIB
+
+Order = Literal["any", "in_order"]
+TooStale = Literal["drop", "wait"]
+
+_STALENESS = StalenessPlan()  # the language's defaults (rldsl.plan)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Knobs of one run.
+
+    Staleness vocabulary (DESIGN.md section 2): a sample's lag is the
+    trainer's version when it is trained minus the weight version that
+    generated it; ``max_lag = 0`` is on-policy.
+
+    - ``order``: ``"any"`` trains whichever ready groups fit the bound
+      (lowest lag first, then arrival); ``"in_order"`` assigns every prompt
+      group a target step at dispatch, strictly in prompt order, and a step
+      trains exactly its own groups.
+    - ``too_stale``: a fresher group may take a slot only while every older
+      ready group still fits a step within its bound. With ``"drop"`` the
+      train pump never idles while a group is ready, and a group that expires
+      anyway (it arrived too late) is dropped (ledger reason ``too_stale``);
+      with ``"wait"`` groups still in flight are protected as well, so the
+      train pump waits for them and nothing goes stale.
+    - ``buffer_capacity`` counts prompt groups that are reserved (dispatched),
+      ready, or consumed by the open step; ``max_inflight`` counts groups
+      dispatched but not yet ready. Both default to one staleness window,
+      ``(max_lag + 1) * prompts_per_step``.
+    - ``reward_stages`` / ``logprob_stages``: stage names, each in flow order.
+      Rewards run first, so a group whose rewards all failed skips logprobs.
+    """
+
+    pipeline: str
+    prompts_per_step: int
+    samples_per_prompt: int
+    steps: int
+    max_lag: int = _STALENESS.max_lag
+    order: Order = _STALENESS.order
+    too_stale: TooStale = _STALENESS.too_stale
+    buffer_capacity: int = 0  # 0 = one staleness window
+    max_inflight: int = 0  # 0 = buffer_capacity
+    reward_stages: tuple[str, ...] = ()
+    logprob_stages: tuple[str, ...] = ()
+    sync_bucket_bytes: int = 256 * MIB
+    watchdog_timeout_s: float = 300.0
+    advantage_eps: float = 1e-6
+    seed: int = 0
+    max_aborted_steps: int = 3  # consecutive aborts before the run gives up
+    # Generators share GPUs with the trainer: generation and training take
+    # turns (generators sleep while a step trains) instead of streaming.
+    colocated: bool = False
+
+    def __post_init__(self) -> None:
+        _require(bool(self.pipeline), "pipeline name must not be empty")
+        for name in ("prompts_per_step", "samples_per_prompt", "max_aborted_steps"):
+            _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("steps", "max_lag", "buffer_capacity", "max_inflight", "seed"):
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        _require(self.order in ("any", "in_order"), f"order must be 'any' or 'in_order', got {self.order!r}")
+        _require(self.too_stale in ("drop", "wait"), f"too_stale must be 'drop' or 'wait', got {self.too_stale!r}")
+        _require(self.sync_bucket_bytes >= 1, "sync_bucket_bytes must be >= 1")
+        _require(self.watchdog_timeout_s > 0, "watchdog_timeout_s must be > 0")
+        _require(self.advantage_eps >= 0, "advantage_eps must be >= 0")
+        object.__setattr__(self, "reward_stages", tuple(self.reward_stages))
+        object.__setattr__(self, "logprob_stages", tuple(self.logprob_stages))
+        if self.buffer_capacity == 0:
+            object.__setattr__(self, "buffer_capacity", self.window_groups)
+        if self.max_inflight == 0:
+            object.__setattr__(self, "max_inflight", self.buffer_capacity)
+
+    @property
+    def window_groups(self) -> int:
+        """Prompt groups in one staleness window: the most that can usefully
+        be outstanding at once."""
+        return (self.max_lag + 1) * self.prompts_per_step
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(f"RunSettings: {message}")
+
+
+def settings_from_plan(pipe: PipelinePlan, steps: int | None = None) -> RunSettings:
+    """The controller's settings for one pipeline of a plan; ``steps`` overrides the plan's."""
+    stages = {s.name: s for s in pipe.stages}
+    flow_order = [name for generation in pipe.generations for name in generation]
+    sync = next((s for s in pipe.stages if s.kind == "sync"), None)
+    train = pipe.batch.train_stage
+    return RunSettings(
+        pipeline=pipe.name,
+        prompts_per_step=pipe.batch.prompts_per_step,
+        samples_per_prompt=pipe.batch.samples_per_prompt,
+        steps=steps if steps is not None else pipe.run.steps,
+        max_lag=pipe.staleness.max_lag,
+        order=pipe.staleness.order,
+        too_stale=pipe.staleness.too_stale,
+        buffer_capacity=pipe.batch.buffer_capacity,
+        max_inflight=pipe.batch.max_inflight,
+        reward_stages=tuple(n for n in flow_order if n in stages and stages[n].kind == "reward"),
+        logprob_stages=tuple(n for n in flow_order if n in stages and stages[n].kind == "logprob"),
+        sync_bucket_bytes=int(sync.settings["bucket"]) if sync else 256 * MIB,
+        watchdog_timeout_s=pipe.run.watchdog_s,
+        seed=pipe.run.seed,
+        colocated=any(s.kind == "generate" and train in s.colocated_with for s in pipe.stages),
+    )

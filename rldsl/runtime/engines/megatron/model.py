@@ -1,0 +1,344 @@
+"""megatron-core models for the megatron engines: process groups, a GPTModel
+from a Llama-style shape, Hugging Face weights in and out, and response
+log-probabilities.
+
+Rows are packed before the forward: each row becomes its real prompt tokens
+followed by its response tokens, right-padded. With causal attention the
+padding after a row's tokens cannot influence them, so one causal mask and
+positions ``0..L-1`` serve every row and no padding mask is needed (which
+keeps Megatron's fused causal attention kernels usable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from rldsl.runtime.engines.megatron.hf_weights import (
+    LlamaShape,
+    hf_to_megatron,
+    megatron_tensor_to_hf,
+    merge_tensor_parallel,
+    split_for_tensor_parallel,
+    tensor_parallel_kind,
+    with_layer_offset,
+)
+from rldsl.runtime.protocols import FIELD_PROMPT_IDS, FIELD_PROMPT_MASK, FIELD_RESPONSE_IDS, FIELD_RESPONSE_MASK
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# -- process groups ---------------------------------------------------------------
+
+
+def ensure_model_parallel(tp: int, pp: int, seed: int) -> None:
+    """Initialise torch.distributed (a one-process group if nobody did) and
+    Megatron's tensor/pipeline/data-parallel groups, once per process."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    if parallel_state.model_parallel_is_initialized():
+        current = (parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_pipeline_model_parallel_world_size())
+        if current != (tp, pp):
+            raise RuntimeError(f"Megatron groups already initialised with (tp, pp) = {current}, not {(tp, pp)}")
+        return
+    if dist.get_world_size() % (tp * pp):
+        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp x pp = {tp * pp}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def compute_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# -- the model ---------------------------------------------------------------------
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def transformer_config(shape: LlamaShape, dtype: str = "bf16", tp: int = 1, pp: int = 1):
+    """A Llama-style ``TransformerConfig``. ``calculate_per_token_loss`` makes
+    DDP reduce gradients with a plain sum (no 1/dp factor): the split step
+    divides by the global token or sequence count itself."""
+    from megatron.core.transformer import TransformerConfig
+
+    if shape.vocab_size % tp:
+        raise ValueError(f"vocab size {shape.vocab_size} does not split over tp = {tp}")
+    if shape.num_kv_heads % tp:
+        raise ValueError(f"{shape.num_kv_heads} key/value heads do not split over tp = {tp}")
+    params_dtype = DTYPES[dtype]
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,  # the dtype of activations sent between pipeline stages
+        bf16=params_dtype is torch.bfloat16,
+        fp16=params_dtype is torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        calculate_per_token_loss=True,
+    )
+
+
+def build_gpt_model(shape: LlamaShape, config):
+    """This pipeline stage's GPTModel, on the compute device."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+
+    if transformer_engine_available():
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    model = GPTModel(
+        config,
+        spec,
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_positions,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+    )
+    return model.to(compute_device())
+
+
+def uses_fused_norms() -> bool:
+    """Transformer Engine layers hold the norm weights inside the linears."""
+    return transformer_engine_available()
+
+
+def layer_offset(model) -> int:
+    """The global index of this pipeline stage's first layer."""
+    layers = model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def local_weights(model) -> dict[str, torch.Tensor]:
+    """This rank's weights under global (pipeline-independent) Megatron names."""
+    offset = layer_offset(model)
+    return {with_layer_offset(name, offset): tensor for name, tensor in model.state_dict().items()
+            if not name.endswith("_extra_state") and tensor is not None}
+
+
+# -- Hugging Face weights in ----------------------------------------------------------
+
+
+def read_hf_config(path: str | Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a local checkpoint (``*.safetensors``, else ``*.bin``)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        return {name: tensor for file in files for name, tensor in load_file(str(file)).items()}
+    files = sorted(Path(path).glob("pytorch_model*.bin"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
+    return {name: tensor for file in files
+            for name, tensor in torch.load(file, map_location="cpu", weights_only=True).items()}
+
+
+def load_hf_weights(model, hf: Mapping[str, torch.Tensor], shape: LlamaShape) -> None:
+    """Copy a full Hugging Face state dict into this rank's shard of ``model``."""
+    from megatron.core import parallel_state
+
+    full = hf_to_megatron(hf, shape, fused_norms=uses_fused_norms())
+    load_megatron_weights(model, full, parallel_state.get_tensor_model_parallel_world_size(),
+                          parallel_state.get_tensor_model_parallel_rank())
+
+
+def load_megatron_weights(model, full: Mapping[str, torch.Tensor], tp: int, tp_rank: int) -> None:
+    """Copy full (unsharded, globally named) Megatron tensors into this rank's shard."""
+    offset = layer_offset(model)
+    targets = {with_layer_offset(name, offset): tensor for name, tensor in model.state_dict().items()
+               if not name.endswith("_extra_state")}
+    if "output_layer.weight" in targets and "output_layer.weight" not in full:
+        # Tied embeddings on a last pipeline stage: its output layer is a copy of the embedding.
+        full = {**full, "output_layer.weight": full["embedding.word_embeddings.weight"]}
+    with torch.no_grad():
+        for name, tensor in full.items():
+            if name not in targets:
+                continue  # another pipeline stage's weight
+            shard = split_for_tensor_parallel(name, tensor, tp)[tp_rank]
+            if shard.shape != targets[name].shape:
+                raise ValueError(f"{name}: shard {tuple(shard.shape)} != model {tuple(targets[name].shape)}")
+            targets[name].copy_(shard)
+
+
+# -- Hugging Face weights out ----------------------------------------------------------
+
+
+def export_hf_weights(model, shape: LlamaShape) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full Hugging Face tensors, on CPU, in a fixed order.
+
+    A collective: every rank of the tensor- and pipeline-parallel groups must
+    iterate it to the end. Only the first tensor- and pipeline-parallel rank
+    yields anything; the others only take part in the gathers.
+    """
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    exporting = tp_rank == 0 and parallel_state.get_pipeline_model_parallel_rank() == 0
+    fused = uses_fused_norms()
+    for stage in range(pp_size):
+        for name, tensor in _stage_weights(model, stage, tp_group, pp_group, pp_size, tp_rank == 0):
+            if exporting and not (shape.tied_embeddings and name == "output_layer.weight"):
+                yield from megatron_tensor_to_hf(name, tensor.cpu(), shape, fused).items()
+
+
+def _stage_weights(model, stage, tp_group, pp_group, pp_size, relay) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pipeline stage ``stage``'s full tensors, gathered over tensor parallelism
+    and (on the first tensor-parallel rank) broadcast to every stage."""
+    from megatron.core import parallel_state
+
+    here = parallel_state.get_pipeline_model_parallel_rank() == stage
+    gathered = _gather_tensor_parallel(local_weights(model), tp_group) if here else {}
+    if pp_size == 1:
+        yield from gathered.items()
+        return
+    if not relay:
+        return
+    source = dist.get_process_group_ranks(pp_group)[stage]
+    header = [[(name, tuple(t.shape), t.dtype) for name, t in gathered.items()]]
+    dist.broadcast_object_list(header, src=source, group=pp_group)
+    for name, size, dtype in header[0]:
+        tensor = gathered[name] if here else torch.empty(size, dtype=dtype, device=compute_device())
+        dist.broadcast(tensor, src=source, group=pp_group)
+        yield name, tensor
+
+
+def _gather_tensor_parallel(weights: Mapping[str, torch.Tensor], tp_group) -> dict[str, torch.Tensor]:
+    size = dist.get_world_size(tp_group)
+    full = {}
+    for name, tensor in weights.items():
+        if size == 1 or tensor_parallel_kind(name) == "replicated":
+            full[name] = tensor.detach()
+            continue
+        shards = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(shards, tensor.detach().contiguous(), group=tp_group)
+        full[name] = merge_tensor_parallel(name, shards)
+    return full
+
+
+# -- rows and log-probabilities ---------------------------------------------------------
+
+
+@dataclass
+class PackedRows:
+    """Rows as ``[real prompt tokens][response tokens][padding]``."""
+
+    tokens: torch.Tensor  # int64 [n, L]
+    positions: torch.Tensor  # int64 [n, L]
+    response_start: torch.Tensor  # int64 [n]: index of the first response token
+    response_mask: torch.Tensor  # [n, Lr]
+    batch: Mapping[str, torch.Tensor]  # the original fields, on the device
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+
+def packed_length(batch: Mapping[str, torch.Tensor]) -> int:
+    return int(batch[FIELD_PROMPT_MASK].sum(dim=1).max()) + batch[FIELD_RESPONSE_IDS].shape[1]
+
+
+def pack_rows(batch: Mapping[str, torch.Tensor], device, length: int | None = None,
+              rows: int | None = None) -> PackedRows:
+    """Pack rows (optionally padded to ``length`` tokens and ``rows`` rows, so
+    that every pipeline microbatch has one shape)."""
+    batch = {name: value.to(device) for name, value in batch.items()}
+    prompt_ids, prompt_mask = batch[FIELD_PROMPT_IDS], batch[FIELD_PROMPT_MASK]
+    response_ids = batch[FIELD_RESPONSE_IDS]
+    count, response_length = response_ids.shape
+    prompt_lengths = prompt_mask.sum(dim=1)
+    length = length or packed_length(batch)
+    total_rows = max(rows or count, count)
+    tokens = torch.zeros(total_rows, length, dtype=torch.long, device=device)
+    for row in range(count):
+        prompt = prompt_ids[row][prompt_mask[row].bool()]
+        tokens[row, : len(prompt)] = prompt
+        tokens[row, len(prompt) : len(prompt) + response_length] = response_ids[row]
+    start = torch.zeros(total_rows, dtype=torch.long, device=device)
+    start[:count] = prompt_lengths
+    mask = torch.zeros(total_rows, response_length, dtype=batch[FIELD_RESPONSE_MASK].dtype, device=device)
+    mask[:count] = batch[FIELD_RESPONSE_MASK]
+    positions = torch.arange(length, device=device).expand(total_rows, length)
+    return PackedRows(tokens, positions, start, mask, batch)
+
+
+def causal_mask(length: int, device) -> torch.Tensor | None:
+    """Megatron's local attention takes a boolean mask (True = hidden); its
+    Transformer Engine attention applies the causal mask itself."""
+    if transformer_engine_available():
+        return None
+    return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def forward_logits(model, packed: PackedRows) -> torch.Tensor:
+    """[n, L, vocab / tp] logits on the last pipeline stage (hidden states elsewhere)."""
+    return model(packed.tokens, packed.positions, attention_mask=causal_mask(packed.length, packed.tokens.device))
+
+
+def response_logprobs_from_logits(logits: torch.Tensor, packed: PackedRows) -> torch.Tensor:
+    """log p(response token | prefix) [n_real, Lr], float32, 0 off the response mask.
+
+    The cross entropy runs over the vocabulary shards of the tensor-parallel
+    group, so it is exact for any tp. Differentiable.
+    """
+    from megatron.core import tensor_parallel
+
+    labels = torch.zeros_like(packed.tokens)
+    labels[:, :-1] = packed.tokens[:, 1:]
+    token_logprobs = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+    response_length = packed.response_mask.shape[1]
+    # The response token at index start + j is predicted at start + j - 1.
+    index = packed.response_start[:, None] - 1 + torch.arange(response_length, device=labels.device)[None]
+    picked = token_logprobs.gather(1, index.clamp(min=0, max=packed.length - 1))
+    real_rows = len(packed.batch[FIELD_RESPONSE_IDS])
+    return (picked * packed.response_mask.to(picked.dtype))[:real_rows]

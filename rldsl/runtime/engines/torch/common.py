@@ -1,0 +1,143 @@
+"""Batch helpers shared by the torch generator, logprob engine and trainer.
+
+Every engine computes response log-probabilities with ``response_logprobs``
+(one full forward over prompt + response), so the generator's behaviour
+logprobs, a logprob stage and the trainer agree for the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+import torch
+
+from rldsl.runtime.protocols import FIELD_PROMPT_IDS, FIELD_PROMPT_MASK, FIELD_RESPONSE_IDS, FIELD_RESPONSE_MASK
+
+
+def encode_prompts(tokenizer, texts: list[str], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and mask (pad = 0), each prompt starting with BOS."""
+    encoded = [tokenizer.encode(text, add_bos=True) for text in texts]
+    if any(not ids for ids in encoded):
+        raise ValueError("a prompt encodes to no tokens; the model needs at least one to condition on")
+    width = max(len(ids) for ids in encoded)
+    ids = torch.zeros(len(encoded), width, dtype=torch.long)
+    mask = torch.zeros(len(encoded), width, dtype=torch.long)
+    for row, tokens in enumerate(encoded):
+        ids[row, width - len(tokens):] = torch.tensor(tokens)
+        mask[row, width - len(tokens):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def left_align(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move padding to the left, keeping token order (a no-op on left-padded input).
+
+    Batches that went through a data plane may come back right-padded; the
+    response must follow the last real prompt token, so we re-align.
+    """
+    order = torch.argsort(mask, dim=1, stable=True)
+    return ids.gather(1, order), mask.gather(1, order)
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids counting only real tokens (0 for left padding)."""
+    return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def response_logprobs(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """log p(response token | prefix) [n, Lr], float32, 0 off the response mask.
+
+    Differentiable when grad is enabled: the trainer calls it directly.
+    """
+    device = model.device
+    prompt_ids, prompt_mask = left_align(batch[FIELD_PROMPT_IDS].to(device), batch[FIELD_PROMPT_MASK].to(device))
+    response_ids = batch[FIELD_RESPONSE_IDS].to(device)
+    response_mask = batch[FIELD_RESPONSE_MASK].to(device)
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    mask = torch.cat([prompt_mask, response_mask], dim=1)
+    logits, _ = model.forward(ids, mask, positions_from_mask(mask), use_cache=False)
+    prompt_length = prompt_ids.shape[1]
+    predicting = logits[:, prompt_length - 1 : -1].float()
+    token_logprobs = torch.log_softmax(predicting, dim=-1).gather(-1, response_ids[..., None]).squeeze(-1)
+    return token_logprobs * response_mask.to(token_logprobs.dtype)
+
+
+def split_rows(batch: Mapping[str, torch.Tensor], rows_per_chunk: int | None) -> Iterator[dict]:
+    """The batch in chunks of at most ``rows_per_chunk`` rows (all at once if None)."""
+    size = len(batch[FIELD_RESPONSE_IDS])
+    step = rows_per_chunk or max(size, 1)
+    for start in range(0, size, step):
+        yield {name: value[start : start + step] for name, value in batch.items()}
+
+
+def decode_responses(tokenizer, batch: Mapping[str, torch.Tensor]) -> list[str]:
+    """Response texts of a generated batch (tokens off the mask are ignored)."""
+    ids, mask = batch[FIELD_RESPONSE_IDS], batch[FIELD_RESPONSE_MASK]
+    return [tokenizer.decode(row[row_mask.bool()].tolist()) for row, row_mask in zip(ids, mask)]
+
+
+def state_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The state dict as CPU copies in buckets of at most ``bucket_bytes``
+    (a tensor larger than that travels alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket, used = {}, 0
+    for name, tensor in module.state_dict().items():
+        size = tensor.numel() * tensor.element_size()
+        if bucket and used + size > bucket_bytes:
+            yield bucket
+            bucket, used = {}, 0
+        bucket[name] = tensor.detach().to("cpu", copy=True)
+        used += size
+    if bucket:
+        yield bucket
+
+
+class WeightReceiver:
+    """In-place weight updates and sleep/wake for engines that hold a model copy.
+
+    A sync arrives as several ``update_weights`` calls; the version changes at
+    the last one. Between the first and the last bucket the weights are mixed,
+    so ``require_consistent_weights`` refuses to compute until the sync ends.
+    """
+
+    model = None  # set by the engine
+    version: int = 0
+    _pending_version: int | None = None
+    _home_device = None
+
+    def update_weights(self, bucket: Mapping[str, torch.Tensor], version: int, last: bool) -> None:
+        if self._pending_version not in (None, version):
+            raise RuntimeError(
+                f"weight bucket for version {version} arrived while version {self._pending_version} "
+                "was half applied; a sync must finish (last=True) before the next begins"
+            )
+        targets = self.model.module.state_dict()
+        with torch.no_grad():
+            for name, tensor in bucket.items():
+                if name not in targets:
+                    raise KeyError(f"weight {name!r} is not in this engine's model")
+                if targets[name].shape != tensor.shape:
+                    raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != {tuple(targets[name].shape)}")
+                targets[name].copy_(tensor)
+        self._pending_version = None if last else version
+        if last:
+            self.version = version
+
+    def require_consistent_weights(self) -> None:
+        if self._pending_version is not None:
+            raise RuntimeError(
+                f"weight sync to version {self._pending_version} is in progress (last bucket not received)"
+            )
+
+    def sleep(self) -> None:
+        """Move the weights to CPU memory to free the accelerator; a no-op on CPU."""
+        if self.model.device.type != "cpu":
+            self._home_device = self.model.device
+            self.model.to("cpu")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        if self._home_device is not None:
+            self.model.to(self._home_device)
+            self._home_device = None

@@ -1,0 +1,410 @@
+"""vLLM engines: ``VLLMGenerator`` (generation) and ``VLLMLogprob`` (response
+log-probabilities), over vLLM's offline ``LLM`` inside the stage's actor.
+
+vLLM is imported only when an engine is built, so this module imports
+without it. Everything that does not need vLLM itself (building requests,
+turning outputs into a batch, the weight-sync bookkeeping) is plain code
+over duck-typed vLLM objects and is tested without vLLM.
+
+- One actor drives a whole tensor-parallel group (``tp`` GPUs): vLLM's
+  multiprocessing executor starts one worker per GPU the actor can see.
+- Behaviour logprobs are vLLM's ``raw_logprobs``: the log-probability of the
+  sampled token under the model's own distribution at temperature 1 before
+  top-p, the quantity the trainer recomputes (``torch_generate`` defines it
+  the same way).
+- Weight sync: each bucket of Hugging Face-named tensors goes to every vLLM
+  worker through ``collective_rpc`` and is staged there; with the last
+  bucket the workers reload them in place through vLLM (which shards for
+  tensor parallelism, fuses q/k/v and gate/up, and redoes any kernel
+  repacking), the prefix cache (KV computed under the old weights) is
+  dropped and the version changes. The engine is never restarted, and no
+  request ever sees a mix of old and new weights.
+- Colocated placement: ``enable_sleep_mode`` lets ``sleep`` release the GPU
+  (level 1 keeps the weights in host memory, level 2 drops them: use it only
+  when a full weight sync follows every wake) and ``wake`` take it back.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from rldsl.runtime.engines.torch.common import decode_responses, left_align
+from rldsl.runtime.protocols import (
+    FIELD_BEHAVIOUR_LOGPROBS,
+    FIELD_PROMPT_IDS,
+    FIELD_PROMPT_MASK,
+    FIELD_RESPONSE_IDS,
+    FIELD_RESPONSE_MASK,
+    FIELD_VERSION,
+    Batch,
+    Prompt,
+)
+
+VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+STAGE_WEIGHTS_RPC = "rldsl_stage_weights"
+APPLY_WEIGHTS_RPC = "rldsl_apply_weights"
+INSTALL_HINT = "the vllm engine needs vLLM on a GPU machine: pip install 'rldsl[gpu]' (see docs/engines.md)"
+
+
+# -- requests -------------------------------------------------------------------------
+
+
+def prompt_token_ids(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """Each prompt's tokens with BOS, as the torch engines encode them."""
+    ids = [tokenizer.encode(prompt.text, add_bos=True) for prompt in prompts]
+    if any(not row for row in ids):
+        raise ValueError("a prompt encodes to no tokens; the model needs at least one to condition on")
+    return ids
+
+
+def sampling_options(samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float,
+                     seed: int | None) -> dict[str, Any]:
+    """``SamplingParams`` arguments for one prompt: ``n`` samples, and the
+    log-probability of each sampled token (``logprobs = 0``: none besides it)."""
+    return {"n": samples_per_prompt, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+            "seed": seed, "logprobs": 0, "detokenize": False}
+
+
+def request_seeds(seed: int, count: int) -> list[int]:
+    """One seed per prompt: the batch is reproducible whatever vLLM schedules together."""
+    return [seed * 1_000_003 + index for index in range(count)]
+
+
+# -- outputs -> batch ------------------------------------------------------------------
+
+
+def left_padded(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):
+        if row:
+            ids[index, width - len(row):] = torch.tensor(row)
+            mask[index, width - len(row):] = 1
+    return ids, mask
+
+
+def sampled_logprobs(completion) -> list[float]:
+    """The log-probability of each sampled token of one vLLM completion."""
+    if completion.logprobs is None:
+        raise RuntimeError("vLLM returned no logprobs; the request must set logprobs = 0")
+    return [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
+
+
+def batch_from_outputs(prompt_ids: Sequence[Sequence[int]], outputs: Sequence[Any], samples_per_prompt: int,
+                       version: int) -> Batch:
+    """vLLM ``RequestOutput``s (one per prompt, ``n`` completions each) -> a
+    prompt-major batch with behaviour logprobs and the version on every row."""
+    if len(outputs) != len(prompt_ids):
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompt_ids)} prompts")
+    prompts, responses, logprobs = [], [], []
+    for ids, output in zip(prompt_ids, outputs):
+        if len(output.outputs) != samples_per_prompt:
+            raise RuntimeError(f"vLLM returned {len(output.outputs)} samples, expected {samples_per_prompt}")
+        for completion in output.outputs:
+            prompts.append(list(ids))
+            responses.append(list(completion.token_ids))
+            logprobs.append(sampled_logprobs(completion))
+    prompt_tensor, prompt_mask = left_padded(prompts)
+    width = max([1] + [len(row) for row in responses])
+    response_ids = torch.zeros(len(responses), width, dtype=torch.long)
+    response_mask = torch.zeros(len(responses), width, dtype=torch.long)
+    behaviour = torch.zeros(len(responses), width, dtype=torch.float32)
+    for row, (tokens, values) in enumerate(zip(responses, logprobs)):
+        response_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        response_mask[row, : len(tokens)] = 1
+        behaviour[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return {
+        FIELD_PROMPT_IDS: prompt_tensor,
+        FIELD_PROMPT_MASK: prompt_mask,
+        FIELD_RESPONSE_IDS: response_ids,
+        FIELD_RESPONSE_MASK: response_mask,
+        FIELD_BEHAVIOUR_LOGPROBS: behaviour,
+        FIELD_VERSION: torch.full((len(responses),), version, dtype=torch.long),
+    }
+
+
+# -- weight sync ------------------------------------------------------------------------
+
+
+def pack_bucket(items: list[tuple[str, torch.Tensor]]) -> bytes:
+    """Serialise a bucket for ``collective_rpc``. vLLM's RPC encoder does not
+    keep tensors nested in lists as tensors, so they travel as one
+    ``torch.save`` payload (exact, any dtype including bf16)."""
+    buffer = io.BytesIO()
+    torch.save(items, buffer)
+    return buffer.getvalue()
+
+
+def unpack_bucket(payload: bytes) -> list[tuple[str, torch.Tensor]]:
+    return torch.load(io.BytesIO(payload), weights_only=True)
+
+
+def bucket_items(bucket: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """A bucket as the ``(name, tensor)`` list vLLM's ``load_weights`` takes."""
+    items = []
+    for name, tensor in bucket.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            kinds = f"{type(name).__name__} -> {type(tensor).__name__}"
+            raise TypeError(f"a weight bucket maps names to tensors; got {kinds}")
+        items.append((name, tensor.detach().cpu().contiguous()))
+    return items
+
+
+class WeightSync:
+    """Which version the weights are, and whether a sync is half applied."""
+
+    def __init__(self, version: int = 0):
+        self.version = version
+        self.pending: int | None = None
+
+    def check_accepts(self, version: int) -> None:
+        if self.pending not in (None, version):
+            raise RuntimeError(
+                f"weight bucket for version {version} arrived while version {self.pending} was half applied; "
+                "a sync must finish (last=True) before the next begins")
+
+    def receive(self, version: int, last: bool) -> None:
+        self.check_accepts(version)
+        self.pending = None if last else version
+        if last:
+            self.version = version
+
+    def require_consistent(self) -> None:
+        if self.pending is not None:
+            raise RuntimeError(f"weight sync to version {self.pending} is in progress (last bucket not received)")
+
+
+def ties_word_embeddings(worker) -> bool:
+    config = getattr(getattr(worker.model_runner, "model_config", None), "hf_config", None)
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def with_tied_output_layer(items: list[tuple[str, torch.Tensor]], tied: bool) -> list[tuple[str, torch.Tensor]]:
+    """Add ``lm_head.weight`` = the embedding when a tied model's sync lacks it
+    (the megatron export sends the shared tensor once): vLLM's in-place
+    reload restores the OLD weight of a layer that receives nothing, which
+    would untie the output layer from the new embedding."""
+    names = dict(items)
+    if tied and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
+        return [*items, ("lm_head.weight", names["model.embed_tokens.weight"])]
+    return items
+
+
+class VLLMWeightLoader:
+    """Mixed into every vLLM worker (``worker_extension_cls``); ``collective_rpc``
+    calls its methods by name inside the workers.
+
+    Buckets are staged in the worker's host memory and applied together with
+    the last one: vLLM's in-place ``reload_weights`` re-runs the per-layer
+    post-processing (kernel repacking on some backends), which needs all of
+    a layer's weights at once, and a bucket boundary can split a layer.
+    """
+
+    def rldsl_stage_weights(self, payload: bytes) -> int:
+        staged = self.__dict__.setdefault("_rldsl_staged", [])
+        staged.extend(unpack_bucket(payload))
+        return len(staged)
+
+    def rldsl_apply_weights(self) -> int:
+        items = with_tied_output_layer(self.__dict__.pop("_rldsl_staged", []), ties_word_embeddings(self))
+        if hasattr(self, "reload_weights"):  # vLLM's in-place reload (recent versions)
+            self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+        else:
+            self.model_runner.model.load_weights(weights=items)
+        return len(items)
+
+
+# -- the engines -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """The ``vllm(...)`` engine arguments of a stage."""
+
+    tp: int = 1
+    gpu_memory: float = 0.9
+    sleep: bool = True
+    max_model_len: int | None = None
+    dtype: str = "bf16"
+    sleep_level: int = 1
+    enforce_eager: bool = False
+
+    def llm_kwargs(self, model_path: str, seed: int) -> dict[str, Any]:
+        kwargs = {
+            "model": model_path,
+            "tokenizer": model_path,
+            "tensor_parallel_size": self.tp,
+            "gpu_memory_utilization": self.gpu_memory,
+            "enable_sleep_mode": self.sleep,
+            "dtype": VLLM_DTYPES[self.dtype],
+            "seed": seed,
+            "logprobs_mode": "raw_logprobs",
+            "worker_extension_cls": f"{__name__}.{VLLMWeightLoader.__name__}",
+            "enforce_eager": self.enforce_eager,
+        }
+        if self.max_model_len:
+            kwargs["max_model_len"] = self.max_model_len
+        if self.tp > 1:
+            kwargs["distributed_executor_backend"] = "mp"  # this actor owns all tp GPUs
+        return kwargs
+
+
+def create_llm(model_path: str, options: VLLMOptions, seed: int):
+    """vLLM's offline engine (imported here: only GPU machines have it)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # workers must not fork a CUDA parent
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    return vllm.LLM(**options.llm_kwargs(model_path, seed))
+
+
+def _sampling_params(**options):
+    from vllm import SamplingParams
+
+    return SamplingParams(**options)
+
+
+def load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    from rldsl.models.hf import HFTokenizer
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(model_path, local_files_only=True))
+
+
+class _VLLMEngine:
+    """What generation and logprob engines share: the LLM, weight sync, sleep."""
+
+    def __init__(self, llm, tokenizer, options: VLLMOptions, make_sampling_params=None):
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.options = options
+        self._make_sampling_params = make_sampling_params or _sampling_params
+        self._sync = WeightSync()
+        self._asleep = False
+
+    @property
+    def version(self) -> int:
+        return self._sync.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._sync.version = value
+
+    def update_weights(self, bucket: Mapping[str, Any], version: int, last: bool) -> None:
+        if self._asleep:
+            raise RuntimeError("update_weights on a sleeping vLLM engine; wake it first")
+        self._sync.check_accepts(version)
+        self.llm.collective_rpc(STAGE_WEIGHTS_RPC, args=(pack_bucket(bucket_items(bucket)),))
+        if last:
+            self.llm.collective_rpc(APPLY_WEIGHTS_RPC)
+            self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        self._sync.receive(version, last)
+
+    def sleep(self) -> None:
+        if self.options.sleep and not self._asleep:
+            self.llm.sleep(level=self.options.sleep_level)
+            self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def _require_ready(self) -> None:
+        if self._asleep:
+            raise RuntimeError("the vLLM engine is asleep; call wake() first")
+        self._sync.require_consistent()
+
+
+class VLLMGenerator(_VLLMEngine):
+    """``protocols.GenerationEngine`` over vLLM."""
+
+    def __init__(self, llm, tokenizer, options: VLLMOptions = VLLMOptions(), *, max_new_tokens: int = 64,
+                 temperature: float = 1.0, top_p: float = 1.0, make_sampling_params=None):
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        super().__init__(llm, tokenizer, options, make_sampling_params)
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+
+    @classmethod
+    def from_path(cls, model_path: str, options: VLLMOptions = VLLMOptions(), seed: int = 0, **sampling):
+        return cls(create_llm(model_path, options, seed), load_tokenizer(model_path), options, **sampling)
+
+    def generate(self, prompts: list[Prompt], samples_per_prompt: int, seed: int) -> Batch:
+        """Rows prompt-major; each prompt's samples are seeded from ``seed``."""
+        self._require_ready()
+        ids = prompt_token_ids(self.tokenizer, prompts)
+        params = [self._make_sampling_params(**sampling_options(
+            samples_per_prompt, self.max_new_tokens, self.temperature, self.top_p, request_seed))
+            for request_seed in request_seeds(seed, len(ids))]
+        outputs = self.llm.generate([{"prompt_token_ids": row} for row in ids], params, use_tqdm=False)
+        return batch_from_outputs(ids, outputs, samples_per_prompt, self.version)
+
+    def generate_greedy(self, prompts: list[Prompt]) -> list[str]:
+        """One argmax response per prompt, for evaluation."""
+        self._require_ready()
+        ids = prompt_token_ids(self.tokenizer, prompts)
+        params = self._make_sampling_params(**sampling_options(1, self.max_new_tokens, 0.0, 1.0, None))
+        outputs = self.llm.generate([{"prompt_token_ids": row} for row in ids], params, use_tqdm=False)
+        return decode_responses(self.tokenizer, batch_from_outputs(ids, outputs, 1, self.version))
+
+    def decode(self, batch: Batch) -> list[str]:
+        return decode_responses(self.tokenizer, batch)
+
+
+# -- log-probabilities of given responses ------------------------------------------------
+
+
+def scoring_rows(batch: Batch) -> tuple[list[list[int]], list[int], list[int]]:
+    """Per row: real prompt + real response tokens, the prompt length and the
+    response length (the response mask is a prefix of the row)."""
+    prompt_ids, prompt_mask = left_align(batch[FIELD_PROMPT_IDS], batch[FIELD_PROMPT_MASK])
+    rows, prompt_lengths, response_lengths = [], [], []
+    for ids, mask, response, response_mask in zip(prompt_ids, prompt_mask, batch[FIELD_RESPONSE_IDS],
+                                                  batch[FIELD_RESPONSE_MASK]):
+        prompt = ids[mask.bool()].tolist()
+        length = int(response_mask.sum())
+        rows.append(prompt + response[:length].tolist())
+        prompt_lengths.append(len(prompt))
+        response_lengths.append(length)
+    return rows, prompt_lengths, response_lengths
+
+
+def logprobs_from_prompt_logprobs(rows: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+                                  response_lengths: Sequence[int], outputs: Iterable[Any],
+                                  width: int) -> torch.Tensor:
+    """vLLM ``prompt_logprobs`` (one dict per prompt position, None first) ->
+    float32 [n, width] log-probabilities of the response tokens, 0 elsewhere."""
+    result = torch.zeros(len(rows), width, dtype=torch.float32)
+    for row, (tokens, start, length, output) in enumerate(zip(rows, prompt_lengths, response_lengths, outputs)):
+        per_position = output.prompt_logprobs
+        for j in range(length):
+            result[row, j] = per_position[start + j][tokens[start + j]].logprob
+    return result
+
+
+class VLLMLogprob(_VLLMEngine):
+    """``protocols.LogprobEngine`` over vLLM: each row is scored as a prompt
+    (``prompt_logprobs``) with one throwaway generated token."""
+
+    @classmethod
+    def from_path(cls, model_path: str, options: VLLMOptions = VLLMOptions(), seed: int = 0):
+        return cls(create_llm(model_path, options, seed), load_tokenizer(model_path), options)
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        self._require_ready()
+        rows, starts, lengths = scoring_rows(batch)
+        params = self._make_sampling_params(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": row} for row in rows], params, use_tqdm=False)
+        return logprobs_from_prompt_logprobs(rows, starts, lengths, outputs, batch[FIELD_RESPONSE_IDS].shape[1])

@@ -1,0 +1,193 @@
+"""Lowering a plan onto Ray: start or join a cluster (placement.py reserves its resources).
+
+Resource accounting is logical. Ray's CPU count is only a scheduling budget,
+so we give Ray at least ``DEFAULT_LOGICAL_CPUS`` of them whatever the machine
+has: TransferQueue's controller and storage units each claim a whole CPU, and
+on a 2-CPU Ray ``tq.init`` would wait forever. Our own actors ask for
+``ACTOR_NUM_CPUS`` (a fraction) for the same reason. GPUs may be logical
+too: a CPU machine can start Ray with ``num_gpus=2`` for tests.
+
+Every failure here is meant to be read by a person: which address could not
+be reached and what to check; which resource a placement group lacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LOGICAL_CPUS = 8
+ACTOR_NUM_CPUS = 0.25  # what our engine and controller actors request
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+
+
+class ClusterError(RuntimeError):
+    """Ray could not be started or reached, or resources cannot be reserved."""
+
+
+def transferqueue_cpus(storage_units: int = 1) -> int:
+    """Whole logical CPUs TransferQueue claims: its controller + storage units."""
+    return 1 + storage_units
+
+
+def logical_cpus_needed(actor_cpus: float = 0.0, storage_units: int = 1) -> int:
+    """Logical CPUs for a local Ray: our actors' fractional requests plus
+    TransferQueue's, never fewer than ``DEFAULT_LOGICAL_CPUS``."""
+    return max(DEFAULT_LOGICAL_CPUS, math.ceil(actor_cpus + transferqueue_cpus(storage_units)))
+
+
+# ------------------------------------------------------------------ sessions
+
+
+@dataclass
+class RaySession:
+    """The Ray this process uses. ``started_here`` is true only when we
+    launched a local instance; ``shutdown`` stops it then, and otherwise only
+    disconnects (it never stops a cluster someone else started)."""
+
+    address: str
+    namespace: str
+    started_here: bool
+    connected_here: bool
+    _cleanups: list[Callable[[], Any]] = field(default_factory=list, repr=False)
+
+    def add_cleanup(self, cleanup: Callable[[], Any]) -> None:
+        """Run ``cleanup`` before Ray goes down (e.g. ``data_plane.close``);
+        cleanups run last-added first."""
+        self._cleanups.append(cleanup)
+
+    def shutdown(self) -> None:
+        import ray
+
+        while self._cleanups:
+            cleanup = self._cleanups.pop()
+            try:
+                cleanup()
+            except Exception:  # one failing cleanup must not keep Ray running
+                log.exception("cleanup %r failed during Ray shutdown", cleanup)
+        if self.connected_here and ray.is_initialized():
+            ray.shutdown()
+        self.connected_here = False
+
+
+def start_ray(
+    address: str | None = None,
+    num_cpus: int | None = None,
+    num_gpus: int = 0,
+    namespace: str = "rldsl",
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+) -> RaySession:
+    """Start a local Ray (``address`` None or "local") or join the cluster at
+    ``address`` ("host:port", "ray://host:port" or "auto").
+
+    Locally: ``num_cpus`` logical CPUs (default ``logical_cpus_needed()``),
+    ``num_gpus`` logical GPUs, no dashboard, worker logs not forwarded,
+    token auth off unless RAY_AUTH_MODE says otherwise. When joining, the
+    cluster's own resources apply and ``num_cpus``/``num_gpus`` are ignored.
+    The address is probed over TCP first, so an unreachable one fails within
+    ``connect_timeout_s`` (Ray alone retries for about two minutes, then exits
+    the process); a port that accepts TCP but is no Ray GCS fails in Ray's
+    own check after ~20 s, also as a ``ClusterError``. If Ray is already
+    initialised in this process, that session is reused and left running.
+    """
+    import ray
+
+    from rldsl.runtime.dataplane import transferqueue_env
+    from rldsl.runtime.ray_lowering.workers import WORKER_SETUP_ENV
+
+    if ray.is_initialized():
+        context = ray.get_runtime_context()
+        return RaySession(context.gcs_address, context.namespace, False, False)
+    env = transferqueue_env()  # worker processes inherit it (see dataplane)
+    if os.environ.get(WORKER_SETUP_ENV):
+        env[WORKER_SETUP_ENV] = os.environ[WORKER_SETUP_ENV]
+    if address in (None, "", "local"):
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        for name, value in env.items():
+            os.environ.setdefault(name, value)
+        cpus = logical_cpus_needed() if num_cpus is None else num_cpus
+        try:
+            ray.init(
+                address="local",  # never RAY_ADDRESS: a local start was asked for
+                num_cpus=cpus,
+                num_gpus=num_gpus,
+                namespace=namespace,
+                include_dashboard=False,
+                log_to_driver=False,
+            )
+        except BaseException:  # e.g. Ctrl-C half-way: do not leave a half-started Ray behind
+            ray.shutdown()
+            raise
+        return RaySession(ray.get_runtime_context().gcs_address, namespace, True, True)
+    _probe_address(_resolve_address(address), address, connect_timeout_s)
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False, runtime_env={"env_vars": env})
+    except (ConnectionError, RuntimeError, SystemExit) as error:  # Ray exits the process if GCS never answers
+        raise ClusterError(f"could not join the Ray cluster at {address!r}: {error}. {_ADDRESS_HINT}") from None
+    return RaySession(address, namespace, False, True)
+
+
+@contextlib.contextmanager
+def ray_session(
+    address: str | None = None,
+    num_cpus: int | None = None,
+    num_gpus: int = 0,
+    namespace: str = "rldsl",
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+) -> Iterator[RaySession]:
+    """``start_ray`` as a context manager: on success, error or Ctrl-C it runs
+    the session's cleanups and stops the Ray it started (or disconnects)."""
+    session = start_ray(address, num_cpus, num_gpus, namespace, connect_timeout_s)
+    try:
+        yield session
+    finally:
+        session.shutdown()
+
+
+_ADDRESS_HINT = (
+    "Check that `ray start --head` runs on that host, that the port is the GCS port "
+    "(6379 by default; not the dashboard's 8265, and 10001 only with ray://), and that no "
+    "firewall blocks it. Pass no address to start a local Ray instead."
+)
+
+
+def _resolve_address(address: str) -> str:
+    """host:port to probe; "auto" is looked up the way Ray does (RAY_ADDRESS,
+    then the cluster last started by `ray start` on this machine)."""
+    if address != "auto":
+        return address.removeprefix("ray://")
+    from ray._private.services import (
+        canonicalize_bootstrap_address,  # private; checked on Ray 2.60
+    )
+
+    try:
+        resolved = canonicalize_bootstrap_address("auto")
+    except ConnectionError:
+        resolved = None
+    if not resolved:
+        raise ClusterError(
+            "address='auto' found no running Ray cluster on this machine (RAY_ADDRESS is unset "
+            "and no `ray start` cluster is recorded). Start one with `ray start --head` or pass no address."
+        )
+    return resolved
+
+
+def _probe_address(host_port: str, address: str, timeout_s: float) -> None:
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        raise ClusterError(f"Ray address {address!r} is not host:port (e.g. 10.0.0.1:6379 or ray://10.0.0.1:10001)")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as error:
+        raise ClusterError(
+            f"cannot reach the Ray cluster at {address!r} ({host}:{port}) within {timeout_s:g} s: {error}. "
+            f"{_ADDRESS_HINT}"
+        ) from None

@@ -1,0 +1,109 @@
+"""The single controller as a CPU-only Ray actor.
+
+It owns the control plane's pumps (rldsl.runtime.control), answers progress
+queries from the driver while they run (an async actor serves both), and
+writes the controller's half of each checkpoint (checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from rldsl.plan import PipelinePlan
+from rldsl.runtime.control.prompts import prompt_stream
+from rldsl.runtime.control.settings import RunSettings
+
+
+class ControllerActor:
+    def __init__(self, settings: RunSettings, pipe: PipelinePlan, workers: dict, receivers: list,
+                 dataplane_spec: dict, checkpoint: dict | None = None, resume: dict | None = None,
+                 observers: list | None = None):
+        from rldsl.runtime.dataplane import connect_dataplane
+        from rldsl.runtime.ray_lowering.checkpoint import expand_indices
+        from rldsl.runtime.ray_lowering.stage_handles import ray_stage_handles
+
+        self.settings, self.pipe = settings, pipe
+        kinds = {s.name: s.kind for s in pipe.stages}
+        train = pipe.stage(pipe.batch.train_stage)
+        replicas = {s.name: _replicas(s) for s in pipe.stages if s.kind in ("train", "logprob")}
+        sleepers = [a for s in pipe.stages if s.kind == "generate" and train.name in s.colocated_with
+                    for a in workers[s.name]]
+        self.handles = ray_stage_handles(workers, kinds, receivers, settings.sync_bucket_bytes, train.name,
+                                         replicas, sleepers, observers)
+        self.dataplane = connect_dataplane(dataplane_spec)
+        self.checkpoint = checkpoint or {}
+        resume = resume or {}
+        self.step_offset = resume.get("steps_done", 0)
+        below, above = expand_indices(resume.get("trained_prompts", {"below": 0, "above": []}))
+        self.trained_before = (below, frozenset(above))
+        self.steps: list[dict] = []
+        self.last_version = -1
+        self.controller = None
+        self.stop_requested = False
+
+    async def run(self) -> dict:
+        from rldsl.runtime.control.controller import Controller
+
+        prompts = prompt_stream(self.pipe, self.settings.seed, *self.trained_before)
+        self.controller = Controller(self.settings, self.handles, self.dataplane, prompts, on_step=self._on_step)
+        if self.stop_requested:
+            self.controller.request_stop()
+        summary = await self.controller.run()
+        summary["steps"] += self.step_offset
+        return summary
+
+    def request_stop(self) -> None:
+        """Ctrl-C: finish the trainer call in flight, abort an open step, return."""
+        self.stop_requested = True
+        if self.controller is not None:
+            self.controller.request_stop()
+
+    def _on_step(self, record: dict) -> None:
+        record = {**record, "step": record["step"] + self.step_offset, "time": time.time()}
+        self.steps.append(record)
+        self.last_version = record["version"]
+        every = self.checkpoint.get("every")
+        if every and record["version"] % every == 0:
+            self._write_progress(record["version"], record["step"])
+
+    def _trained_prompts(self) -> dict:
+        from rldsl.runtime.dataplane import parse_sample_key
+        from rldsl.runtime.ray_lowering.checkpoint import compress_indices
+
+        below, above = self.trained_before
+        trained = set(range(below)) | set(above)
+        trained |= {parse_sample_key(key)[1] for key in self.controller.state.ledger.trained_keys()}
+        return compress_indices(trained)
+
+    def _write_progress(self, version: int, step: int) -> None:
+        from rldsl.runtime.ray_lowering.checkpoint import PROGRESS_FILE, checkpoint_dir, write_json_atomically
+
+        path = checkpoint_dir(Path(self.checkpoint["run_dir"]), version) / PROGRESS_FILE
+        write_json_atomically(path, {"version": version, "steps_done": step,
+                                     "trained_prompts": self._trained_prompts()})
+
+    async def save_progress(self, version: int, timeout_s: float = 30.0) -> bool:
+        """The controller's half of an on-demand checkpoint at ``version``:
+        waits until that step's samples are recorded as trained."""
+        deadline = time.monotonic() + timeout_s
+        while self.last_version < version and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.last_version != version or self.controller is None:
+            return False
+        self._write_progress(version, self.steps[-1]["step"])
+        return True
+
+    async def progress(self, since: int) -> dict:
+        """Step records after ``since``, and what each pump is doing now."""
+        waits = self.controller.describe_waits() if self.controller else "starting"
+        return {"steps": self.steps[since:], "waits": waits}
+
+
+def _replicas(stage) -> list[list[int]]:
+    """Rank indices per data-parallel replica: the ranks that see the same rows."""
+    groups: dict[int, list[int]] = {}
+    for rank in stage.ranks:
+        groups.setdefault(rank.dp_rank, []).append(rank.index)
+    return list(groups.values())

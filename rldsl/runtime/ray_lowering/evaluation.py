@@ -1,0 +1,120 @@
+"""Held-out evaluation on a weight receiver of its own.
+
+The evaluator is one more receiver of the trainer's weight pushes. It keeps
+the newest complete version it was sent and, when asked, loads it into a
+torch copy of the policy and decodes the held-out prompts greedily. So
+evaluation
+- works the same whatever the trainer engine (torch or megatron: both push
+  weights named as the policy's own modules),
+- never holds up the trainer or a generator (it runs in its own process,
+  beside training), and
+- scores exactly the weights the generators received.
+
+The copy lives in host memory: for a policy too large to decode on a CPU
+in reasonable time, ``eval_size = 0`` on the dataset turns evaluation off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from rldsl.plan import PipelinePlan
+
+_NICENESS = 10
+
+
+def held_out_prompts(pipe: PipelinePlan) -> list:
+    from rldsl.runtime.control.prompts import dataset_options
+    from rldsl.tasks import load_dataset
+
+    rows = load_dataset(pipe.datasets[0].source, "eval", **dataset_options(pipe, pipe.run.seed))
+    return rows[:pipe.eval_size]
+
+
+class Evaluator:
+    """A weight receiver that answers ``evaluate`` requests. Run it as a
+    threaded Ray actor (``max_concurrency`` above the evaluations that can be
+    waiting at once) so pushes land while evaluations wait or decode."""
+
+    def __init__(self, pipe: PipelinePlan, background: bool = True):
+        from rldsl.runtime.engines.factory import load_policy
+        from rldsl.runtime.engines.torch.generate import TorchGenerator
+        from rldsl.runtime.ray_lowering.workers import setup_worker_process
+
+        setup_worker_process()
+        if background:  # on a busy machine the stages get the CPU first
+            os.nice(_NICENESS)
+        train = pipe.stage(pipe.batch.train_stage)
+        generate = next(s for s in pipe.stages if s.kind == "generate")
+        model = next(m for m in pipe.models if m.name == train.model)
+        self.decoder = TorchGenerator(load_policy(model, pipe, pipe.run.seed),
+                                      max_new_tokens=generate.settings["max_new_tokens"])
+        self.prompts = held_out_prompts(pipe)
+        self._lock = threading.Lock()  # guards the two fields below
+        self._incoming: tuple[int, dict] | None = None  # a push in progress
+        self._latest: tuple[int, dict] | None = None  # the newest complete push
+        self._evaluating = threading.Lock()  # one evaluation at a time
+
+    def ready(self) -> bool:
+        return True
+
+    def update_weights(self, bucket: dict, version: int, last: bool) -> None:
+        with self._lock:
+            if self._incoming is None or self._incoming[0] != version:
+                self._incoming = (version, {})
+            self._incoming[1].update(bucket)
+            if last:
+                self._latest, self._incoming = self._incoming, None
+
+    def version(self) -> int:
+        with self._lock:
+            return self._latest[0] if self._latest else self.decoder.version
+
+    def evaluate(self, min_version: int = 0, timeout_s: float = 600.0) -> dict:
+        """Greedy exact-match accuracy of the newest weights, once a version
+        of at least ``min_version`` has arrived (or ``timeout_s`` passed)."""
+        from rldsl.runtime.engines.torch.warmstart import greedy_accuracy
+
+        deadline = time.monotonic() + timeout_s
+        while self.version() < min_version and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._evaluating:
+            with self._lock:
+                latest, self._latest = self._latest, None
+            if latest is not None:
+                self.decoder.update_weights(latest[1], latest[0], last=True)
+            accuracy = greedy_accuracy(self.decoder.model, self.prompts, self.decoder.max_new_tokens)
+        return {"accuracy": accuracy, "version": self.decoder.version, "prompts": len(self.prompts)}
+
+
+class EvaluationSchedule:
+    """The driver's side: which steps to evaluate, the requests in flight
+    (answered in order) and the results so far."""
+
+    def __init__(self, actor, every: int, total_steps: int, previous: list[dict] | None = None):
+        self.actor, self.every, self.total_steps = actor, every, total_steps
+        self.pending: list[tuple[int, object]] = []  # (step, ObjectRef)
+        self.done: list[dict] = list(previous or [])
+
+    def due(self, step: int) -> bool:
+        """Every ``eval_every`` steps; the first and the last are asked for separately."""
+        return bool(self.every) and step % self.every == 0 and step < self.total_steps
+
+    def request(self, step: int, version: int) -> None:
+        self.pending.append((step, self.actor.evaluate.remote(min_version=version)))
+
+    def collect(self, wait: bool = False) -> list[dict]:
+        """Results that are in (all of them with ``wait``), oldest first."""
+        import ray
+
+        finished = []
+        while self.pending:
+            step, ref = self.pending[0]
+            if not wait and not ray.wait([ref], timeout=0)[0]:
+                break
+            self.pending.pop(0)
+            finished.append({"step": step, **ray.get(ref)})
+        self.done += finished
+        return finished

@@ -1,0 +1,111 @@
+"""`rldsl run`: lower an ExecutionPlan onto Ray and drive it to the end.
+
+Placement groups with one bundle per planned GPU (one group per node, so a
+node's ranks land together), one actor per stage rank, the controller actor,
+then a driver loop that shows live progress, evaluates, and writes the run
+directory: run.json, metrics.jsonl, summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from rldsl.plan import ExecutionPlan, PipelinePlan
+from rldsl.runtime.control.settings import settings_from_plan
+
+EXIT_OK, EXIT_USAGE, EXIT_FAILED = 0, 2, 3
+
+
+class PreflightError(RuntimeError):
+    """The plan cannot run on this machine; said before anything starts."""
+
+
+def preflight(pipe: PipelinePlan) -> None:
+    """What would otherwise fail inside an actor, checked up front: GPU
+    engines need their libraries and a GPU, reward functions must import,
+    local model and dataset paths must exist."""
+    import importlib.util
+
+    from rldsl.rewards import RewardLoadError, load_reward
+
+    for stage in pipe.stages:
+        engine = stage.engine.name if stage.engine else None
+        if engine in ("vllm", "megatron"):
+            module = "vllm" if engine == "vllm" else "megatron.core"
+            if importlib.util.find_spec(module.split(".")[0]) is None or not _has_cuda():
+                raise PreflightError(
+                    f"stage `{stage.name}` uses engine `{engine}`, which needs a CUDA GPU and {module}; "
+                    "this machine has " + ("no CUDA GPU" if not _has_cuda() else f"no {module}")
+                    + ". Install the GPU extras (pip install 'rldsl[run,gpu]', docs/engines.md) on a GPU machine, "
+                    "or use `engine = torch` / `sim(...)` here")
+        if stage.kind == "reward":
+            try:
+                load_reward(stage.settings["fn"])
+            except RewardLoadError as err:
+                raise PreflightError(f"stage `{stage.name}`: {err}") from None
+    for model in pipe.models:
+        path = model.source.removeprefix("hf:")
+        if model.source.startswith("hf:") and not Path(path).is_dir():
+            raise PreflightError(f"model `{model.name}`: {path} is not a directory; `hf:` takes a local Hugging "
+                                 "Face model directory (config.json, weights, tokenizer); nothing is downloaded")
+    for dataset in pipe.datasets:
+        path = dataset.source.removeprefix("jsonl:")
+        if dataset.source.startswith("jsonl:") and "{split}" not in path and not Path(path).exists():
+            raise PreflightError(f"dataset `{dataset.name}`: no such file {path}")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def run_plan(plan: ExecutionPlan, args) -> int:
+    from rldsl.runtime.control.controller import PipelineStalled, StepFailed
+    from rldsl.runtime.ray_lowering.cluster import ClusterError
+
+    started = time.monotonic()
+    resume = bool(getattr(args, "resume", None))
+    settings = {pipe.name: settings_from_plan(pipe, args.steps) for pipe in plan.pipelines}
+    try:
+        for pipe in plan.pipelines:
+            preflight(pipe)
+    except PreflightError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    shared = plan.gpus_shared_across_pipelines()
+    if shared and (args.address or _has_cuda()):
+        (node, gpu), names = next(iter(shared.items()))
+        print(f"error: pipelines {' and '.join(names)} share GPU {gpu} of node {node}: on real GPUs pipelines that "
+              "share a GPU must take turns, which needs a cross-pipeline scheduler `rldsl run` does not have yet",
+              file=sys.stderr)
+        print("  = help: give each pipeline GPUs of its own, or run each pipeline from a file of its own "
+              "(`check` and `plan` cover the shared cluster)", file=sys.stderr)
+        return EXIT_USAGE
+    name = plan.pipelines[0].name if len(plan.pipelines) == 1 else Path(plan.source_file or "pipelines").stem
+    run_dir = Path(args.resume or args.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        (run_dir / "plan.json").write_text(plan.to_json() + "\n")
+        (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file,
+                                                       "pipelines": [p.name for p in plan.pipelines]}) + "\n")
+    from rldsl.runtime.ray_lowering.driver import Driver, ResumeError, StageStartError
+
+    try:
+        return Driver(plan, settings, run_dir, address=args.address, resume=resume, started=started).run()
+    except (ClusterError, ResumeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except (PipelineStalled, StepFailed) as err:
+        original = getattr(err, "cause", None) or err  # Ray wraps the controller's error with its remote traceback
+        print(f"error: the run stopped: {original}", file=sys.stderr)
+        print(f"  = note: metrics so far are in {run_dir}", file=sys.stderr)
+        return EXIT_FAILED
+    except StageStartError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED

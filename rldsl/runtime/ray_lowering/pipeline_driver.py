@@ -1,0 +1,281 @@
+"""One pipeline of `rldsl run`, in phases the driver (driver.py) calls for
+every pipeline of the plan: its actors up, resumed, driven by its controller
+actor, followed, evaluated, and its run directory written."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from rldsl.plan import PipelinePlan
+from rldsl.runtime.control.settings import RunSettings
+from rldsl.runtime.ray_lowering.progress import Progress
+
+ACTOR_CPUS = 0.25  # logical: TransferQueue and our actors must never starve each other on a small Ray
+
+
+class ResumeError(RuntimeError):
+    pass
+
+
+class StageStartError(RuntimeError):
+    pass
+
+
+class PipelineDriver:
+    def __init__(self, pipe: PipelinePlan, settings: RunSettings, run_dir: Path, resume: bool = False,
+                 started: float | None = None, prefix: str = ""):
+        self.pipe, self.settings = pipe, settings
+        self.prefix = prefix  # "name/" for actor names and messages when several pipelines share the run
+        self.started = started if started is not None else time.monotonic()  # the whole run, start-up included
+        self.run_dir = run_dir.resolve()  # actors write checkpoints here, whatever their working directory
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # RUN_DIR/<pipeline> when several share the run
+        self.trainer_engine = pipe.stage(pipe.batch.train_stage).engine.name
+        self.previous_evals: list[dict] = _previous_evals(self.run_dir) if resume else []
+        self.evaluations = None  # EvaluationSchedule once the evaluator runs
+        self.resume = _resume_point(self.run_dir) if resume else None
+        self.checkpoint = {"run_dir": str(self.run_dir), "every": pipe.run.checkpoint_every}
+        self.handles: dict[str, list] = {}
+        self.controller = self.result_ref = self.progress = None
+        self._seen = 0
+
+    def actor_count(self) -> int:
+        return sum(len(s.ranks) for s in self.pipe.stages) + 1 + self.pipe.evaluates  # + controller, evaluator
+
+    def say(self, text: str) -> None:
+        print(f"{self.prefix}{text}" if self.prefix else text, file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------ start-up
+
+    def prepare_models(self) -> None:
+        """Build the warm start (cached) once here rather than in every actor."""
+        model = next(m for m in self.pipe.models if m.name == self.pipe.stage(self.pipe.batch.train_stage).model)
+        if self.trainer_engine != "torch" or not model.source.startswith("builtin:"):
+            return  # local models load in the actors; their errors are reported per stage
+        from rldsl.runtime.engines.factory import load_policy
+
+        started = time.monotonic()
+        self.say(f"loading {model.source} (the first run builds a cached warm start)")
+        load_policy(model, self.pipe, self.pipe.run.seed)
+        self.say(f"model ready in {time.monotonic() - started:.1f}s")
+
+    def create_actors(self, spec: dict, groups: dict[tuple[int, int], tuple]) -> None:
+        """One actor per stage rank, in its GPU bundle (``groups``: (node, gpu)
+        -> (placement group, bundle)), and the evaluator; not yet waited for."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rldsl.runtime.ray_lowering import workers as w
+
+        classes = {"generate": w.GeneratorWorker, "reward": w.RewardWorker, "logprob": w.LogprobWorker,
+                   "train": w.TrainerWorker}
+        for stage in self.pipe.stages:
+            if stage.kind == "sync":
+                continue
+            actor_class = ray.remote(classes[stage.kind])
+            dist = _dist_info()  # each stage is its own process group (trainer, megatron logprob)
+            self.handles[stage.name] = []
+            for rank in stage.ranks:
+                options = {"num_cpus": ACTOR_CPUS, "name": f"{self.prefix}{stage.name}-{rank.index}"}
+                if rank.gpus:  # colocated ranks share a GPU bundle; their CPU is not reserved in it
+                    pg, bundle = groups[(rank.node, rank.gpus[0])]
+                    options["num_cpus"] = 0
+                    options["num_gpus"] = rank.gpu_fraction * len(rank.gpus)
+                    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, bundle)
+                args = [self.pipe, stage, rank.index, spec]
+                if stage.kind in ("train", "logprob"):
+                    args.append({**dist, "rank": rank.index, "world_size": len(stage.ranks)})
+                if stage.kind == "train":
+                    args.append(self.checkpoint)
+                self.handles[stage.name].append(actor_class.options(**options).remote(*args))
+        self._create_evaluator()
+
+    def _create_evaluator(self) -> None:
+        """The held-out evaluator: one more weight receiver, on the CPU."""
+        import ray
+
+        from rldsl.runtime.ray_lowering.evaluation import EvaluationSchedule, Evaluator
+
+        if not self.pipe.evaluates:
+            return
+        # threads to spare: evaluations waiting for a version must never starve the push that brings it
+        actor = ray.remote(Evaluator).options(num_cpus=ACTOR_CPUS, max_concurrency=4,
+                                              name=f"{self.prefix}evaluator")
+        self.evaluations = EvaluationSchedule(actor.remote(self.pipe), self.pipe.run.eval_every, self.settings.steps,
+                                              self.previous_evals)
+
+    def ready_calls(self) -> dict:
+        """``ready`` calls of every actor -> the stage it belongs to."""
+        calls = {a.ready.remote(): f"{self.prefix}{name}" for name, actors in self.handles.items() for a in actors}
+        if self.evaluations:
+            calls[self.evaluations.actor.ready.remote()] = f"{self.prefix}evaluator"
+        return calls
+
+    def restore(self) -> None:
+        """Resuming: trainer ranks reload the checkpoint; its weights go to every receiver."""
+        import ray
+
+        if not self.resume:
+            return
+        trainers = self.handles[self.pipe.batch.train_stage]
+        try:
+            version = ray.get([t.load_checkpoint.remote(str(self.resume["dir"])) for t in trainers])[0]
+        except ray.exceptions.RayError as err:  # e.g. a checkpoint of another layout: say so, no remote traceback
+            raise ResumeError(f"{self.prefix}could not restore the trainer from {self.resume['dir']}: "
+                              f"{root_cause(err)}") from None
+        count = ray.get([t.prepare_buckets.remote(self.settings.sync_bucket_bytes) for t in trainers])[0]
+        for index in range(count):
+            bucket = trainers[0].bucket.remote(index)
+            ray.get([r.update_weights.remote(bucket, version, index == count - 1)
+                     for r in self._receivers() + self._observers()])
+        self.say(f"resumed from {self.resume['dir'].name}: version {version}, {self.resume['steps_done']} steps done")
+
+    def offload_for_generation(self) -> None:
+        """Colocated: generation comes first, so an offloading trainer starts offloaded."""
+        import ray
+
+        if self.settings.colocated:
+            ray.get([t.sleep.remote() for t in self.handles[self.pipe.batch.train_stage]])
+
+    # ---------------------------------------------------------------- drive
+
+    def begin(self, dataplane_spec: dict, live: bool = True) -> bool:
+        """Start the controller; False when the resumed run has nothing left to do."""
+        import ray
+
+        from rldsl.runtime.ray_lowering.controller_actor import ControllerActor
+
+        done_before = self.resume["steps_done"] if self.resume else 0
+        settings = replace(self.settings, steps=self.settings.steps - done_before)
+        if settings.steps <= 0:
+            self.say(f"nothing to do: {done_before} of {self.settings.steps} steps are done")
+            return False
+        self.progress = Progress(self.settings, self.run_dir, prefix=self.prefix, live=live)
+        if self.evaluations and not self.resume:
+            self.evaluations.request(step=0, version=0)
+        self.controller = ray.remote(ControllerActor).options(
+            num_cpus=ACTOR_CPUS, name=f"{self.prefix}controller").remote(
+            settings, self.pipe, self.handles, self._receivers(), dataplane_spec, self.checkpoint,
+            self.resume_info(), self._observers())
+        self.result_ref = self.controller.run.remote()
+        return True
+
+    def poll(self) -> bool:
+        """Show what happened since the last poll; True once the controller is done."""
+        import ray
+
+        done, _ = ray.wait([self.result_ref], timeout=0)
+        report = ray.get(self.controller.progress.remote(self._seen))
+        for record in report["steps"]:
+            self._seen += 1
+            self.progress.step(record)
+            if self.evaluations and self.evaluations.due(record["step"]):
+                self.evaluations.request(record["step"], record["version"])
+        if self.evaluations:
+            self._show_evaluations()
+        self.progress.waits(report["waits"])
+        return bool(done)
+
+    def complete(self) -> int:
+        """The controller's summary (its error raised as PipelineStalled /
+        StepFailed), the final evaluation, summary.json and the final table."""
+        import ray
+
+        summary = ray.get(self.result_ref)
+        if self.evaluations:
+            self.evaluations.request(step=summary["steps"], version=summary["version"])
+            self._show_evaluations(wait=True)
+        evals = self.evaluations.done if self.evaluations else []
+        if evals:
+            summary["eval_start"] = evals[0]["accuracy"]
+            summary["eval_end"] = evals[-1]["accuracy"]
+            summary["evals"] = evals
+        summary["wall_clock_s"] = time.monotonic() - self.started
+        summary["train_loop_s"] = time.monotonic() - self.progress.started
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        self.progress.final_table(summary, self.run_dir)
+        return 0
+
+    def request_stop(self) -> None:
+        if self.controller is not None:
+            self.controller.request_stop.remote()
+
+    def checkpoint_on_interrupt(self, resume_command: str) -> None:
+        """After ``request_stop``: wait for the safe point, then save the
+        trainer (every rank) and the progress."""
+        import ray
+
+        try:
+            ray.get(self.result_ref)
+        except ray.exceptions.RayError as err:
+            self.say(f"interrupted; the run failed while stopping: {root_cause(err)}")
+            return
+        trainers = self.handles[self.pipe.batch.train_stage]
+        if not ray.get(trainers[0].can_checkpoint.remote()):
+            self.say(f"interrupted: the {self.trainer_engine} trainer keeps no checkpoints")
+            return
+        version = ray.get([t.save_checkpoint.remote() for t in trainers])[0]
+        if ray.get(self.controller.save_progress.remote(version)):
+            self.say(f"interrupted: checkpoint saved at version {version}; continue with `{resume_command}`")
+        else:
+            self.say("interrupted before a step finished in this run: nothing new to checkpoint")
+
+    def resume_info(self) -> dict | None:
+        return None if not self.resume else {k: v for k, v in self.resume.items() if k != "dir"}
+
+    def _receivers(self) -> list:
+        targets = {e.dst for e in self.pipe.edges if e.kind == "weights"}
+        return [a for name in sorted(targets) for a in self.handles[name]]
+
+    def _observers(self) -> list:
+        """Weight receivers outside the sync edges: the evaluator."""
+        return [self.evaluations.actor] if self.evaluations else []
+
+    def _show_evaluations(self, wait: bool = False) -> None:
+        for result in self.evaluations.collect(wait):
+            self.progress.eval(result["step"], result["accuracy"])
+            text = (f"eval @ step {result['step']}: held-out accuracy {result['accuracy']:.3f} "
+                    f"({result['prompts']} prompts, greedy, weights v{result['version']})")
+            if result["step"] == 0 or wait:
+                self.say(text)
+            else:
+                self.progress.note(text)
+
+
+def _dist_info() -> dict:
+    with socket.socket() as sock:  # a free port for the stage's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return {"master": f"127.0.0.1:{port}"}
+
+
+def _resume_point(run_dir: Path) -> dict:
+    from rldsl.runtime.ray_lowering.checkpoint import PROGRESS_FILE, latest_complete
+
+    found = latest_complete(run_dir)
+    if found is None:
+        raise ResumeError(f"{run_dir} has no complete checkpoint (checkpoints/v*/ with trainer.json and progress.json)")
+    progress = json.loads((found / PROGRESS_FILE).read_text())
+    return {"dir": found, **progress}
+
+
+def _previous_evals(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{"step": r["step"], "accuracy": r["accuracy"]} for r in records if r.get("eval")]
+
+
+def root_cause(err: BaseException) -> str:
+    """The innermost error's type and message, not Ray's remote traceback."""
+    cause = getattr(err, "cause", None) or err.__cause__
+    while cause is not None and (getattr(cause, "cause", None) or cause.__cause__) is not None:
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    cause = cause or err
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"

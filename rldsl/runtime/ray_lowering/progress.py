@@ -1,0 +1,157 @@
+"""Live progress of a run (rich on a terminal, a line per step otherwise),
+metrics as JSONL and TensorBoard events, and the final summary table."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rldsl.runtime.control.settings import RunSettings
+
+
+class Progress:
+    def __init__(self, settings: RunSettings, run_dir: Path, prefix: str = "", live: bool = True):
+        """``prefix`` starts every line (several pipelines in one run);
+        ``live=False`` keeps the line-per-step output on a terminal too."""
+        from rich.console import Console
+
+        self.settings, self.prefix, self.want_live = settings, prefix, live
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.tensorboard = _tensorboard(run_dir / "tensorboard")
+        self.console = Console(stderr=True)
+        if not self.console.is_terminal:  # logs: one unwrapped line per step
+            self.console = Console(stderr=True, width=400)
+        self.live = None
+        self.started = time.monotonic()
+        self.last: dict = {}
+        self.notes: list[str] = []
+        self.wait_text = ""
+
+    def __enter__(self) -> "Progress":
+        if self.console.is_terminal and self.want_live:
+            from rich.live import Live
+
+            self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live is not None:
+            self.live.update(self._render())
+            self.live.__exit__(*exc)
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
+
+    def _append(self, record: dict) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def eval(self, step: int, accuracy: float) -> None:
+        self._append({"eval": True, "step": step, "accuracy": accuracy})
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar("eval/accuracy", accuracy, step)
+            self.tensorboard.flush()
+
+    def step(self, record: dict) -> None:
+        self.last = record
+        self._append(record)
+        self._scalars(record)
+        if self.live is not None:
+            self.live.update(self._render())
+        else:
+            self.console.print(self.prefix + self._line(record), highlight=False)
+
+    def note(self, text: str) -> None:
+        if not text:
+            return
+        self.notes.append(text)
+        if self.live is None:
+            self.console.print(self.prefix + text, highlight=False)
+        else:
+            self.live.update(self._render())
+
+    def waits(self, text: str) -> None:
+        self.wait_text = text
+        if self.live is not None:
+            self.live.update(self._render())
+
+    def _line(self, r: dict) -> str:
+        reward = r.get("reward_mean")
+        reward_text = f" reward {reward:.3f}" if isinstance(reward, (int, float)) else ""
+        return (f"step {r['step']}/{self.settings.steps} v{r['version']} lag {_hist(r['lag_histogram'])} "
+                f"{r['samples_per_s']:.1f} samples/s{reward_text} busy {_busy(r['busy'])}")
+
+    def _render(self):
+        from rich.table import Table
+
+        table = Table(show_header=False, box=None, padding=(0, 1))
+        r = self.last
+        elapsed = time.monotonic() - self.started
+        table.add_row("step", f"{r.get('step', 0)}/{self.settings.steps}   version {r.get('version', 0)}   "
+                              f"{elapsed:.0f}s")
+        if r:
+            table.add_row("lag", _hist(r["lag_histogram"]) + f"   (max_lag {self.settings.max_lag})")
+            table.add_row("throughput", f"{r['samples_per_s']:.1f} samples/s")
+            reward = r.get("reward_mean")
+            if isinstance(reward, (int, float)):
+                table.add_row("reward", f"{reward:.3f}")
+            table.add_row("busy", _busy(r["busy"]))
+        for note in self.notes[-2:]:
+            table.add_row("eval", note)
+        if self.wait_text:
+            table.add_row("now", self.wait_text[:160])
+        return table
+
+    def final_table(self, summary: dict, run_dir: Path) -> None:
+        from rich.table import Table
+
+        table = Table(title=f"run {summary.get('pipeline', '')}", show_header=False)
+        ledger = summary["ledger"]
+        rows = [("steps", f"{summary['steps']}"), ("generated", f"{ledger['generated']}"),
+                ("trained", f"{ledger['trained']}"),
+                ("dropped", ", ".join(f"{k} {v}" for k, v in ledger["dropped"].items()) or "0"),
+                ("max lag", f"{summary['max_lag']}"), ("samples/s", f"{summary['samples_per_s']:.1f}"),
+                ("wall clock", f"{summary['wall_clock_s']:.0f}s (training loop {summary['train_loop_s']:.0f}s)")]
+        if "eval_start" in summary:
+            rows.append(("held-out accuracy", f"{summary['eval_start']:.3f} -> {summary['eval_end']:.3f} "
+                                              f"({summary['eval_end'] - summary['eval_start']:+.3f})"))
+        for name, value in rows:
+            table.add_row(name, value)
+        self.console.print(table)
+        self.console.print(f"{self.prefix}run directory: {run_dir}  (summary.json, metrics.jsonl)")
+
+
+    def _scalars(self, record: dict) -> None:
+        if self.tensorboard is None:
+            return
+        step = record["step"]
+        for name, value in record.get("trainer", {}).items():
+            if isinstance(value, (int, float)):
+                self.tensorboard.add_scalar(f"train/{name}", value, step)
+        for name in ("samples_per_s", "step_time_s", "reward_mean"):
+            if isinstance(record.get(name), (int, float)):
+                self.tensorboard.add_scalar(f"run/{name}", record[name], step)
+        lags = record["lag_histogram"]
+        total = sum(lags.values()) or 1
+        self.tensorboard.add_scalar("run/mean_lag", sum(int(k) * v for k, v in lags.items()) / total, step)
+
+
+def _tensorboard(path: Path):
+    """A TensorBoard writer, or None when tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(path))
+
+
+def _hist(histogram: dict) -> str:
+    return " ".join(f"{lag}:{n}" for lag, n in sorted(histogram.items(), key=lambda kv: int(kv[0]))) or "-"
+
+
+def _busy(busy: dict) -> str:
+    return " ".join(f"{name} {share:.0%}" for name, share in busy.items())
+
+
+

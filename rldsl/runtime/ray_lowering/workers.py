@@ -1,0 +1,273 @@
+"""Stage workers: one per rank of a stage, an engine plus its data-plane I/O.
+
+These are plain classes; the launcher turns them into Ray actors. A worker
+reads its input fields from the data plane by key and writes its output
+fields back (one hop); the controller only passes keys and metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+from rldsl.plan import PipelinePlan, StagePlan
+from rldsl.runtime import protocols as p
+
+# A worker process shares the machine with the others: one thread each keeps
+# generation and training truly concurrent on a small CPU.
+_THREADS = int(os.environ.get("RLDSL_TORCH_THREADS", "1"))
+WORKER_SETUP_ENV = "RLDSL_WORKER_SETUP"
+
+log = logging.getLogger(__name__)
+
+GENERATED_FIELDS = [p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK, p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK]
+ANSWER_IDS = "answer_ids"  # the reference answer, tokenised, for reward workers
+
+
+def setup_worker_process() -> None:
+    """Once per worker process: torch threads, then the optional
+    ``RLDSL_WORKER_SETUP=module:function`` hook (site patches, or the test
+    suite's megatron-on-CPU shim)."""
+    import importlib
+
+    import torch
+
+    torch.set_num_threads(_THREADS)
+    hook = os.environ.get(WORKER_SETUP_ENV)
+    if hook:
+        module, _, function = hook.partition(":")
+        try:
+            setup = getattr(importlib.import_module(module), function)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise RuntimeError(f"{WORKER_SETUP_ENV}={hook!r} names no importable module:function ({err})") from None
+        setup()
+
+
+class _Worker:
+    def __init__(self, pipe: PipelinePlan, stage: StagePlan, rank: int, dataplane_spec: dict):
+        from rldsl.runtime.dataplane import connect_dataplane
+
+        setup_worker_process()
+        self.pipe, self.stage, self.rank = pipe, stage, rank
+        self.partition = pipe.name
+        self.dataplane = connect_dataplane(dataplane_spec)
+
+    def ready(self) -> bool:
+        return True
+
+    def _get(self, keys: Sequence[str], fields: list[str]) -> dict:
+        return self.dataplane.get(list(keys), self.partition, fields)
+
+    def _put(self, keys: Sequence[str], fields: dict) -> None:
+        self.dataplane.put(list(keys), self.partition, fields)
+
+
+class GeneratorWorker(_Worker):
+    def __init__(self, pipe, stage, rank, dataplane_spec):
+        from rldsl.runtime.engines.factory import build_generator
+
+        super().__init__(pipe, stage, rank, dataplane_spec)
+        self.engine = build_generator(stage, pipe, seed=pipe.run.seed + 1000 * rank)
+
+    def generate(self, prompts: list[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int) -> int:
+        batch = self.engine.generate(prompts, samples_per_prompt, seed)
+        batch[ANSWER_IDS] = self._answers(prompts, samples_per_prompt)
+        self._put(keys, batch)
+        return int(batch[p.FIELD_VERSION][0]) if len(keys) else self.engine.version
+
+    def _answers(self, prompts, samples_per_prompt):
+        import torch
+
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        rows = [tokenizer.encode(pr.answer) if tokenizer else [0] for pr in prompts for _ in range(samples_per_prompt)]
+        width = max(1, max(len(r) for r in rows))
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+
+    def update_weights(self, bucket: dict, version: int, last: bool) -> None:
+        self.engine.update_weights(bucket, version, last)
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+
+class RewardWorker(_Worker):
+    """Scores responses with the stage's `module:function`. A reward that
+    raises or overruns its timeout drops that sample only (None)."""
+
+    def __init__(self, pipe, stage, rank, dataplane_spec):
+        from rldsl.rewards import load_reward
+
+        super().__init__(pipe, stage, rank, dataplane_spec)
+        self.fn = load_reward(stage.settings["fn"])
+        self.timeout = stage.settings.get("timeout")
+        self.tokenizer = _tokenizer_for(pipe)
+
+    def reward(self, keys: Sequence[str]) -> list[float | None]:
+        from rldsl.rewards import safe_reward
+
+        fields = self._get(keys, [p.FIELD_RESPONSE_IDS, p.FIELD_PROMPT_IDS, ANSWER_IDS])
+        values = []
+        for row in range(len(keys)):
+            response = self._decode(fields[p.FIELD_RESPONSE_IDS][row])
+            answer = self._decode(fields[ANSWER_IDS][row])
+            prompt = self._decode(fields[p.FIELD_PROMPT_IDS][row])
+            value, reason = safe_reward(self.fn, response, answer, prompt, self.timeout)
+            if reason:
+                log.warning("reward %s dropped %s: %s", self.stage.name, keys[row], reason)
+            values.append(value)  # None drops the sample as reward_failed
+        return values
+
+    def _decode(self, ids) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([int(i) for i in ids if int(i) != 0])
+
+
+def _tokenizer_for(pipe: PipelinePlan):
+    """The policy's tokenizer, loaded without the weights (None for sim)."""
+    gens = [s for s in pipe.stages if s.kind == "generate"]
+    if not gens or gens[0].engine.name == "sim":
+        return None
+    from rldsl.models import load_tokenizer
+
+    return load_tokenizer(next(m for m in pipe.models if m.name == gens[0].model).source)
+
+
+class LogprobWorker(_Worker):
+    """One rank of a logprob stage. The ranks of a model-parallel replica
+    (megatron tp > 1) form a process group, all compute every batch, and the
+    first tensor-parallel rank writes the result."""
+
+    def __init__(self, pipe, stage, rank, dataplane_spec, dist: dict | None = None):
+        from rldsl.runtime.engines.factory import build_logprob
+
+        super().__init__(pipe, stage, rank, dataplane_spec)
+        if dist and dist["world_size"] > 1 and stage.engine.name == "megatron":
+            _init_process_group(dist)  # megatron builds its tp / dp groups from the default group
+        self.engine = build_logprob(stage, pipe, seed=pipe.run.seed + 2000 + rank)
+        self.field = p.FIELD_REF_LOGPROBS if stage.settings.get("frozen") else p.FIELD_BEHAVIOUR_LOGPROBS
+        self.writes = stage.ranks[rank].tp_rank == 0
+
+    def logprob(self, keys: Sequence[str]) -> None:
+        logprobs = self.engine.logprobs(self._get(keys, GENERATED_FIELDS))
+        if self.writes:
+            self._put(keys, {self.field: logprobs})
+
+    def update_weights(self, bucket: dict, version: int, last: bool) -> None:
+        self.engine.update_weights(bucket, version, last)
+
+
+class TrainerWorker(_Worker):
+    """One data-parallel rank of the split-step trainer."""
+
+    def __init__(self, pipe, stage, rank, dataplane_spec, dist: dict | None = None,
+                 checkpoint: dict | None = None):
+        from rldsl.runtime.engines.factory import build_trainer
+
+        super().__init__(pipe, stage, rank, dataplane_spec)
+        self.checkpoint = checkpoint or {}  # {"run_dir": ..., "every": N}
+        group = _init_process_group(dist) if dist and dist["world_size"] > 1 else None
+        self.engine = build_trainer(stage, pipe, seed=pipe.run.seed, process_group=group)
+        self._buckets: list[dict] = []
+        self.needs = [p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK,
+                      p.FIELD_ADVANTAGE, p.FIELD_VERSION]
+        consumed = {f for e in pipe.edges if e.kind == "data" for f in e.fields}
+        self.needs += [f for f in (p.FIELD_BEHAVIOUR_LOGPROBS, p.FIELD_REF_LOGPROBS) if f in consumed]
+
+    def begin_train_step(self, step: int) -> None:
+        self.engine.begin_train_step(step)
+
+    def train_microbatch(self, step: int, keys: Sequence[str]) -> dict:
+        return self.engine.train_microbatch(step, self._get(keys, self.needs))
+
+    def finish_train_step(self, step: int) -> p.StepResult:
+        result = self.engine.finish_train_step(step)
+        every = self.checkpoint.get("every")
+        if every and result.version % every == 0 and self.can_checkpoint():
+            self.save_checkpoint()
+        return result
+
+    def abort_train_step(self, step: int) -> None:
+        self.engine.abort_train_step(step)
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def prepare_buckets(self, bucket_bytes: int) -> int:
+        """Snapshot the weights into buckets; returns how many."""
+        with self._awake():
+            self._buckets = [{k: v.detach().clone() for k, v in b.items()}
+                             for b in self.engine.weight_buckets(bucket_bytes)]
+        return len(self._buckets)
+
+    @contextlib.contextmanager
+    def _awake(self):
+        """A trainer offloaded for the generation phase comes back for a
+        weight export or a checkpoint, then goes back to sleep."""
+        asleep = getattr(self.engine, "asleep", False)
+        if asleep:
+            self.engine.wake()
+        try:
+            yield
+        finally:
+            if asleep:
+                self.engine.sleep()
+
+    def sleep(self) -> None:
+        """Colocated: offload for the generation phase (engines that can)."""
+        if hasattr(self.engine, "sleep"):
+            self.engine.sleep()
+
+    def wake(self) -> None:
+        if hasattr(self.engine, "wake"):
+            self.engine.wake()
+
+    def bucket(self, index: int) -> dict:
+        return self._buckets[index]
+
+    def can_checkpoint(self) -> bool:
+        return hasattr(self.engine, "save_checkpoint")
+
+    def save_checkpoint(self) -> int:
+        """The engine's state as of the last finished step. A collective:
+        every trainer rank calls it (in the same order as the step calls)."""
+        from rldsl.runtime.ray_lowering.checkpoint import (
+            TRAINER_DIR,
+            TRAINER_MARKER,
+            checkpoint_dir,
+            write_json_atomically,
+        )
+
+        version = self.engine.version
+        directory = checkpoint_dir(self.checkpoint["run_dir"], version)
+        with self._awake():
+            self.engine.save_checkpoint(directory / TRAINER_DIR)
+        if self.rank == 0:  # the engine returns once every rank's files are written
+            write_json_atomically(directory / TRAINER_MARKER, {"version": version, "engine": self.stage.engine.name,
+                                                               "ranks": len(self.stage.ranks)})
+        return version
+
+    def load_checkpoint(self, directory: str) -> int:
+        from rldsl.runtime.ray_lowering.checkpoint import TRAINER_DIR
+
+        return self.engine.load_checkpoint(Path(directory) / TRAINER_DIR)
+
+
+def _init_process_group(dist: dict):
+    import torch
+    import torch.distributed as torch_dist
+
+    # gloo for CPU tensors; NCCL for CUDA tensors when there is a GPU (megatron on GPUs)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    torch_dist.init_process_group(backend, init_method=f"tcp://{dist['master']}", rank=dist["rank"],
+                                  world_size=dist["world_size"])
+    return torch_dist.group.WORLD

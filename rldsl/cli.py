@@ -172,7 +172,7 @@ def cmd_report(args) -> int:
         from rldsl.report import write_report
     except ImportError as err:
         _missing_extras(err)
-    return write_report(Path(args.run_dir))
+    return write_report(Path(args.run_dir), html=args.html)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,10 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", metavar="DIR", help="where metrics, checkpoints and summary.json go")
     p.add_argument("--address", metavar="ADDR", help="an existing Ray cluster (default: start a local one)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a previous run from its last checkpoint")
+    p.add_argument("--dry-run", action="store_true",
+                   help="reserve the placement groups, report where every actor would start, exit")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("report", parents=[common], help="plot and summarise a finished run")
     p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--html", action="store_true", help="also write report.html: the same, interactive, self-contained")
     p.set_defaults(func=cmd_report)
     return parser
 

@@ -153,8 +153,18 @@ def test_an_actor_writes_fields_the_driver_reads(session, transferqueue):
 
 
 def test_a_worker_setup_hook_that_does_not_import_is_named(monkeypatch):
-    from rldsl.runtime.ray_lowering.workers import WORKER_SETUP_ENV, setup_worker_process
+    from rldsl.runtime.ray_lowering.actor_process import WORKER_SETUP_ENV, setup_worker_process
 
     monkeypatch.setenv(WORKER_SETUP_ENV, "no_such_module:install")
     with pytest.raises(RuntimeError, match="RLDSL_WORKER_SETUP='no_such_module:install' names no importable"):
         setup_worker_process()
+
+
+def test_a_process_group_that_cannot_form_names_the_group_and_the_missing_ranks(session, monkeypatch):
+    from rldsl.runtime.ray_lowering.rendezvous import TIMEOUT_ENV, RendezvousTimeout, create_board, join_process_group
+
+    monkeypatch.setenv(TIMEOUT_ENV, "1")
+    board = create_board()  # noqa: F841  (held: the named actor lives with its handle)
+    with pytest.raises(RendezvousTimeout, match=r"process group `p/actor` did not form within 1 s: rank\(s\) \[0\] of 2"):
+        join_process_group("p/actor", rank=1, world_size=2)
+    ray.kill(board)

@@ -31,6 +31,14 @@ def test_sim_pipeline_runs_and_the_ledger_balances(tmp_path):
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if "step" in s and not s.get("eval")] == [1, 2, 3, 4]
     assert json.loads((run_dir / "plan.json").read_text())["pipelines"][0]["name"] == "sim_async"
+    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    stages = {e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert {"stage rollout", "stage score", "stage reference", "stage actor", "stage controller"} <= stages
+    calls = {e["name"] for e in trace if e["ph"] == "X"}
+    assert {"generate", "reward", "logprob", "train_microbatch", "finish_train_step", "weight export",
+            "weight bucket", "weight push", "dataplane put", "dataplane get", "dataplane clear"} <= calls
+    arrows_out, arrows_in = (sum(e["ph"] == phase for e in trace) for phase in ("s", "f"))
+    assert arrows_in == 4 * 4 and arrows_out >= arrows_in  # generated groups -> the 16 trained
 
 
 def test_torch_pipeline_trains_and_evaluates(tmp_path):

@@ -279,8 +279,8 @@ def _assign_ranks(sp: StagePlacement, stage: Decl, placement: Placement, diags: 
         return
     sp.tp, sp.pp, sp.dp = tp, pp, n // replica
     _check_tp_within_node(sp, stage, placement, diags)
-    if ENGINES[stage["engine"].name].tp_per_actor:  # one engine actor drives a whole TP group
-        sp.ranks = tuple(RankPlacement(r, sp.gpus[r * tp:(r + 1) * tp], dp_rank=r) for r in range(n // tp))
+    if stage.stage_kind in ENGINES[stage["engine"].name].replica_actor_kinds:  # one actor drives a whole replica
+        sp.ranks = tuple(RankPlacement(r, sp.gpus[r * replica:(r + 1) * replica], dp_rank=r) for r in range(sp.dp))
         return
     # Megatron order: tp fastest, then dp, pp slowest.
     sp.ranks = tuple(

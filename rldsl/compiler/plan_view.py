@@ -108,10 +108,10 @@ def _stages(pipe: PipelinePlan) -> list[str]:
 
 
 def _one_actor_per_replica(stage) -> bool:
-    """Engines such as vLLM drive a whole tensor-parallel group from one actor."""
+    """Engines such as vLLM drive a whole replica (its tensor-parallel group) from one actor."""
     from rldsl.compiler.schema import ENGINES
 
-    return bool(stage.engine) and ENGINES[stage.engine.name].tp_per_actor
+    return bool(stage.engine) and stage.kind in ENGINES[stage.engine.name].replica_actor_kinds
 
 
 def _groups(stage) -> list[str]:

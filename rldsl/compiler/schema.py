@@ -32,7 +32,7 @@ class EngineInfo:
     args: dict
     can_sleep_arg: str | None  # the bool argument that enables sleep/offload
     gpu_only: bool
-    tp_per_actor: bool  # one actor drives a whole TP group (vLLM) vs one per GPU
+    replica_actor_kinds: tuple[str, ...]  # stage kinds where one actor drives a whole replica (vLLM) vs one per GPU
     doc: str
     pp_kinds: tuple[str, ...] = ()  # stage kinds that may use pipeline parallelism (pp > 1)
 
@@ -42,21 +42,24 @@ _DTYPE = Enum(("fp32", "bf16", "fp16"))
 
 ENGINES: dict[str, EngineInfo] = {
     "torch": EngineInfo(
-        ("generate", "logprob", "train"), {"dtype": _DTYPE, "offload": Bool()}, "offload", False, False,
+        ("generate", "logprob", "train"), {"dtype": _DTYPE, "offload": Bool()}, "offload", False, (),
         "plain PyTorch on CPU or GPU; the builtin tiny model and local Hugging Face models"),
     "vllm": EngineInfo(
         ("generate", "logprob"),
         {"tp": Int(low=1), "gpu_memory": Fraction(), "sleep": Bool(), "max_model_len": Int(low=1), "dtype": _DTYPE},
-        "sleep", True, True, "vLLM's offline engine; `gpu_memory` is the share of each GPU it reserves"),
+        "sleep", True, ("generate", "logprob"),
+        "vLLM's offline engine; `gpu_memory` is the share of each GPU it reserves"),
     "megatron": EngineInfo(
         ("train", "logprob"),
         {**_PARALLEL, "offload": Bool(), "dtype": _DTYPE, "distributed_optimizer": Bool()},
-        "offload", True, False, "megatron-core split-step trainer", pp_kinds=("train",)),
+        "offload", True, (), "megatron-core split-step trainer", pp_kinds=("train",)),
     "sim": EngineInfo(
         ("generate", "logprob", "train"),
         {"latency": DURATION, "tail": Fraction(), "tail_factor": Float(low=1), "jitter": Fraction(), "sleep": Bool(),
          "tp": Int(low=1), "pp": Int(low=1)},
-        "sleep", False, False, "calibrated latencies without a model, for scheduler tests and benchmarks",
+        "sleep", False, ("generate",),
+        "calibrated latencies without a model (a generator replica is one actor, like vLLM's), for scheduler tests "
+        "and benchmarks",
         pp_kinds=("generate", "logprob", "train")),
 }
 

@@ -70,12 +70,12 @@ class Controller:
         self.state.stop_requested = True
         self.state.changed.notify()
 
+    def pump_waits(self) -> dict[str, str]:
+        """What each pump is doing or waiting on, now (the watchdog's words)."""
+        return {"rollout": self.rollout.describe(), "train": self.train.describe(), "sync": self.sync.phase}
+
     def describe_waits(self) -> str:
-        return (
-            f"rollout pump: {self.rollout.describe()} ; "
-            f"train pump: {self.train.describe()} ; "
-            f"sync pump: {self.sync.phase}"
-        )
+        return " ; ".join(f"{pump} pump: {text}" for pump, text in self.pump_waits().items())
 
     def summary(self) -> dict:
         state = self.state

@@ -54,6 +54,10 @@ class BusyMeter:
             if self._active == 0:
                 self._busy += self._clock() - self._since
 
+    @property
+    def active(self) -> int:
+        return self._active
+
     def busy_seconds(self, now: float) -> float:
         return self._busy + (now - self._since if self._active else 0.0)
 
@@ -97,6 +101,10 @@ class RunState:
 
     def meter(self, stage: str) -> BusyMeter:
         return self._meters.setdefault(stage, BusyMeter(self.clock))
+
+    def active_calls(self) -> dict[str, int]:
+        """Calls in flight now, per stage (0: idle)."""
+        return {name: m.active for name, m in sorted(self._meters.items())}
 
     def busy_fractions(self) -> dict[str, float]:
         now = self.clock()

@@ -100,7 +100,7 @@ def start_ray(
     import ray
 
     from rldsl.runtime.dataplane import transferqueue_env
-    from rldsl.runtime.ray_lowering.workers import WORKER_SETUP_ENV
+    from rldsl.runtime.ray_lowering.actor_process import WORKER_SETUP_ENV
 
     if ray.is_initialized():
         context = ray.get_runtime_context()

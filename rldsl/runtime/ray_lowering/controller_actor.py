@@ -23,16 +23,20 @@ class ControllerActor:
         from rldsl.runtime.dataplane import connect_dataplane
         from rldsl.runtime.ray_lowering.checkpoint import expand_indices
         from rldsl.runtime.ray_lowering.stage_handles import ray_stage_handles
+        from rldsl.runtime.ray_lowering.trace import Tracer
 
         self.settings, self.pipe = settings, pipe
+        # two tracks: the train pump's data-plane calls, and the sync pump's pushes (they overlap in time)
+        self.tracers = [Tracer("controller", "controller", "controller", 0), Tracer("weight push", "controller",
+                                                                                    "controller", 1)]
         kinds = {s.name: s.kind for s in pipe.stages}
         train = pipe.stage(pipe.batch.train_stage)
         replicas = {s.name: _replicas(s) for s in pipe.stages if s.kind in ("train", "logprob")}
         sleepers = [a for s in pipe.stages if s.kind == "generate" and train.name in s.colocated_with
                     for a in workers[s.name]]
         self.handles = ray_stage_handles(workers, kinds, receivers, settings.sync_bucket_bytes, train.name,
-                                         replicas, sleepers, observers)
-        self.dataplane = connect_dataplane(dataplane_spec)
+                                         replicas, sleepers, observers, tracer=self.tracers[1])
+        self.dataplane = _TracedDataPlane(connect_dataplane(dataplane_spec), self.tracers[0])
         self.checkpoint = checkpoint or {}
         resume = resume or {}
         self.step_offset = resume.get("steps_done", 0)
@@ -96,9 +100,15 @@ class ControllerActor:
         return True
 
     async def progress(self, since: int) -> dict:
-        """Step records after ``since``, and what each pump is doing now."""
-        waits = self.controller.describe_waits() if self.controller else "starting"
-        return {"steps": self.steps[since:], "waits": waits}
+        """Step records after ``since``, what each pump is waiting on and the
+        calls in flight per stage, now."""
+        if self.controller is None:
+            return {"steps": [], "waits": "starting", "pumps": {}, "active": {}}
+        return {"steps": self.steps[since:], "waits": self.controller.describe_waits(),
+                "pumps": self.controller.pump_waits(), "active": self.controller.state.active_calls()}
+
+    def trace(self) -> list[dict]:
+        return [tracer.drain() for tracer in self.tracers]
 
 
 def _replicas(stage) -> list[list[int]]:
@@ -107,3 +117,21 @@ def _replicas(stage) -> list[list[int]]:
     for rank in stage.ranks:
         groups.setdefault(rank.dp_rank, []).append(rank.index)
     return list(groups.values())
+
+
+class _TracedDataPlane:
+    """The controller's data-plane calls, each a span on its trace."""
+
+    def __init__(self, plane, tracer) -> None:
+        self.plane, self.tracer = plane, tracer
+
+    def put(self, keys, partition, fields, tags=None):
+        with self.tracer.span("dataplane put", rows=len(keys)):
+            return self.plane.put(keys, partition, fields, tags)
+
+    def clear(self, keys, partition):
+        with self.tracer.span("dataplane clear", rows=len(keys)):
+            return self.plane.clear(keys, partition)
+
+    def __getattr__(self, name):
+        return getattr(self.plane, name)

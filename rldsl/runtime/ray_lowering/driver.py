@@ -5,19 +5,16 @@ by its own controller (pipeline_driver.py), all followed together."""
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
 from pathlib import Path
 
 from rldsl.plan import ExecutionPlan
 from rldsl.runtime.control.settings import RunSettings
-from rldsl.runtime.ray_lowering.pipeline_driver import (
-    ACTOR_CPUS,
-    PipelineDriver,
-    ResumeError,
-    StageStartError,
-    root_cause,
-)
+from rldsl.runtime.ray_lowering.bundles import actor_slots, layout_bundles
+from rldsl.runtime.ray_lowering.cluster import ACTOR_NUM_CPUS, ClusterError
+from rldsl.runtime.ray_lowering.pipeline_driver import PipelineDriver, ResumeError, StageStartError, root_cause
 
 __all__ = ["Driver", "ResumeError", "StageStartError"]
 
@@ -39,8 +36,54 @@ class Driver:
         self.pipelines = [PipelineDriver(pipe, settings[pipe.name], self.run_dir / pipe.name if many else self.run_dir,
                                          resume, started, prefix=f"{pipe.name}/" if many else "")
                           for pipe in plan.pipelines]
+        self.layout = layout_bundles(actor_slots(plan), ACTOR_NUM_CPUS)  # a LayoutError before Ray starts
+        self.folded_layout = layout_bundles(actor_slots(plan), ACTOR_NUM_CPUS, plan.cluster.gpus_per_node)
 
     def run(self) -> int:
+        with self._session() as session:
+            for pipeline in self.pipelines:
+                pipeline.prepare_models()
+            dataplane = _dataplane(session)
+            reservation = self._reserve(session)
+            for pipeline in self.pipelines:
+                pipeline.create_actors(dataplane.spec, reservation)
+            _wait_ready({call: stage for p in self.pipelines for call, stage in p.ready_calls().items()})
+            self._check_placement(reservation)
+            for pipeline in self.pipelines:
+                pipeline.restore()
+                pipeline.offload_for_generation()
+            return self._drive(dataplane.spec)
+
+    def dry_run(self) -> int:
+        """Reserve the placement groups, start a placeholder for every stage
+        actor with the options the real one would get, report where each
+        landed against the plan, release everything. 0 when it matches."""
+        import ray
+
+        from rldsl.runtime.ray_lowering.placement_check import PlacementProbe
+
+        with self._session() as session:
+            reservation = self._reserve(session)
+            probe = ray.remote(PlacementProbe)
+            actors = {p.actor_name(stage.name, rank.index):
+                      probe.options(**p.actor_options(stage.name, rank.index, True, reservation)).remote()
+                      for p in self.pipelines for stage in p.pipe.stages for rank in stage.ranks if rank.gpus}
+            _wait_ready({actor.ready.remote(): name for name, actor in actors.items()})
+            report = self._placement_report(reservation, actors)
+            reservation.release()
+        print(report.table(reservation))
+        cpu_actors = sum(p.actor_count() for p in self.pipelines) - len(actors)
+        print(f"{cpu_actors} CPU actor(s) (reward workers, CPU stages, controllers, evaluators) go wherever Ray has CPU")
+        for note in report.notes:
+            print(f"note: {note}")
+        if report.errors:
+            for error in report.errors:
+                print(f"error: {error}", file=sys.stderr)
+            return 2
+        print("placement matches the plan")
+        return 0
+
+    def _session(self):
         from rldsl.runtime.ray_lowering.cluster import logical_cpus_needed, ray_session
 
         actors = sum(p.actor_count() for p in self.pipelines)
@@ -48,35 +91,39 @@ class Driver:
         gpus = cluster.nodes * cluster.gpus_per_node
         _say(f"starting Ray: {actors} actors, {gpus} GPUs ({'logical' if self.address is None else 'cluster'})")
         name = "+".join(p.name for p in self.plan.pipelines)
-        with ray_session(self.address, logical_cpus_needed(actors * ACTOR_CPUS), gpus,
-                         namespace=f"rldsl-{name}") as session:
-            for pipeline in self.pipelines:
-                pipeline.prepare_models()
-            dataplane = _dataplane(session)
-            groups = self._placement_groups()
-            for pipeline in self.pipelines:
-                pipeline.create_actors(dataplane.spec, groups)
-            _wait_ready({call: stage for p in self.pipelines for call, stage in p.ready_calls().items()})
-            for pipeline in self.pipelines:
-                pipeline.restore()
-                pipeline.offload_for_generation()
-            return self._drive(dataplane.spec)
+        return ray_session(self.address, logical_cpus_needed(actors * ACTOR_NUM_CPUS), gpus, namespace=f"rldsl-{name}")
 
-    def _placement_groups(self) -> dict[tuple[int, int], tuple]:
-        """One STRICT_PACK group per node holding every GPU the plan uses there
-        (pipelines that share a GPU share its bundle)."""
-        from rldsl.runtime.ray_lowering.placement import create_placement_group
+    def _reserve(self, session):
+        """The plan's placement groups, each pinned to its Ray node (a local
+        Ray holds every plan node), and the board process groups meet on."""
+        from rldsl.runtime.ray_lowering.placement import reserve
+        from rldsl.runtime.ray_lowering.rendezvous import create_board
 
-        used: dict[int, set[int]] = {}
-        for node, gpu in self.plan.gpu_users():
-            used.setdefault(node, set()).add(gpu)
-        out = {}
-        for node, gpus in sorted(used.items()):
-            ordered = sorted(gpus)
-            pg = create_placement_group([{"GPU": 1.0} for _ in ordered], "STRICT_PACK",
-                                        name=f"{self.plan.pipelines[0].name}-node{node}", timeout_s=60.0)
-            out.update({(node, gpu): (pg, i) for i, gpu in enumerate(ordered)})
-        return out
+        fold = session.started_here  # a local Ray: every plan node on it, each with all its GPUs
+        layout = self.folded_layout if fold else self.layout
+        reservation = reserve(layout, self.plan.cluster.gpus_per_node, fold=fold, name=self.plan.pipelines[0].name)
+        self.board = create_board()  # held: a named actor lives as long as a handle to it
+        return reservation
+
+    def _check_placement(self, reservation) -> None:
+        """Every GPU actor where the plan put it, or a ClusterError; placement.json either way."""
+        actors = {p.actor_name(stage, rank): actor for p in self.pipelines
+                  for stage, handles in p.handles.items() for rank, actor in enumerate(handles)}
+        report = self._placement_report(reservation, actors)
+        (self.run_dir / "placement.json").write_text(json.dumps(report.to_json(reservation), indent=2) + "\n")
+        for note in report.notes:
+            _say(f"note: {note}")
+        if report.errors:
+            raise ClusterError("the actors did not land where the plan puts them:\n  " + "\n  ".join(report.errors))
+
+    def _placement_report(self, reservation, actors: dict):
+        import ray
+
+        from rldsl.runtime.ray_lowering.placement_check import check_placement
+
+        slots = reservation.layout.slots()
+        reports = dict(zip([s.name for s in slots], ray.get([actors[s.name].placement.remote() for s in slots])))
+        return check_placement(reservation, reports, slots)
 
     def _drive(self, dataplane_spec: dict) -> int:
         """Follow every pipeline until all are done; Ctrl-C stops them all at a
@@ -94,14 +141,17 @@ class Driver:
                 while active:
                     ray.wait([p.result_ref for p in active], num_returns=1, timeout=_POLL_S)
                     active = [p for p in active if not p.poll()]
+            failures = []
+            for pipeline in running:
+                try:
+                    pipeline.complete()
+                except ray.exceptions.RayError as err:  # the controller's PipelineStalled / StepFailed, as Ray wraps it
+                    failures.append(err)
         except KeyboardInterrupt:
             return self._stop(running)
-        failures = []
-        for pipeline in running:
-            try:
-                pipeline.complete()
-            except ray.exceptions.RayError as err:  # the controller's PipelineStalled / StepFailed, as Ray wraps it
-                failures.append(err)
+        finally:
+            for pipeline in running:
+                pipeline.close_trace()
         if failures:
             raise failures[0]
         return 0

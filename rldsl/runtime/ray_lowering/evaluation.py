@@ -41,9 +41,11 @@ class Evaluator:
     def __init__(self, pipe: PipelinePlan, background: bool = True):
         from rldsl.runtime.engines.factory import load_policy
         from rldsl.runtime.engines.torch.generate import TorchGenerator
-        from rldsl.runtime.ray_lowering.workers import setup_worker_process
+        from rldsl.runtime.ray_lowering.actor_process import setup_worker_process
+        from rldsl.runtime.ray_lowering.trace import Tracer
 
         setup_worker_process()
+        self.tracer = Tracer("evaluator", "evaluator", "evaluator")
         if background:  # on a busy machine the stages get the CPU first
             os.nice(_NICENESS)
         train = pipe.stage(pipe.batch.train_stage)
@@ -59,6 +61,9 @@ class Evaluator:
 
     def ready(self) -> bool:
         return True
+
+    def trace(self) -> dict:
+        return self.tracer.drain()
 
     def update_weights(self, bucket: dict, version: int, last: bool) -> None:
         with self._lock:
@@ -80,12 +85,13 @@ class Evaluator:
         deadline = time.monotonic() + timeout_s
         while self.version() < min_version and time.monotonic() < deadline:
             time.sleep(0.05)
-        with self._evaluating:
+        with self._evaluating, self.tracer.span("evaluation", min_version=min_version) as args:
             with self._lock:
                 latest, self._latest = self._latest, None
             if latest is not None:
                 self.decoder.update_weights(latest[1], latest[0], last=True)
             accuracy = greedy_accuracy(self.decoder.model, self.prompts, self.decoder.max_new_tokens)
+            args.update(version=self.decoder.version, accuracy=accuracy)
         return {"accuracy": accuracy, "version": self.decoder.version, "prompts": len(self.prompts)}
 
 

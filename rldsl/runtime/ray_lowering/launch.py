@@ -72,8 +72,9 @@ def run_plan(plan: ExecutionPlan, args) -> int:
     started = time.monotonic()
     resume = bool(getattr(args, "resume", None))
     settings = {pipe.name: settings_from_plan(pipe, args.steps) for pipe in plan.pipelines}
+    dry_run = bool(getattr(args, "dry_run", False))
     try:
-        for pipe in plan.pipelines:
+        for pipe in plan.pipelines if not dry_run else ():  # a dry run starts no engine
             preflight(pipe)
     except PreflightError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -89,16 +90,19 @@ def run_plan(plan: ExecutionPlan, args) -> int:
         return EXIT_USAGE
     name = plan.pipelines[0].name if len(plan.pipelines) == 1 else Path(plan.source_file or "pipelines").stem
     run_dir = Path(args.resume or args.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if dry_run:
+        return _dry_run(plan, settings, run_dir, args.address)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
         (run_dir / "plan.json").write_text(plan.to_json() + "\n")
         (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file,
                                                        "pipelines": [p.name for p in plan.pipelines]}) + "\n")
+    from rldsl.runtime.ray_lowering.bundles import LayoutError
     from rldsl.runtime.ray_lowering.driver import Driver, ResumeError, StageStartError
 
     try:
         return Driver(plan, settings, run_dir, address=args.address, resume=resume, started=started).run()
-    except (ClusterError, ResumeError) as err:
+    except (ClusterError, LayoutError, ResumeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except (PipelineStalled, StepFailed) as err:
@@ -109,3 +113,16 @@ def run_plan(plan: ExecutionPlan, args) -> int:
     except StageStartError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _dry_run(plan: ExecutionPlan, settings: dict, run_dir: Path, address: str | None) -> int:
+    """Placement only: where every actor would start, then exit (no run directory)."""
+    from rldsl.runtime.ray_lowering.bundles import LayoutError
+    from rldsl.runtime.ray_lowering.cluster import ClusterError
+    from rldsl.runtime.ray_lowering.driver import Driver
+
+    try:
+        return Driver(plan, settings, run_dir, address=address).dry_run()
+    except (ClusterError, LayoutError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE

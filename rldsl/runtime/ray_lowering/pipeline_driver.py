@@ -5,7 +5,6 @@ actor, followed, evaluated, and its run directory written."""
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 from dataclasses import replace
@@ -13,9 +12,9 @@ from pathlib import Path
 
 from rldsl.plan import PipelinePlan
 from rldsl.runtime.control.settings import RunSettings
+from rldsl.runtime.ray_lowering.cluster import ACTOR_NUM_CPUS
 from rldsl.runtime.ray_lowering.progress import Progress
-
-ACTOR_CPUS = 0.25  # logical: TransferQueue and our actors must never starve each other on a small Ray
+from rldsl.runtime.ray_lowering.trace import TraceCollector
 
 
 class ResumeError(RuntimeError):
@@ -33,14 +32,13 @@ class PipelineDriver:
         self.prefix = prefix  # "name/" for actor names and messages when several pipelines share the run
         self.started = started if started is not None else time.monotonic()  # the whole run, start-up included
         self.run_dir = run_dir.resolve()  # actors write checkpoints here, whatever their working directory
-        self.run_dir.mkdir(parents=True, exist_ok=True)  # RUN_DIR/<pipeline> when several share the run
         self.trainer_engine = pipe.stage(pipe.batch.train_stage).engine.name
         self.previous_evals: list[dict] = _previous_evals(self.run_dir) if resume else []
         self.evaluations = None  # EvaluationSchedule once the evaluator runs
         self.resume = _resume_point(self.run_dir) if resume else None
         self.checkpoint = {"run_dir": str(self.run_dir), "every": pipe.run.checkpoint_every}
         self.handles: dict[str, list] = {}
-        self.controller = self.result_ref = self.progress = None
+        self.controller = self.result_ref = self.progress = self.traces = None
         self._seen = 0
 
     def actor_count(self) -> int:
@@ -63,36 +61,42 @@ class PipelineDriver:
         load_policy(model, self.pipe, self.pipe.run.seed)
         self.say(f"model ready in {time.monotonic() - started:.1f}s")
 
-    def create_actors(self, spec: dict, groups: dict[tuple[int, int], tuple]) -> None:
-        """One actor per stage rank, in its GPU bundle (``groups``: (node, gpu)
-        -> (placement group, bundle)), and the evaluator; not yet waited for."""
+    def create_actors(self, spec: dict, reservation) -> None:
+        """One actor per stage rank, GPU ranks in their bundle of ``reservation``
+        (placement.Reservation), and the evaluator; not yet waited for."""
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from rldsl.runtime.ray_lowering import workers as w
 
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # RUN_DIR/<pipeline> when several share the run
         classes = {"generate": w.GeneratorWorker, "reward": w.RewardWorker, "logprob": w.LogprobWorker,
                    "train": w.TrainerWorker}
         for stage in self.pipe.stages:
             if stage.kind == "sync":
                 continue
             actor_class = ray.remote(classes[stage.kind])
-            dist = _dist_info()  # each stage is its own process group (trainer, megatron logprob)
             self.handles[stage.name] = []
             for rank in stage.ranks:
-                options = {"num_cpus": ACTOR_CPUS, "name": f"{self.prefix}{stage.name}-{rank.index}"}
-                if rank.gpus:  # colocated ranks share a GPU bundle; their CPU is not reserved in it
-                    pg, bundle = groups[(rank.node, rank.gpus[0])]
-                    options["num_cpus"] = 0
-                    options["num_gpus"] = rank.gpu_fraction * len(rank.gpus)
-                    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, bundle)
                 args = [self.pipe, stage, rank.index, spec]
-                if stage.kind in ("train", "logprob"):
-                    args.append({**dist, "rank": rank.index, "world_size": len(stage.ranks)})
+                if stage.kind in ("train", "logprob"):  # each stage is its own process group
+                    args.append({"group": f"{self.prefix}{stage.name}", "rank": rank.index,
+                                 "world_size": len(stage.ranks)})
                 if stage.kind == "train":
                     args.append(self.checkpoint)
+                options = self.actor_options(stage.name, rank.index, bool(rank.gpus), reservation)
                 self.handles[stage.name].append(actor_class.options(**options).remote(*args))
         self._create_evaluator()
+
+    def actor_options(self, stage: str, rank: int, uses_gpus: bool, reservation) -> dict:
+        """Ray options of one rank's actor: its name, and its bundle for a GPU rank."""
+        name = self.actor_name(stage, rank)
+        options = {"num_cpus": ACTOR_NUM_CPUS, "name": name}
+        if uses_gpus:
+            options.update(reservation.actor_options(reservation.slot(name)))
+        return options
+
+    def actor_name(self, stage: str, rank: int) -> str:
+        return f"{self.prefix}{stage}-{rank}"
 
     def _create_evaluator(self) -> None:
         """The held-out evaluator: one more weight receiver, on the CPU."""
@@ -103,7 +107,7 @@ class PipelineDriver:
         if not self.pipe.evaluates:
             return
         # threads to spare: evaluations waiting for a version must never starve the push that brings it
-        actor = ray.remote(Evaluator).options(num_cpus=ACTOR_CPUS, max_concurrency=4,
+        actor = ray.remote(Evaluator).options(num_cpus=ACTOR_NUM_CPUS, max_concurrency=4,
                                               name=f"{self.prefix}evaluator")
         self.evaluations = EvaluationSchedule(actor.remote(self.pipe), self.pipe.run.eval_every, self.settings.steps,
                                               self.previous_evals)
@@ -158,11 +162,27 @@ class PipelineDriver:
         if self.evaluations and not self.resume:
             self.evaluations.request(step=0, version=0)
         self.controller = ray.remote(ControllerActor).options(
-            num_cpus=ACTOR_CPUS, name=f"{self.prefix}controller").remote(
+            num_cpus=ACTOR_NUM_CPUS, name=f"{self.prefix}controller").remote(
             settings, self.pipe, self.handles, self._receivers(), dataplane_spec, self.checkpoint,
             self.resume_info(), self._observers())
         self.result_ref = self.controller.run.remote()
+        self.traces = TraceCollector(self.run_dir, self._traced_actors(), self.pipe.name)
         return True
+
+    def _traced_actors(self) -> dict:
+        actors = {self.actor_name(name, rank): actor for name, handles in self.handles.items()
+                  for rank, actor in enumerate(handles)}
+        actors[f"{self.prefix}controller"] = self.controller
+        if self.evaluations:
+            actors[f"{self.prefix}evaluator"] = self.evaluations.actor
+        return actors
+
+    def close_trace(self) -> None:
+        """The last spans of every actor, and trace.json (on every exit path)."""
+        if self.traces is not None:
+            path = self.traces.close()
+            if path is not None:
+                self.say(f"trace: {path} (open it in Perfetto or chrome://tracing)")
 
     def poll(self) -> bool:
         """Show what happened since the last poll; True once the controller is done."""
@@ -177,7 +197,8 @@ class PipelineDriver:
                 self.evaluations.request(record["step"], record["version"])
         if self.evaluations:
             self._show_evaluations()
-        self.progress.waits(report["waits"])
+        self.progress.waits(report)
+        self.traces.poll()
         return bool(done)
 
     def complete(self) -> int:
@@ -244,13 +265,6 @@ class PipelineDriver:
                 self.say(text)
             else:
                 self.progress.note(text)
-
-
-def _dist_info() -> dict:
-    with socket.socket() as sock:  # a free port for the stage's rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return {"master": f"127.0.0.1:{port}"}
 
 
 def _resume_point(run_dir: Path) -> dict:

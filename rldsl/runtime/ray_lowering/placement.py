@@ -1,9 +1,122 @@
-"""Placement groups: reserve a plan's GPUs on a Ray cluster, or say why not."""
+"""Placement groups: reserve a plan's GPUs on a Ray cluster, or say why not.
+
+Each plan node becomes one STRICT_PACK placement group whose bundles are
+shaped like its actors (bundles.py), pinned to one Ray node chosen up front
+(the ``ray.io/node-id`` label), so two plan nodes never land on one Ray node
+and a plan that cannot fit is refused before anything starts, per node.
+A local run folds every plan node onto the one local Ray node.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import networkx as nx
+
+from rldsl.runtime.ray_lowering.bundles import ActorSlot, BundleLayout
 from rldsl.runtime.ray_lowering.cluster import ClusterError
 
+NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it (Ray >= 2.4x)
+
+
+@dataclass(frozen=True)
+class RayNode:
+    node_id: str
+    address: str
+    resources: dict[str, float]  # totals
+
+    @property
+    def label(self) -> str:
+        return f"{self.address} ({self.node_id[:8]})"
+
+
+def alive_nodes() -> list[RayNode]:
+    import ray
+
+    nodes = [RayNode(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"])) for n in _alive_nodes(ray)]
+    return sorted(nodes, key=lambda n: (n.address, n.node_id))
+
+
+def assign_nodes(needs: dict[int, dict[str, float]], nodes: list[RayNode], fold: bool) -> dict[int, RayNode]:
+    """Plan node -> a distinct Ray node that can hold its placement group
+    (``fold``: every plan node on the one local node). Raises ClusterError
+    saying, per plan node, what no free Ray node has."""
+    if fold:
+        total = _total(needs.values())
+        missing = _shortfall(total, nodes[0].resources) if len(nodes) == 1 else {}
+        if len(nodes) != 1 or missing:
+            raise ClusterError(f"the local Ray lacks {_format(missing)} for the plan's {_format(total)}")
+        return {plan_node: nodes[0] for plan_node in needs}
+    graph = nx.Graph()
+    for plan_node, need in needs.items():
+        graph.add_node(("plan", plan_node))
+        for node in nodes:
+            if not _shortfall(need, node.resources):
+                graph.add_edge(("plan", plan_node), ("ray", node.node_id))
+    matching = nx.bipartite.maximum_matching(graph, top_nodes=[("plan", n) for n in needs]) if graph.edges else {}
+    by_id = {n.node_id: n for n in nodes}
+    assigned = {plan_node: by_id[matching[("plan", plan_node)][1]] for plan_node in needs
+                if ("plan", plan_node) in matching}
+    if len(assigned) == len(needs):
+        return dict(sorted(assigned.items()))
+    lines = [f"the plan needs {len(needs)} node(s), and Ray cannot give each its own node:"]
+    for plan_node, need in sorted(needs.items()):
+        fits = [n.label for n in nodes if not _shortfall(need, n.resources)]
+        if plan_node in assigned:
+            lines.append(f"  plan node {plan_node} ({_format(need)}): on {assigned[plan_node].label}")
+        elif fits:
+            lines.append(f"  plan node {plan_node} ({_format(need)}): the nodes that fit ({', '.join(fits)}) "
+                         "are taken by other plan nodes")
+        else:
+            best = min(nodes, key=lambda n: sum(_shortfall(need, n.resources).values()), default=None)
+            lines.append(f"  plan node {plan_node} ({_format(need)}): no Ray node has it"
+                         + (f"; the closest, {best.label}, lacks {_format(_shortfall(need, best.resources))}"
+                            if best else ""))
+    raise ClusterError("\n".join(lines))
+
+
+@dataclass
+class Reservation:
+    """The plan's placement groups on Ray: where each GPU actor goes."""
+
+    layout: BundleLayout
+    nodes: dict[int, RayNode]  # plan node -> Ray node
+    groups: dict[int, object]  # plan node -> placement group
+    folded: bool
+    gpus_per_node: int
+
+    def slot(self, name: str) -> ActorSlot:
+        return self.layout.slot(name)
+
+    def actor_options(self, slot: ActorSlot) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = self.layout.bundle_of(slot)
+        return {"num_cpus": self.layout.actor_cpus, "num_gpus": self.layout.num_gpus(slot),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.groups[slot.node], bundle.index)}
+
+    def expected_devices(self, slot: ActorSlot) -> tuple[int, ...]:
+        """The device ids the plan means: its own on a real node; offset by
+        the node when plan nodes are folded onto one local Ray node."""
+        offset = slot.node * self.gpus_per_node if self.folded else 0
+        return tuple(offset + gpu for gpu in slot.gpus)
+
+    def release(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self.groups.values():
+            remove_placement_group(group)
+
+
+def reserve(layout: BundleLayout, gpus_per_node: int, fold: bool, name: str, timeout_s: float = 60.0) -> Reservation:
+    """One pinned STRICT_PACK group per plan node, created and waited for."""
+    nodes = assign_nodes(layout.node_needs(), alive_nodes(), fold)
+    groups = {}
+    for plan_node, bundles in sorted(layout.nodes.items()):
+        groups[plan_node] = create_placement_group([b.resources(layout.actor_cpus) for b in bundles], "STRICT_PACK",
+                                                   name=f"{name}-node{plan_node}", timeout_s=timeout_s,
+                                                   node_id=nodes[plan_node].node_id)
+    return Reservation(layout, nodes, groups, fold, gpus_per_node)
 
 
 def create_placement_group(
@@ -11,6 +124,7 @@ def create_placement_group(
     strategy: str = "PACK",
     name: str = "",
     timeout_s: float = 30.0,
+    node_id: str | None = None,
 ):
     """Reserve ``bundles`` and wait until they are placed.
 
@@ -19,15 +133,17 @@ def create_placement_group(
     larger than every node, too few nodes for STRICT_SPREAD, too much for
     one node under STRICT_PACK), and after ``timeout_s`` when it could but the
     resources are held by others. The error names what is missing and what
-    each node has."""
+    each node has. ``node_id`` pins every bundle to that Ray node."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     label = f"placement group {name or '(unnamed)'} ({strategy}, {len(bundles)} bundles)"
-    reason = _never_fits(bundles, strategy, _alive_nodes(ray))
+    nodes = [n for n in _alive_nodes(ray) if node_id is None or n["NodeID"] == node_id]
+    reason = _never_fits(bundles, strategy, nodes)
     if reason:
         raise ClusterError(f"{label} can never be placed: {reason}.\n{describe_resources()}")
-    group = placement_group(bundles, strategy=strategy, name=name)
+    selector = [{NODE_ID_LABEL: node_id}] * len(bundles) if node_id else None
+    group = placement_group(bundles, strategy=strategy, name=name, bundle_label_selector=selector)
     if group.wait(timeout_seconds=timeout_s):
         return group
     remove_placement_group(group)

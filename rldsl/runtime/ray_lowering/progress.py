@@ -26,7 +26,7 @@ class Progress:
         self.started = time.monotonic()
         self.last: dict = {}
         self.notes: list[str] = []
-        self.wait_text = ""
+        self.now: dict = {}  # the controller's latest: what each pump waits on, calls in flight per stage
 
     def __enter__(self) -> "Progress":
         if self.console.is_terminal and self.want_live:
@@ -71,8 +71,9 @@ class Progress:
         else:
             self.live.update(self._render())
 
-    def waits(self, text: str) -> None:
-        self.wait_text = text
+    def waits(self, report: dict) -> None:
+        """``report``: the controller's progress answer (``pumps``, ``active``)."""
+        self.now = report
         if self.live is not None:
             self.live.update(self._render())
 
@@ -99,8 +100,10 @@ class Progress:
             table.add_row("busy", _busy(r["busy"]))
         for note in self.notes[-2:]:
             table.add_row("eval", note)
-        if self.wait_text:
-            table.add_row("now", self.wait_text[:160])
+        if self.now.get("active"):
+            table.add_row("stages", _activity(self.now["active"]))
+        for pump, text in self.now.get("pumps", {}).items():
+            table.add_row(f"{pump} pump", text[:200])
         return table
 
     def final_table(self, summary: dict, run_dir: Path) -> None:
@@ -148,6 +151,11 @@ def _tensorboard(path: Path):
 
 def _hist(histogram: dict) -> str:
     return " ".join(f"{lag}:{n}" for lag, n in sorted(histogram.items(), key=lambda kv: int(kv[0]))) or "-"
+
+
+def _activity(active: dict) -> str:
+    """Per stage, busy (with its calls in flight) or idle, now."""
+    return "   ".join(f"[green]{name} busy ({n})[/]" if n else f"[dim]{name} idle[/]" for name, n in active.items())
 
 
 def _busy(busy: dict) -> str:

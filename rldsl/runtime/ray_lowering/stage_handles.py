@@ -11,6 +11,7 @@ every receiver.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from typing import Sequence
 
@@ -35,14 +36,15 @@ class _Pool:
 
 def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receivers: list, bucket_bytes: int,
                       train_stage: str, replicas: dict[str, list[list[int]]],
-                      sleepers: list | None = None, observers: list | None = None) -> StageHandles:
+                      sleepers: list | None = None, observers: list | None = None, tracer=None) -> StageHandles:
     """``workers``: stage name -> actor handles (one per rank); ``kinds``:
     stage name -> stage kind; ``receivers``: the actors on sync edges;
     ``replicas``: for the trainer and each logprob stage, the rank indices
     of each data-parallel replica (the tp x pp ranks that must all see the
     same rows); ``sleepers``: the generators sharing GPUs with the trainer,
     put to sleep while it trains; ``observers``: weight receivers the push
-    does not wait for (the evaluator: it must never hold up generation)."""
+    does not wait for (the evaluator: it must never hold up generation);
+    ``tracer``: records each weight push as a span."""
     generators = [a for name, actors in workers.items() if kinds[name] == "generate" for a in actors]
     pool = _Pool(generators)
     round_robin = {name: itertools.cycle(actors) for name, actors in workers.items()}
@@ -75,6 +77,10 @@ def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receivers
         await asyncio.gather(*(t.abort_train_step.remote(step) for t in trainers), return_exceptions=True)
 
     async def push_weights(version: int) -> None:
+        with tracer.span("weight push", version=version) if tracer else contextlib.nullcontext():
+            await _push(version)
+
+    async def _push(version: int) -> None:
         # every rank takes part (gathering TP/PP shards is a collective); rank 0 serves the buckets
         count = (await asyncio.gather(*(t.prepare_buckets.remote(bucket_bytes) for t in trainers)))[0]
         for index in range(count):

@@ -9,41 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from pathlib import Path
 from typing import Sequence
 
 from rldsl.plan import PipelinePlan, StagePlan
 from rldsl.runtime import protocols as p
-
-# A worker process shares the machine with the others: one thread each keeps
-# generation and training truly concurrent on a small CPU.
-_THREADS = int(os.environ.get("RLDSL_TORCH_THREADS", "1"))
-WORKER_SETUP_ENV = "RLDSL_WORKER_SETUP"
+from rldsl.runtime.ray_lowering.actor_process import setup_worker_process, where
+from rldsl.runtime.ray_lowering.trace import Tracer, prompt_groups
 
 log = logging.getLogger(__name__)
 
 GENERATED_FIELDS = [p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK, p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK]
 ANSWER_IDS = "answer_ids"  # the reference answer, tokenised, for reward workers
-
-
-def setup_worker_process() -> None:
-    """Once per worker process: torch threads, then the optional
-    ``RLDSL_WORKER_SETUP=module:function`` hook (site patches, or the test
-    suite's megatron-on-CPU shim)."""
-    import importlib
-
-    import torch
-
-    torch.set_num_threads(_THREADS)
-    hook = os.environ.get(WORKER_SETUP_ENV)
-    if hook:
-        module, _, function = hook.partition(":")
-        try:
-            setup = getattr(importlib.import_module(module), function)
-        except (ImportError, AttributeError, ValueError) as err:
-            raise RuntimeError(f"{WORKER_SETUP_ENV}={hook!r} names no importable module:function ({err})") from None
-        setup()
 
 
 class _Worker:
@@ -53,16 +30,29 @@ class _Worker:
         setup_worker_process()
         self.pipe, self.stage, self.rank = pipe, stage, rank
         self.partition = pipe.name
+        where_planned = stage.ranks[rank]
+        self.tracer = Tracer(f"{stage.name}-{rank}", stage.name, stage.kind, rank, where_planned.gpus,
+                             where_planned.node)
         self.dataplane = connect_dataplane(dataplane_spec)
 
     def ready(self) -> bool:
         return True
 
+    def placement(self) -> dict:
+        """This actor's Ray node and devices, checked against the plan."""
+        return where()
+
+    def trace(self) -> dict:
+        """The spans recorded since the last call (the driver drains them)."""
+        return self.tracer.drain()
+
     def _get(self, keys: Sequence[str], fields: list[str]) -> dict:
-        return self.dataplane.get(list(keys), self.partition, fields)
+        with self.tracer.span("dataplane get", rows=len(keys)):
+            return self.dataplane.get(list(keys), self.partition, fields)
 
     def _put(self, keys: Sequence[str], fields: dict) -> None:
-        self.dataplane.put(list(keys), self.partition, fields)
+        with self.tracer.span("dataplane put", rows=len(keys)):
+            self.dataplane.put(list(keys), self.partition, fields)
 
 
 class GeneratorWorker(_Worker):
@@ -73,9 +63,10 @@ class GeneratorWorker(_Worker):
         self.engine = build_generator(stage, pipe, seed=pipe.run.seed + 1000 * rank)
 
     def generate(self, prompts: list[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int) -> int:
-        batch = self.engine.generate(prompts, samples_per_prompt, seed)
-        batch[ANSWER_IDS] = self._answers(prompts, samples_per_prompt)
-        self._put(keys, batch)
+        with self.tracer.span("generate", groups=prompt_groups(keys), version=self.engine.version):
+            batch = self.engine.generate(prompts, samples_per_prompt, seed)
+            batch[ANSWER_IDS] = self._answers(prompts, samples_per_prompt)
+            self._put(keys, batch)
         return int(batch[p.FIELD_VERSION][0]) if len(keys) else self.engine.version
 
     def _answers(self, prompts, samples_per_prompt):
@@ -87,16 +78,19 @@ class GeneratorWorker(_Worker):
         return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
 
     def update_weights(self, bucket: dict, version: int, last: bool) -> None:
-        self.engine.update_weights(bucket, version, last)
+        with self.tracer.span("weight bucket", version=version, last=last):
+            self.engine.update_weights(bucket, version, last)
 
     def version(self) -> int:
         return self.engine.version
 
     def sleep(self) -> None:
-        self.engine.sleep()
+        with self.tracer.span("sleep"):
+            self.engine.sleep()
 
     def wake(self) -> None:
-        self.engine.wake()
+        with self.tracer.span("wake"):
+            self.engine.wake()
 
 
 class RewardWorker(_Worker):
@@ -112,6 +106,10 @@ class RewardWorker(_Worker):
         self.tokenizer = _tokenizer_for(pipe)
 
     def reward(self, keys: Sequence[str]) -> list[float | None]:
+        with self.tracer.span("reward", groups=prompt_groups(keys)):
+            return self._score(keys)
+
+    def _score(self, keys: Sequence[str]) -> list[float | None]:
         from rldsl.rewards import safe_reward
 
         fields = self._get(keys, [p.FIELD_RESPONSE_IDS, p.FIELD_PROMPT_IDS, ANSWER_IDS])
@@ -152,18 +150,20 @@ class LogprobWorker(_Worker):
 
         super().__init__(pipe, stage, rank, dataplane_spec)
         if dist and dist["world_size"] > 1 and stage.engine.name == "megatron":
-            _init_process_group(dist)  # megatron builds its tp / dp groups from the default group
+            _join(dist)  # megatron builds its tp / dp groups from the default group
         self.engine = build_logprob(stage, pipe, seed=pipe.run.seed + 2000 + rank)
         self.field = p.FIELD_REF_LOGPROBS if stage.settings.get("frozen") else p.FIELD_BEHAVIOUR_LOGPROBS
         self.writes = stage.ranks[rank].tp_rank == 0
 
     def logprob(self, keys: Sequence[str]) -> None:
-        logprobs = self.engine.logprobs(self._get(keys, GENERATED_FIELDS))
-        if self.writes:
-            self._put(keys, {self.field: logprobs})
+        with self.tracer.span("logprob", groups=prompt_groups(keys)):
+            logprobs = self.engine.logprobs(self._get(keys, GENERATED_FIELDS))
+            if self.writes:
+                self._put(keys, {self.field: logprobs})
 
     def update_weights(self, bucket: dict, version: int, last: bool) -> None:
-        self.engine.update_weights(bucket, version, last)
+        with self.tracer.span("weight bucket", version=version, last=last):
+            self.engine.update_weights(bucket, version, last)
 
 
 class TrainerWorker(_Worker):
@@ -175,7 +175,7 @@ class TrainerWorker(_Worker):
 
         super().__init__(pipe, stage, rank, dataplane_spec)
         self.checkpoint = checkpoint or {}  # {"run_dir": ..., "every": N}
-        group = _init_process_group(dist) if dist and dist["world_size"] > 1 else None
+        group = _join(dist) if dist and dist["world_size"] > 1 else None
         self.engine = build_trainer(stage, pipe, seed=pipe.run.seed, process_group=group)
         self._buckets: list[dict] = []
         self.needs = [p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK,
@@ -184,29 +184,34 @@ class TrainerWorker(_Worker):
         self.needs += [f for f in (p.FIELD_BEHAVIOUR_LOGPROBS, p.FIELD_REF_LOGPROBS) if f in consumed]
 
     def begin_train_step(self, step: int) -> None:
-        self.engine.begin_train_step(step)
+        with self.tracer.span("begin_train_step", step=step, version=self.engine.version):
+            self.engine.begin_train_step(step)
 
     def train_microbatch(self, step: int, keys: Sequence[str]) -> dict:
-        return self.engine.train_microbatch(step, self._get(keys, self.needs))
+        with self.tracer.span("train_microbatch", step=step, version=self.engine.version, groups=prompt_groups(keys)):
+            return self.engine.train_microbatch(step, self._get(keys, self.needs))
 
     def finish_train_step(self, step: int) -> p.StepResult:
-        result = self.engine.finish_train_step(step)
+        with self.tracer.span("finish_train_step", step=step, version=self.engine.version):
+            result = self.engine.finish_train_step(step)
         every = self.checkpoint.get("every")
         if every and result.version % every == 0 and self.can_checkpoint():
             self.save_checkpoint()
         return result
 
     def abort_train_step(self, step: int) -> None:
-        self.engine.abort_train_step(step)
+        with self.tracer.span("abort_train_step", step=step):
+            self.engine.abort_train_step(step)
 
     def version(self) -> int:
         return self.engine.version
 
     def prepare_buckets(self, bucket_bytes: int) -> int:
         """Snapshot the weights into buckets; returns how many."""
-        with self._awake():
+        with self.tracer.span("weight export", version=self.engine.version) as args, self._awake():
             self._buckets = [{k: v.detach().clone() for k, v in b.items()}
                              for b in self.engine.weight_buckets(bucket_bytes)]
+            args["buckets"] = len(self._buckets)
         return len(self._buckets)
 
     @contextlib.contextmanager
@@ -225,11 +230,13 @@ class TrainerWorker(_Worker):
     def sleep(self) -> None:
         """Colocated: offload for the generation phase (engines that can)."""
         if hasattr(self.engine, "sleep"):
-            self.engine.sleep()
+            with self.tracer.span("sleep"):
+                self.engine.sleep()
 
     def wake(self) -> None:
         if hasattr(self.engine, "wake"):
-            self.engine.wake()
+            with self.tracer.span("wake"):
+                self.engine.wake()
 
     def bucket(self, index: int) -> dict:
         return self._buckets[index]
@@ -249,7 +256,7 @@ class TrainerWorker(_Worker):
 
         version = self.engine.version
         directory = checkpoint_dir(self.checkpoint["run_dir"], version)
-        with self._awake():
+        with self.tracer.span("checkpoint save", version=version), self._awake():
             self.engine.save_checkpoint(directory / TRAINER_DIR)
         if self.rank == 0:  # the engine returns once every rank's files are written
             write_json_atomically(directory / TRAINER_MARKER, {"version": version, "engine": self.stage.engine.name,
@@ -259,15 +266,11 @@ class TrainerWorker(_Worker):
     def load_checkpoint(self, directory: str) -> int:
         from rldsl.runtime.ray_lowering.checkpoint import TRAINER_DIR
 
-        return self.engine.load_checkpoint(Path(directory) / TRAINER_DIR)
+        with self.tracer.span("checkpoint load"):
+            return self.engine.load_checkpoint(Path(directory) / TRAINER_DIR)
 
 
-def _init_process_group(dist: dict):
-    import torch
-    import torch.distributed as torch_dist
+def _join(dist: dict):
+    from rldsl.runtime.ray_lowering.rendezvous import join_process_group
 
-    # gloo for CPU tensors; NCCL for CUDA tensors when there is a GPU (megatron on GPUs)
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    torch_dist.init_process_group(backend, init_method=f"tcp://{dist['master']}", rank=dist["rank"],
-                                  world_size=dist["world_size"])
-    return torch_dist.group.WORLD
+    return join_process_group(dist["group"], dist["rank"], dist["world_size"])

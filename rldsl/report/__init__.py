@@ -1,0 +1,49 @@
+"""`rldsl report RUN_DIR`: one figure a user reads at a glance (report.png,
+or with ``--html`` the same as one self-contained interactive page), and a
+printed summary of the run.
+
+data.py reads the run directory into series; png.py and html.py draw them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def write_report(run_dir: Path, html: bool = False) -> int:
+    if not (run_dir / "metrics.jsonl").exists():
+        print(f"error: {run_dir} has no metrics.jsonl", file=sys.stderr)
+        print("  = help: pass a directory written by `rldsl run` (see its last line)", file=sys.stderr)
+        return 2
+    from rldsl.report.data import read_metrics, report_data
+    from rldsl.report.png import write_png
+
+    steps, evals = read_metrics(run_dir)
+    data = report_data(run_dir)
+    written = [write_png(data, run_dir / "report.png")]
+    if html:
+        from rldsl.report.html import write_html
+
+        written.append(write_html(data, run_dir / "report.html"))
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    print(f"run: {run_dir}")
+    print(f"steps: {len(steps)}" + ("" if summary else " (no summary.json: the run did not finish)"))
+    if summary:
+        ledger = summary["ledger"]
+        dropped = ", ".join(f"{k} {v}" for k, v in ledger["dropped"].items()) or "none"
+        print(f"samples: generated {ledger['generated']}, trained {ledger['trained']}, dropped {dropped}")
+        print(f"max lag: {summary['max_lag']}, {summary['samples_per_s']:.1f} samples/s, "
+              f"wall clock {summary.get('wall_clock_s', 0):.0f}s")
+    if evals:
+        first, last = evals[0], evals[-1]
+        print(f"held-out accuracy: {first['accuracy']:.3f} (step {first['step']}) -> {last['accuracy']:.3f} "
+              f"(step {last['step']}), {last['accuracy'] - first['accuracy']:+.3f}")
+    rewards = [s["reward_mean"] for s in steps if s.get("reward_mean") is not None]
+    if rewards:
+        print(f"mean reward: {rewards[0]:.3f} (first step) -> {rewards[-1]:.3f} (last step)")
+    for path in written:
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,39 @@
+"""What every actor process of a run does first, and what it says about itself."""
+
+from __future__ import annotations
+
+import os
+
+# A worker process shares the machine with the others: one thread each keeps
+# generation and training truly concurrent on a small CPU.
+_THREADS = int(os.environ.get("RLDSL_TORCH_THREADS", "1"))
+WORKER_SETUP_ENV = "RLDSL_WORKER_SETUP"
+
+
+def setup_worker_process() -> None:
+    """Once per worker process: torch threads, then the optional
+    ``RLDSL_WORKER_SETUP=module:function`` hook (site patches, or the test
+    suite's megatron-on-CPU shim)."""
+    import importlib
+
+    import torch
+
+    torch.set_num_threads(_THREADS)
+    hook = os.environ.get(WORKER_SETUP_ENV)
+    if hook:
+        module, _, function = hook.partition(":")
+        try:
+            setup = getattr(importlib.import_module(module), function)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise RuntimeError(f"{WORKER_SETUP_ENV}={hook!r} names no importable module:function ({err})") from None
+        setup()
+
+
+def where() -> dict:
+    """This actor's Ray node and devices, checked against the plan (placement_check.py)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return {"node_id": context.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+            "gpu_ids": sorted(int(g) for g in ray.get_gpu_ids()),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}

@@ -1,0 +1,118 @@
+"""Process groups whose ranks may sit on different nodes.
+
+Rank 0 of a group picks its own node's address and a free port there and
+publishes them on a small named actor (the board, one per run); the other
+ranks read them from it. Every rank first signs in on the board, so a
+rendezvous that times out names the group and the ranks that never came.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+BOARD_NAME = "rendezvous"
+TIMEOUT_ENV = "RLDSL_RENDEZVOUS_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+_POLL_S = 0.05
+
+
+class RendezvousTimeout(RuntimeError):
+    """A process group did not form in time."""
+
+
+class RendezvousBoard:
+    """Addresses of the run's process groups and which ranks have arrived;
+    a Ray actor (``create_board``)."""
+
+    def __init__(self) -> None:
+        self._addresses: dict[str, str] = {}
+        self._arrived: dict[str, set[int]] = {}
+
+    def arrive(self, group: str, rank: int) -> None:
+        self._arrived.setdefault(group, set()).add(rank)
+
+    def publish(self, group: str, address: str) -> None:
+        self._addresses[group] = address
+
+    def address(self, group: str) -> str | None:
+        return self._addresses.get(group)
+
+    def arrived(self, group: str) -> list[int]:
+        return sorted(self._arrived.get(group, ()))
+
+
+def create_board():
+    """The run's board, named so every worker finds it in the run's namespace."""
+    import ray
+
+    return ray.remote(RendezvousBoard).options(name=BOARD_NAME, num_cpus=0).remote()
+
+
+def timeout_s() -> float:
+    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+
+
+def join_process_group(group: str, rank: int, world_size: int):
+    """Join ``group`` as ``rank`` of ``world_size`` (gloo on CPU, NCCL for CUDA
+    tensors when there is a GPU); returns torch's default group."""
+    import ray
+    import torch
+    import torch.distributed as dist
+
+    board = ray.get_actor(BOARD_NAME)
+    ray.get(board.arrive.remote(group, rank))
+    limit = timeout_s()
+    deadline = time.monotonic() + limit
+    if rank == 0:
+        address = f"{_host()}:{_free_port()}"
+        ray.get(board.publish.remote(group, address))
+    else:
+        address = _wait_for_address(board, group, world_size, deadline, limit)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    except (RuntimeError, ValueError) as err:  # torch raises DistStoreError (a RuntimeError) on timeout
+        raise RendezvousTimeout(_missing(board, group, world_size, limit, address, err)) from None
+    return dist.group.WORLD
+
+
+def _wait_for_address(board, group: str, world_size: int, deadline: float, limit: float) -> str:
+    import ray
+
+    while time.monotonic() < deadline:
+        address = ray.get(board.address.remote(group))
+        if address:
+            return address
+        time.sleep(_POLL_S)
+    raise RendezvousTimeout(_missing(board, group, world_size, limit))
+
+
+def _missing(board, group: str, world_size: int, limit: float, address: str | None = None,
+             error: BaseException | None = None) -> str:
+    import ray
+
+    arrived = set(ray.get(board.arrived.remote(group)))
+    missing = [r for r in range(world_size) if r not in arrived]
+    if missing:
+        return (f"process group `{group}` did not form within {limit:g} s: rank(s) {missing} of {world_size} never "
+                "arrived (their actors did not start, or hang before joining)")
+    return (f"process group `{group}` did not form within {limit:g} s: all {world_size} ranks arrived but could not "
+            f"all connect to rank 0 at {address} ({type(error).__name__}: {error}); check that the nodes can reach "
+            "each other on that address and port")
+
+
+def _host() -> str:
+    """This node's address as Ray knows it (loopback when Ray runs on loopback)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((_host(), 0))
+        return sock.getsockname()[1]

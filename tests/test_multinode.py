@@ -1,0 +1,202 @@
+"""Plans on a real multi-node Ray: three raylets on this machine (a head
+without GPUs and two nodes with three logical GPUs each), through
+``ray.cluster_utils.Cluster``.
+
+Each test checks, per actor, the Ray node and the GPU ids against the plan:
+actors of one plan node share one Ray node, the two plan nodes are two
+different GPU nodes, and every actor's devices are the plan's GPU ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+torch = pytest.importorskip("torch")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+GPUS_PER_NODE = 3
+
+SIM_TP2 = """
+pipeline tp2
+cluster { nodes = 2  gpus_per_node = 3 }
+model policy { source = "builtin:tiny-lm" }
+dataset prompts { source = "builtin:arith" }
+stage generate rollout {
+  model = policy  engine = sim(latency = 10ms, tp = 2)  gpus = [0, 1, 3, 4]  samples_per_prompt = 4
+}
+stage reward score { fn = "rldsl.rewards:exact_match" }
+stage logprob reference { model = policy  frozen  engine = sim(latency = 2ms)  colocate = actor }
+stage train actor {
+  model = policy  engine = sim(latency = 10ms)  gpus = [2, 5]  prompts_per_step = 4  micro_batch = 4
+}
+stage sync weights { from = actor  to = rollout }
+flow prompts -> rollout -> score -> reference -> actor
+staleness { max_lag = 1 }
+run { steps = 3  watchdog = 60s }
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0})
+    gpu_nodes = [cluster.add_node(num_cpus=6, num_gpus=GPUS_PER_NODE) for _ in range(2)]
+    cluster.wait_for_nodes()
+    yield cluster, {node.node_id for node in gpu_nodes}
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster.shutdown()
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "pipeline.rlp"
+    path.write_text(text)
+    return path
+
+
+def rldsl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    return subprocess.run([sys.executable, "-m", "rldsl", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env=env)
+
+
+def assert_matches_plan(placement: dict, plan: dict, gpu_nodes: set[str]) -> None:
+    """Per actor: its Ray node is the one of its plan node, its devices are the plan's GPU ids."""
+    ranks = {f"{stage['name']}-{rank['index']}": rank for pipe in plan["pipelines"] for stage in pipe["stages"]
+             for rank in stage["ranks"] if rank["gpus"]}
+    assert set(placement["actors"]) == set(ranks)
+    ray_node_of_plan_node: dict[int, str] = {}
+    for name, actor in placement["actors"].items():
+        rank = ranks[name]
+        assert actor["gpu_ids"] == rank["gpus"], name
+        assert actor["cuda_visible_devices"] == ",".join(map(str, rank["gpus"])), name
+        assert ray_node_of_plan_node.setdefault(rank["node"], actor["node_id"]) == actor["node_id"], name
+    assert len(set(ray_node_of_plan_node.values())) == len(ray_node_of_plan_node) == 2
+    assert set(ray_node_of_plan_node.values()) <= gpu_nodes
+
+
+def test_sim_tp2_replicas_and_a_trainer_across_two_nodes(cluster, tmp_path):
+    ray_cluster, gpu_nodes = cluster
+    proc = rldsl("run", str(write(tmp_path, SIM_TP2)), "--address", ray_cluster.address,
+                 "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    plan = json.loads((run_dir / "plan.json").read_text())
+    rollout = next(s for s in plan["pipelines"][0]["stages"] if s["name"] == "rollout")
+    assert [(r["node"], r["gpus"]) for r in rollout["ranks"]] == [(0, [0, 1]), (1, [0, 1])]  # one actor per replica
+    assert_matches_plan(json.loads((run_dir / "placement.json").read_text()), plan, gpu_nodes)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["ledger"]["trained"] == 3 * 4 * 4
+
+
+def test_dry_run_reports_where_every_actor_would_start_and_exits(cluster, tmp_path):
+    ray_cluster, gpu_nodes = cluster
+    proc = rldsl("run", str(write(tmp_path, SIM_TP2)), "--address", ray_cluster.address, "--dry-run",
+                 "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()  # nothing but a report
+    for actor, devices in (("rollout-0", "0,1"), ("rollout-1", "0,1"), ("actor-0", "2"), ("actor-1", "2"),
+                           ("reference-1", "2")):
+        line = next(line for line in proc.stdout.splitlines() if line.startswith(actor + " "))
+        assert line.split()[-1] == devices, line
+    assert "placement matches the plan" in proc.stdout
+
+
+def test_dry_run_says_per_node_what_is_missing(cluster, tmp_path):
+    ray_cluster, _ = cluster
+    text = (SIM_TP2.replace("gpus_per_node = 3", "gpus_per_node = 4").replace("[0, 1, 3, 4]", "[0, 1, 4, 5]")
+            .replace("[2, 5]", "[2, 3, 6, 7]"))
+    proc = rldsl("run", str(write(tmp_path, text)), "--address", ray_cluster.address, "--dry-run")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "plan node 0" in proc.stderr and "plan node 1" in proc.stderr
+    assert "GPU=4" in proc.stderr and "lacks GPU=1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+TORCH_DP2 = """
+pipeline torch_dp2
+cluster { nodes = 2  gpus_per_node = 3 }
+model policy { source = "builtin:tiny-lm" }
+dataset prompts { source = "builtin:arith"  eval_size = 0 }
+stage generate rollout { model = policy  gpus = [0]  samples_per_prompt = 4  max_new_tokens = 6 }
+stage reward score { fn = "rldsl.rewards:exact_match" }
+stage train actor {
+  model = policy  gpus = [1, 4]  prompts_per_step = 4  micro_batch = 4
+  loss = grpo(clip = 0.2, kl = 0.0, level = token)
+}
+stage sync weights { from = actor  to = rollout }
+flow prompts -> rollout -> score -> actor
+staleness { max_lag = 1 }
+run { steps = 2  watchdog = 120s }
+"""
+
+
+def test_torch_trainer_dp2_over_two_nodes_forms_its_group_and_trains(cluster, tmp_path):
+    ray_cluster, gpu_nodes = cluster
+    proc = rldsl("run", str(write(tmp_path, TORCH_DP2)), "--address", ray_cluster.address,
+                 "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    plan = json.loads((run_dir / "plan.json").read_text())
+    actor = next(s for s in plan["pipelines"][0]["stages"] if s["name"] == "actor")
+    assert [r["node"] for r in actor["ranks"]] == [0, 1]
+    assert_matches_plan(json.loads((run_dir / "placement.json").read_text()), plan, gpu_nodes)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["version"] == 2
+
+
+def test_split_step_gradient_over_two_nodes_equals_the_full_batch(cluster):
+    """The cross-node gloo group of the real rendezvous carries the split step:
+    the averaged gradient equals one full-batch backward."""
+    from rldsl.runtime.ray_lowering.bundles import ActorSlot, layout_bundles
+    from rldsl.runtime.ray_lowering.cluster import ray_session
+    from rldsl.runtime.ray_lowering.placement import reserve
+    from rldsl.runtime.ray_lowering.rendezvous import create_board
+    from tests.test_split_step_gradient import LOSS_CONFIGS, full_batch_gradients, make_batch, make_model
+
+    ray_cluster, gpu_nodes = cluster
+    slots = [ActorSlot(f"rank-{r}", "actor", r, r, (0,), 1.0) for r in range(2)]
+    with ray_session(ray_cluster.address, namespace="rldsl-test-split-step"):
+        reservation = reserve(layout_bundles(slots, 0.25), GPUS_PER_NODE, fold=False, name="split-step")
+        board = create_board()  # noqa: F841  (held: the named actor lives with its handle)
+        workers = [ray.remote(SplitStepRank).options(**reservation.actor_options(s)).remote() for s in slots]
+        rows = [(0, 3), (3, 7)], [(7, 10)]  # uneven rows per rank, one microbatch count each side
+        results = ray.get([w.gradients.remote(r, 2, rows[r]) for r, w in enumerate(workers)])
+        reservation.release()
+    nodes = {node for node, _ in results}
+    assert len(nodes) == 2 and nodes <= gpu_nodes
+    model, config = make_model(), LOSS_CONFIGS[0]
+    expected = full_batch_gradients(model, make_batch(model), config)
+    for _, grads in results:
+        scale = max(float(g.abs().max()) for g in expected)
+        assert max(float((a - e).abs().max()) for a, e in zip(grads, expected)) / scale < 1e-5
+
+
+class SplitStepRank:
+    def gradients(self, rank: int, world_size: int, row_splits: list[tuple[int, int]]):
+        import ray
+
+        from rldsl.runtime.engines.torch.train import TorchTrainer
+        from rldsl.runtime.ray_lowering.rendezvous import join_process_group
+        from tests.test_split_step_gradient import LOSS_CONFIGS, make_batch, make_model
+
+        group = join_process_group("split-step/actor", rank, world_size)
+        model = make_model()
+        batch = make_batch(model)
+        trainer = TorchTrainer(model, loss=LOSS_CONFIGS[0], lr=0.0, max_grad_norm=None, process_group=group)
+        trainer.begin_train_step(0)
+        for start, stop in row_splits:
+            trainer.train_microbatch(0, {k: v[start:stop] for k, v in batch.items()})
+        trainer.finish_train_step(0)
+        return ray.get_runtime_context().get_node_id(), [p.grad.clone() for p in trainer.parameters]

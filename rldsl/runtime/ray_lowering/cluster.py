@@ -46,6 +46,59 @@ def logical_cpus_needed(actor_cpus: float = 0.0, storage_units: int = 1) -> int:
 # ------------------------------------------------------------------ sessions
 
 
+def loopback_env() -> dict[str, str]:
+    """The environment of a local run that keeps every socket on loopback.
+
+    Ray resolves its node address to the machine's routable one and serves
+    on it; with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` it takes the loopback
+    address instead (its own behaviour on macOS and Windows), and so do
+    TransferQueue's sockets and our rendezvous, which ask Ray for the node
+    address. gloo and NCCL pick their interface from ``*_SOCKET_IFNAME``.
+    A variable the user has set is left as it is."""
+    loopback = _loopback_interface()
+    wanted = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    if loopback:
+        wanted |= {"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback}
+    return wanted
+
+
+def _ray_on_loopback() -> Callable[[], None]:
+    """This process's Ray read RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it was
+    imported; the same switch for it now (private, checked on Ray 2.60).
+    Returns what undoes it."""
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1") not in ("0", "false")
+
+    def restore() -> None:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+    return restore
+
+
+def _loopback_interface() -> str | None:
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses):
+            return name
+    return None
+
+
+def _set_environ(values: dict[str, str]) -> Callable[[], None]:
+    """Set what the user has not set; returns what undoes it."""
+    added = [name for name in values if name not in os.environ]
+    for name in added:
+        os.environ[name] = values[name]
+
+    def restore() -> None:
+        for name in added:
+            os.environ.pop(name, None)
+
+    return restore
+
+
 @dataclass
 class RaySession:
     """The Ray this process uses. ``started_here`` is true only when we
@@ -89,8 +142,9 @@ def start_ray(
 
     Locally: ``num_cpus`` logical CPUs (default ``logical_cpus_needed()``),
     ``num_gpus`` logical GPUs, no dashboard, worker logs not forwarded,
-    token auth off unless RAY_AUTH_MODE says otherwise. When joining, the
-    cluster's own resources apply and ``num_cpus``/``num_gpus`` are ignored.
+    every socket on loopback (``loopback_env``), and Ray's own authentication
+    as RAY_AUTH_MODE says (token by default). When joining, the cluster's own
+    resources and authentication apply and ``num_cpus``/``num_gpus`` are ignored.
     The address is probed over TCP first, so an unreachable one fails within
     ``connect_timeout_s`` (Ray alone retries for about two minutes, then exits
     the process); a port that accepts TCP but is no Ray GCS fails in Ray's
@@ -109,9 +163,8 @@ def start_ray(
     if os.environ.get(WORKER_SETUP_ENV):
         env[WORKER_SETUP_ENV] = os.environ[WORKER_SETUP_ENV]
     if address in (None, "", "local"):
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        for name, value in env.items():
-            os.environ.setdefault(name, value)
+        restore = _set_environ({**env, **loopback_env()})  # worker processes inherit it
+        restore_ray = _ray_on_loopback()
         cpus = logical_cpus_needed() if num_cpus is None else num_cpus
         try:
             ray.init(
@@ -124,9 +177,16 @@ def start_ray(
             )
         except BaseException:  # e.g. Ctrl-C half-way: do not leave a half-started Ray behind
             ray.shutdown()
+            restore_ray()
+            restore()
             raise
-        return RaySession(ray.get_runtime_context().gcs_address, namespace, True, True)
+        session = RaySession(ray.get_runtime_context().gcs_address, namespace, True, True)
+        session.add_cleanup(restore)
+        session.add_cleanup(restore_ray)
+        return session
     _probe_address(_resolve_address(address), address, connect_timeout_s)
+    if not address.startswith("ray://"):
+        _check_authentication(_resolve_address(address), address, connect_timeout_s)
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=False, runtime_env={"env_vars": env})
     except (ConnectionError, RuntimeError, SystemExit) as error:  # Ray exits the process if GCS never answers
@@ -191,3 +251,35 @@ def _probe_address(host_port: str, address: str, timeout_s: float) -> None:
             f"cannot reach the Ray cluster at {address!r} ({host}:{port}) within {timeout_s:g} s: {error}. "
             f"{_ADDRESS_HINT}"
         ) from None
+
+
+def _check_authentication(host_port: str, address: str, timeout_s: float) -> None:
+    """A cluster with token authentication refuses a client without its
+    token; Ray itself then retries for a while and blames the network. Ask
+    the GCS once, with the token Ray's own mechanisms find (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), and say what is wrong. The
+    cluster's settings are never changed. Private Ray modules, checked on 2.60;
+    without them the check is skipped and ray.init reports."""
+    try:
+        import grpc
+        from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        return
+    headers = get_auth_headers_if_auth_enabled({})
+    metadata = [(key.lower(), value) for key, value in headers.items()] or None
+    with grpc.insecure_channel(host_port) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNAUTHENTICATED:
+                return  # not an authentication problem: ray.init says what it is
+            if not headers:
+                raise ClusterError(
+                    f"the Ray cluster at {address!r} requires token authentication and no token was found here. "
+                    "Give rldsl the cluster's token the way Ray takes it: RAY_AUTH_MODE=token with RAY_AUTH_TOKEN=..., "
+                    "or RAY_AUTH_TOKEN_PATH=<file>, or the token in ~/.ray/auth_token") from None
+            raise ClusterError(
+                f"the Ray cluster at {address!r} refused the authentication token found here (RAY_AUTH_TOKEN, "
+                "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token): use that cluster's token") from None

@@ -5,8 +5,11 @@ by its own controller (pipeline_driver.py), all followed together."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,6 +106,9 @@ class Driver:
         layout = self.folded_layout if fold else self.layout
         reservation = reserve(layout, self.plan.cluster.gpus_per_node, fold=fold, name=self.plan.pipelines[0].name)
         self.board = create_board()  # held: a named actor lives as long as a handle to it
+        if fold:  # process groups meet in files: no store socket on any interface
+            reservation.store_dir = tempfile.mkdtemp(prefix="rldsl-rendezvous-")
+            session.add_cleanup(functools.partial(shutil.rmtree, reservation.store_dir, ignore_errors=True))
         return reservation
 
     def _check_placement(self, reservation) -> None:

@@ -92,7 +92,7 @@ def run_plan(plan: ExecutionPlan, args) -> int:
     run_dir = Path(args.resume or args.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if dry_run:
         return _dry_run(plan, settings, run_dir, args.address)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _private_directory(run_dir)
     if not resume:
         (run_dir / "plan.json").write_text(plan.to_json() + "\n")
         (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file,
@@ -126,3 +126,11 @@ def _dry_run(plan: ExecutionPlan, settings: dict, run_dir: Path, address: str | 
     except (ClusterError, LayoutError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _private_directory(path: Path) -> None:
+    """The run directory, created for its owner only: checkpoints, metrics and
+    the trace inside it are out of other users' reach whatever their own modes
+    (a directory that already exists keeps its mode)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=0o700, exist_ok=True)

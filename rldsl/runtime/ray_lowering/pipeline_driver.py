@@ -80,7 +80,7 @@ class PipelineDriver:
                 args = [self.pipe, stage, rank.index, spec]
                 if stage.kind in ("train", "logprob"):  # each stage is its own process group
                     args.append({"group": f"{self.prefix}{stage.name}", "rank": rank.index,
-                                 "world_size": len(stage.ranks)})
+                                 "world_size": len(stage.ranks), "store_dir": reservation.store_dir})
                 if stage.kind == "train":
                     args.append(self.checkpoint)
                 options = self.actor_options(stage.name, rank.index, bool(rank.gpus), reservation)

@@ -84,6 +84,7 @@ class Reservation:
     groups: dict[int, object]  # plan node -> placement group
     folded: bool
     gpus_per_node: int
+    store_dir: str | None = None  # where process groups meet when every rank is on this machine
 
     def slot(self, name: str) -> ActorSlot:
         return self.layout.slot(name)

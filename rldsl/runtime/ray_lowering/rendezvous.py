@@ -4,6 +4,10 @@ Rank 0 of a group picks its own node's address and a free port there and
 publishes them on a small named actor (the board, one per run); the other
 ranks read them from it. Every rank first signs in on the board, so a
 rendezvous that times out names the group and the ranks that never came.
+
+A local run (every rank on this machine) meets in a file instead
+(``store_dir``): torch's TCP store would listen on every interface, a file
+store opens no socket at all.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 
 BOARD_NAME = "rendezvous"
 TIMEOUT_ENV = "RLDSL_RENDEZVOUS_TIMEOUT_S"
@@ -55,9 +60,10 @@ def timeout_s() -> float:
     return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
 
 
-def join_process_group(group: str, rank: int, world_size: int):
+def join_process_group(group: str, rank: int, world_size: int, store_dir: str | None = None):
     """Join ``group`` as ``rank`` of ``world_size`` (gloo on CPU, NCCL for CUDA
-    tensors when there is a GPU); returns torch's default group."""
+    tensors when there is a GPU); returns torch's default group. With
+    ``store_dir`` the ranks meet in a file there (one machine only)."""
     import ray
     import torch
     import torch.distributed as dist
@@ -66,14 +72,19 @@ def join_process_group(group: str, rank: int, world_size: int):
     ray.get(board.arrive.remote(group, rank))
     limit = timeout_s()
     deadline = time.monotonic() + limit
-    if rank == 0:
+    if store_dir is not None:
+        address = str(Path(store_dir) / group.replace("/", "_"))
+        init_method = f"file://{address}"
+    elif rank == 0:
         address = f"{_host()}:{_free_port()}"
         ray.get(board.publish.remote(group, address))
+        init_method = f"tcp://{address}"
     else:
         address = _wait_for_address(board, group, world_size, deadline, limit)
+        init_method = f"tcp://{address}"
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     try:
-        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size,
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
     except (RuntimeError, ValueError) as err:  # torch raises DistStoreError (a RuntimeError) on timeout
         raise RendezvousTimeout(_missing(board, group, world_size, limit, address, err)) from None

@@ -273,4 +273,4 @@ class TrainerWorker(_Worker):
 def _join(dist: dict):
     from rldsl.runtime.ray_lowering.rendezvous import join_process_group
 
-    return join_process_group(dist["group"], dist["rank"], dist["world_size"])
+    return join_process_group(dist["group"], dist["rank"], dist["world_size"], dist.get("store_dir"))

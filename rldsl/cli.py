@@ -221,17 +221,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_CHECKED_COMMANDS = ("check", "plan", "graph", "explain")  # never a traceback, whatever the input
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except Exception as error:  # noqa: BLE001 - the top: anything left is a bug of ours
+        if args.command not in _CHECKED_COMMANDS:
+            raise
+        return _internal_error(args, error)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `rldsl plan --format json | head`
         sys.stderr.close()
         return EXIT_OK
+
+
+def _internal_error(args, error: Exception) -> int:
+    """ruff's convention: an internal error is exit 2 and says so, in the
+    format asked for; RLDSL_DEBUG=1 adds the traceback."""
+    import json
+    import traceback
+
+    text = f"{type(error).__name__}: {error}"
+    if getattr(args, "format", "text") in ("json", "sarif"):
+        print(json.dumps({"internal_error": text, "valid": False}, indent=2))
+    print(f"internal error: {text}", file=sys.stderr)
+    print("  = note: this is a bug in rldsl, not in your file; please report it with the file that caused it",
+          file=sys.stderr)
+    if os.environ.get("RLDSL_DEBUG"):
+        traceback.print_exc()
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ class _Style:
 def render_text(diags: Sequence[Diagnostic], source: str, filename: str, color: bool = False) -> str:
     """rustc-like text: header, location arrow, the line as written, carets."""
     style = _Style(color)
-    lines = source.splitlines()
+    lines = source_lines(source)
     out: list[str] = []
     for d in diags:
         sev_color = "1;31" if d.is_error else "1;33"
@@ -89,19 +89,48 @@ def render_text(diags: Sequence[Diagnostic], source: str, filename: str, color: 
     return "\n".join(out) + "\n"
 
 
+def source_lines(source: str) -> list[str]:
+    """The one line model positions use too: lines end at a newline only (a
+    form feed or a Unicode line separator is a character within its line),
+    and a carriage return before the newline is not shown."""
+    return [line.removesuffix("\r") for line in source.split("\n")]
+
+
+SNIPPET_WIDTH = 120  # a longer line is shown as a window around the caret
+
+
 def _render_snippet(span: Span, lines: list[str], filename: str, style: _Style, color: str, label: str = "") -> list[str]:
     gutter = " " * len(str(span.line))
     out = [f"{gutter}{style('-->', '1;34')} {filename}:{span.line}:{span.col}"]
     if not 1 <= span.line <= len(lines):
         return out
-    text = lines[span.line - 1].replace("\t", " ")
+    text = _printable(lines[span.line - 1])
     end = span.end_col if span.end_line == span.line else len(text) + 1
     width = max(1, min(end, len(text) + 1) - span.col)
-    carets = " " * (span.col - 1) + "^" * width
+    text, col, width = _window(text, span.col, width)
+    carets = " " * (col - 1) + "^" * width
     out.append(f"{gutter} {style('|', '1;34')}")
     out.append(f"{style(str(span.line), '1;34')} {style('|', '1;34')} {text}")
     out.append(f"{gutter} {style('|', '1;34')} {style(carets, color)}{(' ' + label) if label else ''}")
     return out
+
+
+def _printable(text: str) -> str:
+    """One display column per character: tabs and other control or separator
+    characters become spaces, so the carets stay under what they mark."""
+    return "".join(" " if not char.isprintable() else char for char in text)
+
+
+def _window(text: str, col: int, width: int) -> tuple[str, int, int]:
+    """At most SNIPPET_WIDTH characters of ``text`` around columns col..col+width."""
+    if len(text) <= SNIPPET_WIDTH:
+        return text, col, width
+    width = min(width, SNIPPET_WIDTH // 2)
+    start = max(0, min(col - 1 - SNIPPET_WIDTH // 3, len(text) - SNIPPET_WIDTH))
+    shown = text[start:start + SNIPPET_WIDTH]
+    prefix = "…" if start > 0 else ""
+    suffix = "…" if start + SNIPPET_WIDTH < len(text) else ""
+    return prefix + shown + suffix, col - start + len(prefix), width
 
 
 def summary_line(diags: Sequence[Diagnostic]) -> str:

@@ -46,8 +46,14 @@ class ParseFailure(Exception):
         self.diagnostic = diagnostic
 
 
+MAX_NESTING = 32  # brackets inside brackets; far beyond any pipeline, far below Python's recursion limit
+
+
 def parse(text: str) -> tuple[ast.SourceFile | None, list[Diagnostic]]:
     """Parse a whole file. Returns the tree or the syntax diagnostics."""
+    too_deep = _nesting_diagnostic(text)
+    if too_deep is not None:  # the tree builders recurse per level: refuse before they do
+        return None, [too_deep]
     try:
         tree = _lark().parse(text)
         return _ToAst().transform(tree), []
@@ -61,6 +67,46 @@ def parse(text: str) -> tuple[ast.SourceFile | None, list[Diagnostic]]:
 
 
 # ------------------------------------------------------------------ errors
+
+
+_OPENING = "([{"
+_SIGNIFICANT = re.compile(r'[\[\](){}"#\n]')
+_STRING = re.compile(r'"([^"\\\n]|\\.)*"')  # the grammar's STRING
+
+
+def _nesting_diagnostic(text: str) -> Diagnostic | None:
+    """RLP002 at the first bracket that opens level MAX_NESTING + 1 (strings
+    and comments skipped), or None. Jumps from one bracket, quote, comment
+    or newline to the next: linear, and fast on a megabyte-long line."""
+    if sum(text.count(bracket) for bracket in _OPENING) <= MAX_NESTING:
+        return None  # every file written by hand
+    depth, line, line_start, index = 0, 1, 0, 0
+    while True:
+        found = _SIGNIFICANT.search(text, index)
+        if found is None:
+            return None
+        index, char = found.start(), found.group()
+        if char == "\n":
+            line, line_start = line + 1, index + 1
+        elif char == "#":  # a comment runs to the end of its line
+            end = text.find("\n", index)
+            index = len(text) if end < 0 else end
+            continue
+        elif char == '"':  # a string (escapes allowed) ends at its closing quote on the same line
+            match = _STRING.match(text, index)
+            index = match.end() if match else index + 1
+            continue
+        elif char in _OPENING:
+            depth += 1
+            if depth > MAX_NESTING:
+                col = index - line_start + 1
+                return Diagnostic("RLP002", ERROR, f"brackets nested deeper than {MAX_NESTING} levels",
+                                  Span(line, col, line, col + 1),
+                                  help=f"no pipeline value needs more than a few levels; keep lists, calls and "
+                                       f"blocks within {MAX_NESTING}")
+        else:
+            depth = max(0, depth - 1)
+        index += 1
 
 
 def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:

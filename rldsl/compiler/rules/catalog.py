@@ -26,6 +26,10 @@ RULES: dict[str, Rule] = {r.code: r for r in [
     _r("RLP001", ERROR, "syntax error",
        "The file does not follow the grammar: a missing `=`, an unclosed `{` or string, a stray character.",
        "stage train actor {\n  prompts_per_step 8\n}"),
+    _r("RLP002", ERROR, "nesting too deep",
+       "Lists, calls and blocks nest at most 32 levels. No pipeline needs more; the bound keeps `check` from "
+       "recursing without end on a damaged or generated file.",
+       "stage train actor { model = policy  prompts_per_step = " + "[" * 33 + "1" + "]" * 33 + " }"),
     _r("RLP101", ERROR, "unknown name",
        "A reference (a model, a stage, a dataset in a flow) names nothing declared in this pipeline. "
        "The help suggests the closest declared name.",

@@ -71,3 +71,14 @@ def test_an_internal_error_is_exit_2_and_says_so(monkeypatch, capsys, tmp_path):
     out, err = capsys.readouterr()
     assert json.loads(out) == {"internal_error": "ZeroDivisionError: a bug", "valid": False}
     assert err.startswith("internal error: ZeroDivisionError: a bug")
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("1" * 400, "is too large: numbers stay within ±1e18"),
+    ("1e400", "`1e400` is too large"),
+    ("[0..99999999]", "GPU id `99999999` is out of range: must be at most 65535"),
+])
+def test_huge_numbers_are_findings(value, message):
+    """An overflowing literal raised OverflowError; a huge GPU range built a list of 100 million ids."""
+    result = compile_source(BASE.replace("gpus = 2\n  samples", f"gpus = {value}\n  samples", 1))
+    assert [d.code for d in result.diagnostics] == ["RLP106"] and message in result.diagnostics[0].message

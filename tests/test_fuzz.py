@@ -55,3 +55,15 @@ def test_mutated_pipelines(seed, data):
         else:
             text = text[:j] + text[i:j] + text[j:]
     _assert_only_diagnostics(text)
+
+
+def test_the_fuzz_benchmark_finds_no_traceback_in_a_few_thousand_inputs():
+    """bench/fuzz.py at CI size: random bytes, token soup, mutations, deep
+    nesting, megabyte lines and Unicode line separators (100k in the benchmark)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fuzz.py"), "--inputs", "2000", "--seed", "7"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "tracebacks: 0" in proc.stdout

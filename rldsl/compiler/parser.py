@@ -184,11 +184,19 @@ def _word(tok: Token) -> ast.Word:
 _NUMBER = re.compile(r"(-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)([A-Za-z%]*)$")
 
 
+MAX_MAGNITUDE = 1e18  # no setting needs more (a TiB is 1.1e12 bytes); beyond, floats lose whole numbers
+
+
 def number_from_token(tok: Token) -> ast.Number:
     digits, unit = _NUMBER.match(str(tok)).groups()
     is_int = re.fullmatch(r"-?[0-9]+", digits) is not None
     # "1e-3" has no unit: the exponent was consumed by the digits group.
     magnitude = float(digits)
+    if not abs(magnitude) <= MAX_MAGNITUDE:  # also catches inf and nan
+        shown = str(tok) if len(str(tok)) <= 24 else f"{str(tok)[:20]}…"
+        raise ParseFailure(Diagnostic("RLP106", ERROR, f"`{shown}` is too large: numbers stay within ±1e18",
+                                      _tok_span(tok), help="write the value the setting needs; sizes take units "
+                                                           "(`256MiB`, `7B`), durations too (`30s`)"))
     return ast.Number(str(tok), magnitude, is_int, unit, _tok_span(tok))
 
 

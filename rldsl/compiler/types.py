@@ -9,6 +9,7 @@ diagnostics)`` and a ``describe`` used in messages and the reference docs.
 
 
 import re
+from collections import Counter
 from typing import Any, Callable, NamedTuple
 
 from rldsl.compiler import ast
@@ -255,21 +256,30 @@ class Gpus:
             if diags:
                 return INVALID, diags
             ids += got
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        dupes = sorted(i for i, n in Counter(ids).items() if n > 1)
         if dupes:
             return INVALID, _err("RLP104", f"GPU {dupes[0]} is listed twice", value.span)
         return GpuRequest(len(ids), tuple(ids), value.span), []
 
 
+MAX_GPU_ID = 65_535  # far beyond any cluster; keeps a typo like 0..99999999 from building a huge list
+
+
 def _gpu_ids(part: ast.Value) -> tuple[list[int], list[Diagnostic]]:
     if isinstance(part, ast.Number) and part.is_integer and not part.unit and part.magnitude >= 0:
-        return [int(part.magnitude)], []
+        return _gpu_id_range(part, part, part.span)
     if isinstance(part, ast.Range):
         ends = (part.low, part.high)
         if all(e.is_integer and not e.unit and e.magnitude >= 0 for e in ends) and part.low.magnitude <= part.high.magnitude:
-            return list(range(int(part.low.magnitude), int(part.high.magnitude) + 1)), []
+            return _gpu_id_range(part.low, part.high, part.span)
         return [], _err("RLP104", "a GPU range is `low..high` with whole numbers, low <= high", part.span)
     return [], _err("RLP104", f"expected a GPU id or range, found {_shown(part)}", part.span)
+
+
+def _gpu_id_range(low: ast.Number, high: ast.Number, span: Span) -> tuple[list[int], list[Diagnostic]]:
+    if high.magnitude > MAX_GPU_ID:
+        return [], _err("RLP106", f"GPU id `{high.text}` is out of range: must be at most {MAX_GPU_ID}", span)
+    return list(range(int(low.magnitude), int(high.magnitude) + 1)), []
 
 
 # ------------------------------------------------------------------- calls

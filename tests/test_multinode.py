@@ -86,17 +86,27 @@ def assert_matches_plan(placement: dict, plan: dict, gpu_nodes: set[str]) -> Non
     assert set(ray_node_of_plan_node.values()) <= gpu_nodes
 
 
-def test_sim_tp2_replicas_and_a_trainer_across_two_nodes(cluster, tmp_path):
+def run_on(cluster, tmp_path: Path, text: str) -> tuple[dict, dict]:
+    """`rldsl run --address` onto the cluster; checks every actor against the
+    plan; returns (the plan, the summary)."""
     ray_cluster, gpu_nodes = cluster
-    proc = rldsl("run", str(write(tmp_path, SIM_TP2)), "--address", ray_cluster.address,
+    proc = rldsl("run", str(write(tmp_path, text)), "--address", ray_cluster.address,
                  "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "run"
     plan = json.loads((run_dir / "plan.json").read_text())
-    rollout = next(s for s in plan["pipelines"][0]["stages"] if s["name"] == "rollout")
-    assert [(r["node"], r["gpus"]) for r in rollout["ranks"]] == [(0, [0, 1]), (1, [0, 1])]  # one actor per replica
     assert_matches_plan(json.loads((run_dir / "placement.json").read_text()), plan, gpu_nodes)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    return plan, json.loads((run_dir / "summary.json").read_text())
+
+
+def stage_ranks(plan: dict, name: str) -> list[dict]:
+    return next(s for s in plan["pipelines"][0]["stages"] if s["name"] == name)["ranks"]
+
+
+def test_sim_tp2_replicas_and_a_trainer_across_two_nodes(cluster, tmp_path):
+    plan, summary = run_on(cluster, tmp_path, SIM_TP2)
+    # one actor per replica
+    assert [(r["node"], r["gpus"]) for r in stage_ranks(plan, "rollout")] == [(0, [0, 1]), (1, [0, 1])]
     assert summary["steps"] == 3 and summary["ledger"]["trained"] == 3 * 4 * 4
 
 
@@ -143,16 +153,8 @@ run { steps = 2  watchdog = 120s }
 
 
 def test_torch_trainer_dp2_over_two_nodes_forms_its_group_and_trains(cluster, tmp_path):
-    ray_cluster, gpu_nodes = cluster
-    proc = rldsl("run", str(write(tmp_path, TORCH_DP2)), "--address", ray_cluster.address,
-                 "--run-dir", str(tmp_path / "run"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = tmp_path / "run"
-    plan = json.loads((run_dir / "plan.json").read_text())
-    actor = next(s for s in plan["pipelines"][0]["stages"] if s["name"] == "actor")
-    assert [r["node"] for r in actor["ranks"]] == [0, 1]
-    assert_matches_plan(json.loads((run_dir / "placement.json").read_text()), plan, gpu_nodes)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    plan, summary = run_on(cluster, tmp_path, TORCH_DP2)
+    assert [r["node"] for r in stage_ranks(plan, "actor")] == [0, 1]
     assert summary["steps"] == 2 and summary["version"] == 2
 
 

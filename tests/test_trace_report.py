@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -29,15 +28,6 @@ def test_a_span_records_its_call_its_args_and_its_error():
     assert batch["events"][0][3] == {"groups": [3], "version": 2}
     assert batch["events"][1][3] == {"error": "ValueError"}
     assert tracer.drain()["events"] == []
-
-
-def test_a_span_costs_microseconds():
-    tracer = Tracer("a", "s", "generate")
-    started = time.perf_counter()
-    for _ in range(20_000):
-        with tracer.span("x", rows=1):
-            pass
-    assert (time.perf_counter() - started) / 20_000 < 50e-6  # a generous bound; bench/trace_overhead.py measures
 
 
 def test_group_keys_are_prompt_indices():

@@ -77,11 +77,11 @@ def _trace_panels(fig, grid, row: int, data: ReportData) -> None:
     ax.invert_yaxis()
     ax.set_xlim(data.time_edges[0], data.time_edges[-1])
     ax.set_title("timeline: every stage call per actor (thin: its data-plane calls)", fontsize=10)
-    ax.legend(handles=[matplotlib_patch(c, n) for n, c in colors.items()], fontsize=7, loc="upper center",
+    ax.legend(handles=[_patch(c, n) for n, c in colors.items()], fontsize=7, loc="upper center",
               bbox_to_anchor=(0.5, -0.12), ncols=min(7, len(colors)), frameon=False)
 
 
-def matplotlib_patch(color: str, label: str):
+def _patch(color: str, label: str):
     from matplotlib.patches import Patch
 
     return Patch(color=color, label=label)

@@ -54,9 +54,6 @@ class BundleLayout:
     nodes: dict[int, list[Bundle]]  # plan node -> its bundles, in GPU order
     actor_cpus: float
 
-    def fillers(self) -> int:
-        return sum(not b.residents for bundles in self.nodes.values() for b in bundles)
-
     def slots(self) -> list[ActorSlot]:
         return [slot for bundles in self.nodes.values() for bundle in bundles for slot in bundle.residents]
 

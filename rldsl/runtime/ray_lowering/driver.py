@@ -39,8 +39,7 @@ class Driver:
         self.pipelines = [PipelineDriver(pipe, settings[pipe.name], self.run_dir / pipe.name if many else self.run_dir,
                                          resume, started, prefix=f"{pipe.name}/" if many else "")
                           for pipe in plan.pipelines]
-        self.layout = layout_bundles(actor_slots(plan), ACTOR_NUM_CPUS)  # a LayoutError before Ray starts
-        self.folded_layout = layout_bundles(actor_slots(plan), ACTOR_NUM_CPUS, plan.cluster.gpus_per_node)
+        layout_bundles(actor_slots(plan), ACTOR_NUM_CPUS)  # a LayoutError before Ray starts
 
     def run(self) -> int:
         with self._session() as session:
@@ -76,7 +75,8 @@ class Driver:
             reservation.release()
         print(report.table(reservation))
         cpu_actors = sum(p.actor_count() for p in self.pipelines) - len(actors)
-        print(f"{cpu_actors} CPU actor(s) (reward workers, CPU stages, controllers, evaluators) go wherever Ray has CPU")
+        print(f"{cpu_actors} CPU actor(s) (reward workers, CPU stages, controllers, evaluators) "
+              "go wherever Ray has CPU")
         for note in report.notes:
             print(f"note: {note}")
         if report.errors:
@@ -103,8 +103,9 @@ class Driver:
         from rldsl.runtime.ray_lowering.rendezvous import create_board
 
         fold = session.started_here  # a local Ray: every plan node on it, each with all its GPUs
-        layout = self.folded_layout if fold else self.layout
-        reservation = reserve(layout, self.plan.cluster.gpus_per_node, fold=fold, name=self.plan.pipelines[0].name)
+        gpus_per_node = self.plan.cluster.gpus_per_node
+        layout = layout_bundles(actor_slots(self.plan), ACTOR_NUM_CPUS, gpus_per_node if fold else None)
+        reservation = reserve(layout, gpus_per_node, fold=fold, name=self.plan.pipelines[0].name)
         self.board = create_board()  # held: a named actor lives as long as a handle to it
         if fold:  # process groups meet in files: no store socket on any interface
             reservation.store_dir = tempfile.mkdtemp(prefix="rldsl-rendezvous-")

@@ -95,10 +95,7 @@ class TraceCollector:
         if time.monotonic() - self._last < _DRAIN_EVERY_S:
             return
         self._last = time.monotonic()
-        busy = set(self._pending.values())
-        for name, actor in self.actors.items():
-            if name not in busy:
-                self._pending[actor.trace.remote()] = name
+        self._send_drains()
 
     def close(self, timeout_s: float = 10.0) -> Path | None:
         """A last drain of every actor still alive, then ``trace.json``."""
@@ -106,10 +103,7 @@ class TraceCollector:
 
         if not self.enabled:
             return None
-        busy = set(self._pending.values())
-        for name, actor in self.actors.items():
-            if name not in busy:
-                self._pending[actor.trace.remote()] = name
+        self._send_drains()
         deadline = time.monotonic() + timeout_s
         while self._pending and time.monotonic() < deadline:
             ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending),
@@ -118,6 +112,13 @@ class TraceCollector:
         from rldsl.runtime.ray_lowering.trace_format import write_chrome_trace
 
         return write_chrome_trace(self.run_dir / EVENTS_FILE, self.run_dir / TRACE_FILE, self.pipeline)
+
+    def _send_drains(self) -> None:
+        """Ask every actor without a drain in flight for its spans."""
+        busy = set(self._pending.values())
+        for name, actor in self.actors.items():
+            if name not in busy:
+                self._pending[actor.trace.remote()] = name
 
     def _collect(self, ready: list) -> None:
         import ray

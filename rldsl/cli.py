@@ -127,6 +127,7 @@ def cmd_explain(args) -> int:
         _usage_error(f"no rule {args.code}", "codes: " + ", ".join(RULES))
     print(f"{rule.code} ({rule.severity}): {rule.summary}\n\n{rule.explanation}\n\nExample:\n")
     print("\n".join(f"    {line}" for line in rule.example.splitlines()))
+    print(f"\nReads: {rule.reads}")
     return EXIT_OK
 
 

@@ -12,7 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-# Two sim pipelines sharing logical GPU 1; `slow` stalls (its trainer outlasts the watchdog) when asked.
+# Two sim pipelines sharing logical GPU 1 (declared by `share`); `slow` stalls (its trainer
+# outlasts the watchdog) when asked.
 PIPELINES = """
 cluster {{ nodes = 1  gpus_per_node = 2 }}
 pipeline fast {{
@@ -35,6 +36,7 @@ pipeline slow {{
   stage sync weights {{ from = actor  to = rollout }}
   flow prompts -> rollout -> score -> actor
   staleness {{ max_lag = 0 }}
+  placement {{ share = [fast] }}
   run {{ steps = 3  watchdog = {watchdog} }}
 }}
 """

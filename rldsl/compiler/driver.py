@@ -1,11 +1,14 @@
 """The compiler's front door: text -> diagnostics and, when clean, a plan.
 
-    parse -> resolve -> IR -> dataflow rules -> placement -> placement,
-    batch and memory rules -> lowering
+    parse -> resolve -> IR -> dataflow, weight and engine rules -> placement
+    -> sharing, batch, buffer and memory rules -> lowering
 
-Each step is a pure function; findings are collected. Semantic rules run
-only on files that parse and resolve: they would otherwise report the
-consequences of a typo rather than its cause.
+Each step is a pure function; findings are collected. Every rule runs
+whenever its own inputs resolved, whatever else in the file is wrong: a
+value that did not resolve is marked invalid (never replaced by a default)
+and the rules reading it are skipped, so one mistake is reported once and
+never makes another rule report numbers the file does not hold
+(docs/rules.md lists what each rule depends on).
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from rldsl.compiler.ir import build_ir
 from rldsl.compiler.parser import parse
 from rldsl.compiler.placement import Placement, place
 from rldsl.compiler.resolve import resolve
-from rldsl.compiler.rules import batching, dataflow, sharing
+from rldsl.compiler.rules import batching, dataflow, engines, sharing, weights
 
-PIPELINE_PASSES = dataflow.PASSES
-PLACED_PASSES = (batching.check_batch_sizes, batching.check_buffer, sharing.check_on_policy_disjoint)
+PIPELINE_PASSES = dataflow.PASSES + weights.PASSES + engines.PASSES
+PROGRAM_PLACED_PASSES = (sharing.check_sharing, sharing.check_pipeline_sharing)
+PLACED_PASSES = batching.PASSES + (sharing.check_on_policy_disjoint,)  # read the placement when there is one
 
 
 @dataclass
@@ -51,28 +55,24 @@ def compile_source(text: str, filename: str = "<input>", base_dir: Path | None =
     if tree is None:
         result.diagnostics = diags
         return result
-    program, diags = resolve(tree, filename)
-    if program is None or any(d.is_error for d in diags):
-        result.diagnostics = sort_diagnostics(diags)
-        return result
+    program, found = resolve(tree, filename)
+    diags = diags + found
     result.program = program
     result.contexts = [Context(program, pipe, build_ir(pipe)) for pipe in program.pipelines]
     for ctx in result.contexts:
         for check in PIPELINE_PASSES:
             diags += check(ctx)
-    structural_errors = any(d.is_error for d in diags)
-    placement, placement_diags = place(program)
-    diags += placement_diags
+    placement, found = place(program)
+    diags += found
     result.placement = placement
-    if not placement_diags:
-        diags += sharing.check_sharing(program, placement)
-        for ctx in result.contexts:
-            ctx.placement = placement
-    if not structural_errors:
-        for ctx in result.contexts:
-            for check in PLACED_PASSES:
-                diags += check(ctx)
-    if not placement_diags and (want_plan or program.cluster.get("gpu_memory")):
+    if placement is not None:
+        for check in PROGRAM_PLACED_PASSES:
+            diags += check(program, placement)
+    for ctx in result.contexts:
+        ctx.placement = placement
+        for check in PLACED_PASSES:
+            diags += check(ctx)
+    if placement is not None and (want_plan or program.cluster.get("gpu_memory")):
         from rldsl.compiler.memory import check_memory, estimate  # `check` needs it only with a GPU size
 
         diags += check_memory(program, placement, base_dir)

@@ -78,7 +78,7 @@ def estimate(program: Program, placement: Placement, base_dir: Path) -> list[Gpu
     for pipe in program.pipelines:
         for sp in (s for s in placement.stages.values() if s.pipeline == pipe.name and s.gpus):
             stage = pipe.stages[sp.stage]
-            model = pipe.models.get(stage["model"].name) if stage.get("model") else None
+            model = _model(pipe, stage)
             params = model_params(model, base_dir) if model and stage["engine"].name != "sim" else None
             if params is not None:  # sim engines hold no model
                 per_stage[(sp.pipeline, sp.stage)] = stage_bytes_per_gpu(stage, model, sp, params, capacity)
@@ -92,8 +92,15 @@ def estimate(program: Program, placement: Placement, base_dir: Path) -> list[Gpu
     return out
 
 
+def _model(pipe, stage: Decl) -> Decl | None:
+    """The stage's model, when it and every setting the estimate reads resolved."""
+    ref = stage.get("model") if stage.valid("model") else None
+    model = pipe.models.get(ref.name) if ref else None
+    return model if model is not None and model.valid("source", "params", "dtype") else None
+
+
 def _decl(program: Program, sp: StagePlacement) -> Decl:
-    return next(p for p in program.pipelines if p.name == sp.pipeline).stages[sp.stage]
+    return program.pipeline(sp.pipeline).stages[sp.stage]
 
 
 def check_memory(program: Program, placement: Placement, base_dir: Path) -> list[Diagnostic]:
@@ -110,8 +117,9 @@ def check_memory(program: Program, placement: Placement, base_dir: Path) -> list
             continue
         reported.add(biggest)
         pipeline, stage = biggest.split("/")
-        decl = next(p for p in program.pipelines if p.name == pipeline).stages[stage]
-        parts = ", ".join(f"{name.split('/')[1]} {format_bytes(b)}" for name, b in mem.by_stage)
+        decl = program.pipeline(pipeline).stages[stage]
+        parts = ", ".join(f"{name if program.multi else name.split('/')[1]} {format_bytes(b)}"
+                          for name, b in mem.by_stage)
         how = "" if len(mem.by_stage) == 1 else "the largest of " if mem.shared_by_sleep else "the sum of "
         out.append(Diagnostic(
             "RLP506", ERROR, f"GPU {mem.gpu} needs about {format_bytes(mem.used)}, more than its "

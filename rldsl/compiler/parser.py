@@ -124,7 +124,7 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
     token: Token = err.token
     width = max(1, len(str(token)))
     message = f"unexpected {_describe(token)}"
-    help_text = f"expected {expected}" if expected else None
+    help_text = f"expected {expected}" if expected else "this does not fit here: check the text just before it"
     if token.type == "NUMBER" and "`=`" in (expected or ""):
         help_text = "write `key = value`: the `=` is missing"
     return Diagnostic("RLP001", ERROR, message, Span(line, col, line, col + width), help=help_text)
@@ -138,7 +138,7 @@ def _eof_diagnostic(text: str, expected: str | None) -> Diagnostic:
         return Diagnostic("RLP001", ERROR, "this `{` is never closed", opener,
                           help="add the matching `}` at the end of the block")
     return Diagnostic("RLP001", ERROR, "unexpected end of file", end,
-                      help=f"expected {expected}" if expected else None)
+                      help=f"expected {expected}" if expected else "the file ends inside a declaration: finish it")
 
 
 def _last_unclosed_brace(text: str) -> Span | None:

@@ -1,19 +1,30 @@
 """Placement: every rank of every stage on a node and GPU.
 
-GPUs have global ids (node * gpus_per_node + local id). Explicit ids and
-placement groups are honoured first, then GPU counts are packed first-fit
-(one node when it fits, so tensor-parallel groups stay on a node), then
-`colocate` stages take their target's GPUs. Pure: returns the placement
+GPUs have global ids (node * gpus_per_node + local id). Pipelines are placed
+in the order of their names and, within one, placement groups and explicit
+ids first, then GPU counts packed first-fit in a fixed order (generate,
+logprob, train stages, each by name; one node when it fits, so
+tensor-parallel groups stay on a node), then `colocate` stages take their
+target's GPUs. The file's order never matters. Pure: returns the placement
 and the findings.
+
+A stage whose GPUs cannot be decided (its own error, or an invalid input)
+is left unplaced and recorded in ``failed``; once such a stage might have
+taken GPUs, where later counts would land is unknown, so they stay unplaced
+too, silently: rules never see a guessed placement.
 """
 
 
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from rldsl.compiler.decls import Decl, Program
+from rldsl.compiler.decls import Decl, Pipeline, Program
 from rldsl.compiler.diagnostics import ERROR, Diagnostic
+from rldsl.compiler.placement_groups import plan_groups
 from rldsl.compiler.schema import ENGINES
+from rldsl.compiler.types import arg_span
+
+GPU_KINDS = ("generate", "logprob", "train")
 
 
 class RankPlacement(NamedTuple):
@@ -43,6 +54,10 @@ class Placement:
     nodes: int
     gpus_per_node: int
     stages: dict[tuple[str, str], StagePlacement] = field(default_factory=dict)
+    failed: set[tuple[str, str]] = field(default_factory=set)  # GPU stages left unplaced
+    gpu_counts: dict[tuple[str, str], int] = field(default_factory=dict)  # known even where the GPUs are not
+    taken: set[int] = field(default_factory=set)
+    packing_known: bool = True  # False once a stage that takes GPUs is unplaced
 
     @property
     def total_gpus(self) -> int:
@@ -65,29 +80,43 @@ class Placement:
                 out.setdefault(g, []).append(sp)
         return out
 
+    def put(self, sp: StagePlacement) -> None:
+        self.stages[(sp.pipeline, sp.stage)] = sp
+        self.gpu_counts[(sp.pipeline, sp.stage)] = len(sp.gpus)
+        self.taken.update(sp.gpus)
 
-def place(program: Program) -> tuple[Placement, list[Diagnostic]]:
+    def fail(self, pipeline: str, stage: str, takes_gpus: bool = False) -> None:
+        self.stages.pop((pipeline, stage), None)
+        self.failed.add((pipeline, stage))
+        if takes_gpus:
+            self.packing_known = False
+
+    def settled(self, pipeline: str, stage: str) -> bool:
+        return (pipeline, stage) in self.stages or (pipeline, stage) in self.failed
+
+
+def place(program: Program) -> tuple[Placement | None, list[Diagnostic]]:
+    """None when the cluster's size is unknown."""
     cluster = program.cluster
+    if not cluster.valid("nodes", "gpus_per_node"):
+        return None, []
     placement = Placement(cluster["nodes"], cluster["gpus_per_node"])
     diags: list[Diagnostic] = []
-    taken: set[int] = set()
-    for pipe in program.pipelines:
-        _place_groups(pipe, placement, taken, diags)
-        _place_ids(pipe, placement, taken, diags)
-        _place_counts(pipe, placement, taken, diags)
-        _place_colocated(pipe, placement, diags)
+    for pipe in sorted(program.pipelines, key=lambda p: p.name):
+        if not pipe.declarations_known:
+            placement.packing_known = False  # a dropped or ambiguous stage might have taken GPUs
+        _place_groups(program, pipe, placement, diags)
+        _place_ids(program, pipe, placement, diags)
+        _place_counts(program, pipe, placement, diags)
+        _place_colocated(program, pipe, placement, diags)
         _place_cpu(pipe, placement)
-    for sp in placement.stages.values():
-        _assign_ranks(sp, _decl(program, sp), placement, diags)
+    for sp in list(placement.stages.values()):
+        _assign_ranks(sp, program.pipeline(sp.pipeline).stages[sp.stage], program, placement, diags)
     return placement, diags
 
 
-def _decl(program: Program, sp: StagePlacement) -> Decl:
-    return next(p for p in program.pipelines if p.name == sp.pipeline).stages[sp.stage]
-
-
-def _gpu_stages(pipe) -> list[Decl]:
-    return [s for s in pipe.stages.values() if s.stage_kind in ("generate", "logprob", "train")]
+def gpu_stages(pipe: Pipeline) -> list[Decl]:
+    return [s for s in pipe.stages.values() if s.stage_kind in GPU_KINDS]
 
 
 def _parallelism(stage: Decl) -> tuple[int, int]:
@@ -98,97 +127,84 @@ def _parallelism(stage: Decl) -> tuple[int, int]:
 # ------------------------------------------------------------------ groups
 
 
-def _place_groups(pipe, placement: Placement, taken: set[int], diags: list[Diagnostic]) -> None:
-    block = pipe.block("placement")
-    groups, ratios = block.get("groups"), block.get("ratios")
-    if groups is None and ratios is None:
+def _place_groups(program: Program, pipe: Pipeline, placement: Placement, diags: list[Diagnostic]) -> None:
+    plan, found = plan_groups(program, pipe, placement.total_gpus)
+    diags += found
+    if plan is None:  # which stages the groups hold is unknown
+        for stage in gpu_stages(pipe):
+            placement.fail(pipe.name, stage.name, takes_gpus=True)
         return
-    span = block.span_of("ratios") if ratios is not None else block.span_of("groups")
-    if groups is None or ratios is None or len(groups) != len(ratios):
-        diags.append(Diagnostic("RLP507", ERROR, "placement needs one ratio per group", span,
-                                help="write `groups = [[a, b], c]  ratios = [50%, 50%]`"))
-        return
-    if abs(sum(ratios) - 1.0) > 1e-6:
-        diags.append(Diagnostic("RLP507", ERROR, f"placement ratios sum to {sum(ratios):.0%}, not 100%", span))
-        return
-    seen: set[str] = set()
-    cursor, total = 0, placement.total_gpus
-    for group, ratio in zip(groups, ratios):
-        share = ratio * total
-        if abs(share - round(share)) > 1e-6 or round(share) == 0:
-            diags.append(Diagnostic("RLP507", ERROR, f"{ratio:.0%} of {total} GPUs is {share:g} GPUs, not a "
-                                    "whole number", span, help="pick ratios that split the GPUs evenly"))
-            return
-        gpus = tuple(range(cursor, cursor + round(share)))
-        cursor += round(share)
-        names = [ref.name for ref in group]
-        for ref in group:
-            stage = pipe.stages.get(ref.name)
-            if stage is None:
-                continue
-            if ref.name in seen:
-                diags.append(Diagnostic("RLP507", ERROR, f"stage `{ref.name}` is in two placement groups", ref.span))
-                continue
-            seen.add(ref.name)
-            if stage.explicit("gpus") or stage.explicit("colocate"):
-                key = "gpus" if stage.explicit("gpus") else "colocate"
-                diags.append(Diagnostic("RLP507", ERROR, f"stage `{ref.name}` is in a placement group and also sets "
-                                        f"`{key}`", stage.span_of(key), help=f"remove `{key}`: the group decides"))
-                continue
-            if stage.stage_kind not in ("generate", "logprob", "train"):
-                diags.append(Diagnostic("RLP507", ERROR, f"stage `{ref.name}` is a {stage.stage_kind} stage and "
-                                        "uses no GPUs", ref.span, help="placement groups hold GPU stages"))
-                continue
-            others = tuple(n for n in names if n != ref.name)
-            placement.stages[(pipe.name, ref.name)] = StagePlacement(
-                pipe.name, ref.name, stage.stage_kind, gpus, colocated_with=others, how="group")
-        taken.update(gpus)
+    for name in sorted(plan.members - set(plan.placed)):
+        placement.fail(pipe.name, name, takes_gpus=not plan.slices)
+    for name, (gpus, partners) in plan.placed.items():
+        placement.put(StagePlacement(pipe.name, name, pipe.stages[name].stage_kind, gpus, colocated_with=partners,
+                                     how="group"))
+    placement.taken.update(g for gpus in plan.slices for g in gpus)
 
 
 # ----------------------------------------------------------------- ids
 
 
-def _place_ids(pipe, placement: Placement, taken: set[int], diags: list[Diagnostic]) -> None:
-    for stage in _gpu_stages(pipe):
-        request = stage["gpus"]
-        if (pipe.name, stage.name) in placement.stages or request.ids is None:
+def _place_ids(program: Program, pipe: Pipeline, placement: Placement, diags: list[Diagnostic]) -> None:
+    for stage in gpu_stages(pipe):
+        if placement.settled(pipe.name, stage.name):
             continue
+        if not stage.valid("gpus"):
+            placement.fail(pipe.name, stage.name, takes_gpus=True)  # ids or a count: unknown
+            continue
+        request = stage["gpus"]
+        if request.ids is None:
+            continue
+        if stage.explicit("colocate") or not stage.valid("colocate"):
+            continue  # RLP508 (both given) is reported with the colocations
         beyond = [g for g in request.ids if g >= placement.total_gpus]
         if beyond:
             diags.append(Diagnostic("RLP501", ERROR, f"GPU {beyond[0]} does not exist: the cluster has "
-                                    f"{placement.total_gpus} GPUs (0..{placement.total_gpus - 1})",
-                                    stage.span_of("gpus"), help="use ids below the cluster's GPU count"))
+                                    f"{placement.total_gpus} GPUs ({_id_range(placement)})",
+                                    stage.span_of("gpus"), help=f"use ids below {placement.total_gpus}, or grow "
+                                                                "the cluster"))
+            placement.fail(pipe.name, stage.name, takes_gpus=True)
             continue
-        placement.stages[(pipe.name, stage.name)] = StagePlacement(pipe.name, stage.name, stage.stage_kind,
-                                                                   request.ids, how="ids")
-        taken.update(request.ids)
+        placement.put(StagePlacement(pipe.name, stage.name, stage.stage_kind, request.ids, how="ids"))
+
+
+def _id_range(placement: Placement) -> str:
+    return f"0..{placement.total_gpus - 1}" if placement.total_gpus else "none"
 
 
 # --------------------------------------------------------------- counts
 
 
-def _place_counts(pipe, placement: Placement, taken: set[int], diags: list[Diagnostic]) -> None:
-    pending = [s for s in _gpu_stages(pipe) if (pipe.name, s.name) not in placement.stages
-               and not s.get("colocate") and s["gpus"].ids is None and s["gpus"].count > 0]
+_KIND_ORDER = {kind: rank for rank, kind in enumerate(GPU_KINDS)}
+
+
+def _place_counts(program: Program, pipe: Pipeline, placement: Placement, diags: list[Diagnostic]) -> None:
+    pending = sorted((s for s in gpu_stages(pipe) if not placement.settled(pipe.name, s.name)
+                      and s.valid("colocate") and not s.get("colocate") and s["gpus"].count > 0),
+                     key=lambda s: (_KIND_ORDER[s.stage_kind], s.name))
     for stage in pending:
         want = stage["gpus"].count
-        gpus = _first_fit(want, placement, taken)
+        placement.gpu_counts[(pipe.name, stage.name)] = want
+        if not placement.packing_known:
+            placement.fail(pipe.name, stage.name)  # where it lands depends on a stage that is unplaced
+            continue
+        gpus = _first_fit(want, placement)
         if gpus is None:
-            free = placement.total_gpus - len(taken)
+            free = placement.total_gpus - len(placement.taken)
             asked = sum(s["gpus"].count for s in pending)
             diags.append(Diagnostic(
-                "RLP501", ERROR, f"GPUs over-subscribed: `{stage.name}` asks for {want} GPU{'s' * (want != 1)}, "
-                f"{free} of {placement.total_gpus} are free", stage.span_of("gpus"),
+                "RLP501", ERROR, f"GPUs over-subscribed: {program.label(pipe.name, stage.name)} asks for {want} "
+                f"GPU{'s' * (want != 1)}, {free} of {placement.total_gpus} are free", stage.span_of("gpus"),
                 notes=(f"stages placed by count in `{pipe.name}` ask for {asked} GPUs in all",),
                 help="colocate a stage (`colocate = other`), give fewer GPUs, or grow the cluster"))
+            placement.fail(pipe.name, stage.name, takes_gpus=True)
             continue
-        taken.update(gpus)
-        placement.stages[(pipe.name, stage.name)] = StagePlacement(pipe.name, stage.name, stage.stage_kind, gpus)
+        placement.put(StagePlacement(pipe.name, stage.name, stage.stage_kind, gpus))
 
 
-def _first_fit(want: int, placement: Placement, taken: set[int]) -> tuple[int, ...] | None:
+def _first_fit(want: int, placement: Placement) -> tuple[int, ...] | None:
     per_node = placement.gpus_per_node
-    free = [g for g in range(placement.total_gpus) if g not in taken]
+    free = [g for g in range(placement.total_gpus) if g not in placement.taken]
     if len(free) < want:
         return None
     if want <= per_node:  # keep it on one node when any node has room
@@ -205,80 +221,103 @@ def _first_fit(want: int, placement: Placement, taken: set[int]) -> tuple[int, .
 # ------------------------------------------------------------ colocation
 
 
-def _place_colocated(pipe, placement: Placement, diags: list[Diagnostic]) -> None:
-    pending = [s for s in _gpu_stages(pipe) if s.get("colocate") and (pipe.name, s.name) not in placement.stages]
+def _place_colocated(program: Program, pipe: Pipeline, placement: Placement, diags: list[Diagnostic]) -> None:
+    pending = [s for s in gpu_stages(pipe) if not placement.settled(pipe.name, s.name)]
+    for stage in [s for s in pending if not s.valid("colocate")]:
+        placement.fail(pipe.name, stage.name)
+        pending.remove(stage)
+    pending = sorted((s for s in pending if s.get("colocate")), key=lambda s: s.name)
     progress = True
     while pending and progress:  # chains (a -> b -> c) resolve whatever the declaration order
         progress = False
         for stage in list(pending):
-            if (pipe.name, stage["colocate"].name) in placement.stages and not stage.explicit("gpus"):
-                _colocate(stage, pipe, placement, diags)
+            if placement.settled(pipe.name, stage["colocate"].name) and not stage.explicit("gpus"):
+                _colocate(program, stage, pipe, placement, diags)
                 pending.remove(stage)
                 progress = True
     for stage in pending:
-        _colocate(stage, pipe, placement, diags)
+        _colocate(program, stage, pipe, placement, diags)
 
 
-def _colocate(stage: Decl, pipe, placement: Placement, diags: list[Diagnostic]) -> None:
+def _colocate(program: Program, stage: Decl, pipe: Pipeline, placement: Placement, diags: list[Diagnostic]) -> None:
     ref = stage["colocate"]
     target = pipe.stages.get(ref.name)
-    problem = _colocation_problem(stage, target, pipe, placement)
+    if target is not None and (pipe.name, target.name) in placement.failed and not stage.explicit("gpus"):
+        placement.fail(pipe.name, stage.name)  # its target is unplaced: so is it, without a finding of its own
+        return
+    problem = _colocation_problem(program, stage, target, pipe, placement)
     if problem:
-        diags.append(Diagnostic("RLP508", ERROR, problem, ref.span if "`gpus`" not in problem
-                                else stage.span_of("gpus"), help="colocate with a GPU stage that is placed "
-                                "by `gpus` or by a chain of colocations that ends at one"))
+        both = "`gpus`" in problem
+        diags.append(Diagnostic("RLP508", ERROR, problem, stage.span_of("gpus") if both else ref.span,
+                                help=f"remove `gpus`: `{stage.name}` takes the GPUs of `{ref.name}`" if both
+                                else "colocate with a GPU stage that is placed by `gpus` or by a chain of "
+                                     "colocations that ends at one"))
+        placement.fail(pipe.name, stage.name)
         return
     host = placement.stages[(pipe.name, target.name)]
     host.colocated_with = tuple(dict.fromkeys((*host.colocated_with, stage.name)))
-    placement.stages[(pipe.name, stage.name)] = StagePlacement(
-        pipe.name, stage.name, stage.stage_kind, host.gpus, colocated_with=(target.name,), how="colocate")
+    placement.put(StagePlacement(pipe.name, stage.name, stage.stage_kind, host.gpus, colocated_with=(target.name,),
+                                 how="colocate"))
 
 
-def _colocation_problem(stage: Decl, target: Decl | None, pipe, placement: Placement) -> str | None:
+def _colocation_problem(program: Program, stage: Decl, target: Decl | None, pipe: Pipeline,
+                        placement: Placement) -> str | None:
+    name = program.label(pipe.name, stage.name)
     if target is None:
-        return f"`{stage.name}` colocates with an unknown stage"
+        return f"{name} colocates with an unknown stage"
     if target.name == stage.name:
-        return f"`{stage.name}` cannot colocate with itself"
+        return f"{name} cannot colocate with itself"
     if stage.explicit("gpus"):
-        return f"`{stage.name}` gives both `gpus` and `colocate`"
-    if target.stage_kind not in ("generate", "logprob", "train"):
-        return f"`{target.name}` is a {target.stage_kind} stage and has no GPUs to share"
+        return f"{name} gives both `gpus` and `colocate`"
+    if target.stage_kind not in GPU_KINDS:
+        return f"{program.label(pipe.name, target.name)} is a {target.stage_kind} stage and has no GPUs to share"
     if (pipe.name, target.name) not in placement.stages:
-        return f"`{target.name}` has no GPUs of its own: its colocation chain loops or ends at an unplaced stage"
+        return (f"{program.label(pipe.name, target.name)} has no GPUs of its own: its colocation chain loops or "
+                "ends at an unplaced stage")
     return None
 
 
-def _place_cpu(pipe, placement: Placement) -> None:
+def _place_cpu(pipe: Pipeline, placement: Placement) -> None:
     for stage in pipe.stages.values():
-        if (pipe.name, stage.name) in placement.stages or stage.stage_kind == "sync":
+        if placement.settled(pipe.name, stage.name) or stage.stage_kind == "sync":
             continue
         if stage.stage_kind == "reward" or (stage.get("gpus") and stage["gpus"].count == 0):
-            placement.stages[(pipe.name, stage.name)] = StagePlacement(pipe.name, stage.name, stage.stage_kind, (),
-                                                                       how="cpu")
+            placement.put(StagePlacement(pipe.name, stage.name, stage.stage_kind, (), how="cpu"))
 
 
 # ----------------------------------------------------------------- ranks
 
 
-def _assign_ranks(sp: StagePlacement, stage: Decl, placement: Placement, diags: list[Diagnostic]) -> None:
+def _assign_ranks(sp: StagePlacement, stage: Decl, program: Program, placement: Placement,
+                  diags: list[Diagnostic]) -> None:
+    name = program.label(sp.pipeline, stage.name)
     if sp.how == "cpu":
+        if not stage.valid("workers", "engine"):
+            placement.fail(sp.pipeline, sp.stage)
+            return
         workers = stage.get("workers", 1) if stage.stage_kind == "reward" else 1
         sp.ranks = tuple(RankPlacement(i, ()) for i in range(workers))
         engine = stage.get("engine")
         if engine is not None and ENGINES[engine.name].gpu_only:
-            diags.append(Diagnostic("RLP108", ERROR, f"engine `{engine.name}` needs GPUs; `{stage.name}` has none",
+            diags.append(Diagnostic("RLP108", ERROR, f"engine `{engine.name}` needs GPUs; {name} has none",
                                     stage.span_of("gpus"), help="give the stage `gpus = 1` or more"))
+        return
+    if not stage.valid("engine"):
+        placement.fail(sp.pipeline, sp.stage)  # its GPUs stay taken; its ranks are unknown
         return
     tp, pp = _parallelism(stage)
     replica = tp * pp
     n = len(sp.gpus)
     if n % replica:
-        diags.append(Diagnostic("RLP502", ERROR, f"`{stage.name}` has {n} GPU{'s' * (n != 1)}, not a multiple of "
-                                f"tp x pp = {tp} x {pp} = {replica}", stage.span_of("engine"),
+        engine = stage["engine"]
+        culprit = "tp" if n % tp else "pp"
+        diags.append(Diagnostic("RLP502", ERROR, f"{name} has {n} GPU{'s' * (n != 1)}, not a multiple of "
+                                f"tp x pp = {tp} x {pp} = {replica}", arg_span(engine, culprit),
                                 help=f"give it {_multiples(n, replica)} GPUs, or change tp/pp"))
+        placement.fail(sp.pipeline, sp.stage)
         return
     sp.tp, sp.pp, sp.dp = tp, pp, n // replica
-    _check_tp_within_node(sp, stage, placement, diags)
+    _check_tp_within_node(sp, stage, name, placement, diags)
     if stage.stage_kind in ENGINES[stage["engine"].name].replica_actor_kinds:  # one actor drives a whole replica
         sp.ranks = tuple(RankPlacement(r, sp.gpus[r * replica:(r + 1) * replica], dp_rank=r) for r in range(sp.dp))
         return
@@ -293,14 +332,15 @@ def _multiples(n: int, replica: int) -> str:
     return " or ".join(map(str, options))
 
 
-def _check_tp_within_node(sp: StagePlacement, stage: Decl, placement: Placement, diags: list[Diagnostic]) -> None:
+def _check_tp_within_node(sp: StagePlacement, stage: Decl, name: str, placement: Placement,
+                          diags: list[Diagnostic]) -> None:
     for start in range(0, len(sp.gpus), sp.tp):
         group = sp.gpus[start:start + sp.tp]
         nodes = sorted({placement.node_of(g) for g in group})
         if len(nodes) > 1:
-            diags.append(Diagnostic("RLP503", ERROR, f"a tensor-parallel group of `{stage.name}` spans nodes "
+            diags.append(Diagnostic("RLP503", ERROR, f"a tensor-parallel group of {name} spans nodes "
                                     f"{', '.join(map(str, nodes))} (GPUs {', '.join(map(str, group))})",
-                                    stage.span_of("engine"),
+                                    arg_span(stage["engine"], "tp"),
                                     help=f"keep tp <= gpus_per_node ({placement.gpus_per_node}) and align the "
                                          "stage's GPUs to node boundaries"))
             return

@@ -11,7 +11,7 @@ from typing import Any
 
 from rldsl.compiler.types import (
     COUNT, DURATION, SIZE, Bool, CallOf, EngineSpec, Enum, Float, Fraction, GpuRequest, GroupItem, Gpus, Int,
-    ListOf, LossSpec, RefTo, Str,
+    ListOf, LossSpec, RefTo, SleepLevel, Str,
 )
 from rldsl.plan import StalenessPlan
 
@@ -46,7 +46,8 @@ ENGINES: dict[str, EngineInfo] = {
         "plain PyTorch on CPU or GPU; the builtin tiny model and local Hugging Face models"),
     "vllm": EngineInfo(
         ("generate", "logprob"),
-        {"tp": Int(low=1), "gpu_memory": Fraction(), "sleep": Bool(), "max_model_len": Int(low=1), "dtype": _DTYPE},
+        {"tp": Int(low=1), "gpu_memory": Fraction(), "sleep": SleepLevel(), "max_model_len": Int(low=1),
+         "dtype": _DTYPE},
         "sleep", True, ("generate", "logprob"),
         "vLLM's offline engine; `gpu_memory` is the share of each GPU it reserves"),
     "megatron": EngineInfo(
@@ -65,18 +66,18 @@ ENGINES: dict[str, EngineInfo] = {
 
 ENGINE_ARG_DEFAULTS = {
     "torch": {"dtype": "fp32", "offload": True},
-    "vllm": {"tp": 1, "gpu_memory": 0.9, "sleep": True, "dtype": "bf16"},
+    "vllm": {"tp": 1, "gpu_memory": 0.9, "sleep": 1, "dtype": "bf16"},  # sleep: the level
     "megatron": {"tp": 1, "pp": 1, "offload": True, "dtype": "bf16", "distributed_optimizer": True},
     "sim": {"latency": 0.01, "tail": 0.0, "tail_factor": 10.0, "jitter": 0.1, "sleep": True},
 }
 
 
-def _engine(name: str, args: dict, span, arg_spans) -> EngineSpec:
-    return EngineSpec(name, {**ENGINE_ARG_DEFAULTS[name], **args}, span, arg_spans)
+def _engine(name: str, args: dict, span, arg_spans, name_span) -> EngineSpec:
+    return EngineSpec(name, {**ENGINE_ARG_DEFAULTS[name], **args}, span, arg_spans, name_span)
 
 
-def _loss(name: str, args: dict, span, arg_spans) -> LossSpec:
-    return LossSpec(name, {**LOSS_DEFAULTS[name], **args}, span)
+def _loss(name: str, args: dict, span, arg_spans, name_span) -> LossSpec:
+    return LossSpec(name, {**LOSS_DEFAULTS[name], **args}, span, arg_spans)
 
 
 ENGINE = CallOf("engine", {n: e.args for n, e in ENGINES.items()}, _engine)
@@ -170,6 +171,7 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
     "placement": {
         "groups": Key(ListOf(GroupItem(), allow_single=False), None, "stage groups sharing a slice of the cluster"),
         "ratios": Key(ListOf(Fraction(), allow_single=False), None, "each group's share of the cluster's GPUs"),
+        "share": Key(ListOf(RefTo(("pipeline",))), (), "other pipelines of the file whose GPUs this one may share"),
     },
     "run": {
         "steps": Key(Int(low=1), 20, "training steps"),

@@ -20,7 +20,7 @@ INVALID = object()
 Result = tuple[Any, list[Diagnostic]]
 
 
-def _err(code: str, message: str, span: Span, help: str | None = None) -> list[Diagnostic]:
+def _err(code: str, message: str, span: Span, help: str) -> list[Diagnostic]:
     return [Diagnostic(code, ERROR, message, span, help=help)]
 
 
@@ -42,6 +42,8 @@ def _shown(value: ast.Value) -> str:
 
 
 def mismatch(expected: str, value: ast.Value, help: str | None = None) -> Result:
+    quoted = isinstance(value, ast.String) and "string" not in expected
+    help = help or f"write {expected}" + (", without quotes" if quoted else "")
     return INVALID, _err("RLP104", f"expected {expected}, found {_shown(value)}", value.span, help)
 
 
@@ -56,7 +58,8 @@ class EngineSpec(NamedTuple):
     name: str
     args: dict
     span: Span
-    arg_spans: dict | None = None
+    arg_spans: dict | None = None  # argument -> the span of its `name = value`
+    name_span: Span | None = None  # the engine's name as written
 
 
 class GpuRequest(NamedTuple):
@@ -71,6 +74,13 @@ class LossSpec(NamedTuple):
     name: str
     args: dict
     span: Span
+    arg_spans: dict | None = None
+
+
+def arg_span(spec: EngineSpec | LossSpec, arg: str) -> Span:
+    """Where one argument of an engine or loss call was written: its
+    `name = value`; the call's span when it was left out (a default)."""
+    return (spec.arg_spans or {}).get(arg, spec.span)
 
 
 # ------------------------------------------------------------------ scalars
@@ -100,7 +110,8 @@ class Float:
 def _in_range(number, low, high, value: ast.Number) -> Result:
     if (low is not None and number < low) or (high is not None and number > high):
         bounds = f"at least {low}" if high is None else f"between {low} and {high}" if low is not None else f"at most {high}"
-        return INVALID, _err("RLP106", f"`{value.text}` is out of range: must be {bounds}", value.span)
+        return INVALID, _err("RLP106", f"`{value.text}` is out of range: must be {bounds}", value.span,
+                             "write a value " + ("" if bounds.startswith("between") else "of ") + bounds)
     return number, []
 
 
@@ -113,6 +124,23 @@ class Bool:
         return mismatch(self.describe, value)
 
 
+class SleepLevel:
+    """vLLM's sleep: `false` (0, never sleeps), `true` or `1` (weights to host
+    memory), `2` (weights discarded). Converts to the level, an integer."""
+
+    describe = "`true`, `false`, `1` or `2`"
+
+    def convert(self, value: ast.Value) -> Result:
+        if isinstance(value, ast.Name) and value.id in ("true", "false"):
+            return int(value.id == "true"), []
+        if isinstance(value, ast.Number) and value.is_integer and not value.unit:
+            if value.magnitude in (0, 1, 2):
+                return int(value.magnitude), []
+            return INVALID, _err("RLP106", f"sleep level `{value.text}` is out of range: must be 0, 1 or 2",
+                                 value.span, "1 (or `true`) keeps the weights in host memory, 2 discards them")
+        return mismatch(self.describe, value, "1 (or `true`) keeps the weights in host memory, 2 discards them")
+
+
 class Str:
     def __init__(self, pattern: str | None = None, describe: str = "a string", hint: str | None = None):
         self.pattern, self.describe, self.hint = pattern, describe, hint
@@ -122,7 +150,8 @@ class Str:
             help = f'quote it: "{value.id}"' if isinstance(value, ast.Name) else self.hint
             return mismatch(self.describe, value, help)
         if self.pattern and not re.fullmatch(self.pattern, value.value):
-            return INVALID, _err("RLP104", f'`"{value.value}"` is not {self.describe}', value.span, self.hint)
+            return INVALID, _err("RLP104", f'`"{value.value}"` is not {self.describe}', value.span,
+                                 self.hint or f"write {self.describe}")
         return value.value, []
 
 
@@ -139,7 +168,8 @@ class Enum:
         if word is None:
             return mismatch(self.describe, value)
         if word not in self.options:
-            return INVALID, _err("RLP104", f"`{word}` is not {self.describe}", value.span, did_you_mean(word, self.options))
+            return INVALID, _err("RLP104", f"`{word}` is not {self.describe}", value.span,
+                                 did_you_mean(word, self.options) or f"use {self.describe}")
         return word, []
 
 
@@ -161,7 +191,8 @@ class Quantity:
             return INVALID, _err("RLP105", f"unknown unit `{value.unit}` in `{value.text}`: expected {self.describe}",
                                  value.span, did_you_mean(value.unit, known) or "units: " + ", ".join(known))
         if value.magnitude < 0:
-            return INVALID, _err("RLP106", f"`{value.text}` is negative", value.span)
+            return INVALID, _err("RLP106", f"`{value.text}` is negative", value.span,
+                                 f"write a value of 0 or more, such as `{self.example}`")
         amount = value.magnitude * self.units[value.unit]
         return (round(amount) if self.whole else amount), []
 
@@ -181,7 +212,8 @@ class Fraction:
             return mismatch(self.describe, value)
         share = value.magnitude * PERCENT_UNITS.get(value.unit, 1.0)
         if not 0 <= share <= 1:
-            return INVALID, _err("RLP106", f"`{value.text}` is not a fraction between 0% and 100%", value.span)
+            return INVALID, _err("RLP106", f"`{value.text}` is not a fraction between 0% and 100%", value.span,
+                                 "write a share from 0% to 100%, such as `80%` or `0.8`")
         return share, []
 
 
@@ -258,7 +290,7 @@ class Gpus:
             ids += got
         dupes = sorted(i for i, n in Counter(ids).items() if n > 1)
         if dupes:
-            return INVALID, _err("RLP104", f"GPU {dupes[0]} is listed twice", value.span)
+            return INVALID, _err("RLP104", f"GPU {dupes[0]} is listed twice", value.span, "list each GPU once")
         return GpuRequest(len(ids), tuple(ids), value.span), []
 
 
@@ -272,13 +304,16 @@ def _gpu_ids(part: ast.Value) -> tuple[list[int], list[Diagnostic]]:
         ends = (part.low, part.high)
         if all(e.is_integer and not e.unit and e.magnitude >= 0 for e in ends) and part.low.magnitude <= part.high.magnitude:
             return _gpu_id_range(part.low, part.high, part.span)
-        return [], _err("RLP104", "a GPU range is `low..high` with whole numbers, low <= high", part.span)
-    return [], _err("RLP104", f"expected a GPU id or range, found {_shown(part)}", part.span)
+        return [], _err("RLP104", "a GPU range is `low..high` with whole numbers, low <= high", part.span,
+                        "write the range from its lowest id to its highest, such as `0..3`")
+    return [], _err("RLP104", f"expected a GPU id or range, found {_shown(part)}", part.span,
+                    "GPU ids are whole numbers such as `0`, or ranges such as `0..3`")
 
 
 def _gpu_id_range(low: ast.Number, high: ast.Number, span: Span) -> tuple[list[int], list[Diagnostic]]:
     if high.magnitude > MAX_GPU_ID:
-        return [], _err("RLP106", f"GPU id `{high.text}` is out of range: must be at most {MAX_GPU_ID}", span)
+        return [], _err("RLP106", f"GPU id `{high.text}` is out of range: must be at most {MAX_GPU_ID}", span,
+                        "use ids of the cluster's GPUs: 0 up to nodes x gpus_per_node - 1")
     return list(range(int(low.magnitude), int(high.magnitude) + 1)), []
 
 
@@ -324,12 +359,12 @@ class CallOf:
                               did_you_mean(key, signature) or f"arguments: {', '.join(signature) or 'none'}")
                 continue
             if key in converted:
-                diags += _err("RLP102", f"argument `{key}` given twice", arg.name.span)
+                diags += _err("RLP102", f"argument `{key}` given twice", arg.name.span, f"keep one `{key} = ...`")
                 continue
             got, errs = signature[key].convert(arg.value)
             diags += errs
             if got is not INVALID:
-                converted[key], spans[key] = got, arg.value.span
+                converted[key], spans[key] = got, arg.span
         if diags:
             return INVALID, diags
-        return self.build(func.text, converted, span, spans), []
+        return self.build(func.text, converted, span, spans, func.span), []

@@ -1,58 +1,101 @@
-"""Batch-size and buffer rules, with the numbers in every message."""
+"""Batch-size and buffer rules, with the numbers in every message.
+
+They read the trainer's and generator's sizes, and RLP302 the trainer's
+data-parallel size; each runs when exactly those inputs resolved."""
 
 from __future__ import annotations
 
 from rldsl.compiler.context import Context
+from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
 
 
 def check_batch_sizes(ctx: Context) -> list[Diagnostic]:
     """RLP301 product, RLP302 divisibility, RLP303 GRPO group size."""
-    sizing = ctx.sizing()
-    if sizing is None:
+    shape = ctx.step_shape()
+    if shape is None:
         return []
-    train = ctx.pipe.stages[sizing.train_stage]
-    gen = ctx.generator_for(train)
+    train, gen = shape
+    pps, spp = train["prompts_per_step"], gen["samples_per_prompt"]
+    gb, mb = train.get("global_batch", pps * spp), train.get("micro_batch", spp)
+    of = f" of {ctx.label(train.name)}" if ctx.program.multi else ""
     out = []
-    pps, spp, gb, mb = sizing.prompts_per_step, sizing.samples_per_prompt, sizing.global_batch, sizing.micro_batch
     if train.explicit("global_batch") and gb != pps * spp:
-        out.append(Diagnostic("RLP301", ERROR, f"global_batch = {gb}, but prompts_per_step x samples_per_prompt = "
+        out.append(Diagnostic("RLP301", ERROR, f"global_batch = {gb}{of}, but prompts_per_step x samples_per_prompt = "
                               f"{pps} x {spp} = {pps * spp}", train.span_of("global_batch"),
-                              notes=(f"samples_per_prompt = {spp} comes from `{gen.name}`",),
+                              notes=(f"samples_per_prompt = {spp} comes from {ctx.label(gen.name)}",),
                               help=f"set global_batch = {pps * spp}, or leave it out to derive it"))
-    dp = _dp(ctx, train.name)
-    if gb % (mb * dp):
-        options = [m for m in range(1, gb + 1) if gb % (m * dp) == 0]
-        span = train.span_of("micro_batch") if train.explicit("micro_batch") else train.name_span
-        out.append(Diagnostic("RLP302", ERROR, f"global_batch = {gb} is not divisible by micro_batch x dp = "
-                              f"{mb} x {dp} = {mb * dp}", span,
-                              help="micro_batch values that divide it: " + ", ".join(map(str, options[:8]))))
-    loss = train.get("loss")
+    dp = data_parallel_size(ctx, train)
+    if dp is not None and gb % (mb * dp):
+        out.append(_indivisible(ctx, train, spp, gb, mb, dp, of))
+    loss = train.get("loss") if train.valid("loss") else None
     if loss is not None and loss.name == "grpo" and spp < 2:
-        out.append(Diagnostic("RLP303", ERROR, f"GRPO with samples_per_prompt = {spp}: every advantage is zero",
+        where = f" in {ctx.label(gen.name)}" if ctx.program.multi else ""
+        out.append(Diagnostic("RLP303", ERROR, f"GRPO with samples_per_prompt = {spp}{where}: every advantage is zero",
                               gen.span_of("samples_per_prompt"), notes=("GRPO normalises rewards within each "
                                                                         "prompt's group of samples",),
                               help="sample at least 2 responses per prompt (4-16 is typical)"))
     return out
 
 
-def _dp(ctx: Context, stage: str) -> int:
-    sp = ctx.placement.of(ctx.pipe.name, stage) if ctx.placement else None
-    return sp.dp if sp and sp.dp else 1
+def data_parallel_size(ctx: Context, train: Decl) -> int | None:
+    """The trainer's GPUs / (tp x pp); None when its GPU count or engine is unknown (or they do not divide:
+    RLP502's finding)."""
+    placement = ctx.placement
+    if placement is None:
+        return None
+    placed = placement.of(ctx.pipe.name, train.name)
+    if placed is not None:
+        return placed.dp if placed.gpus else 1  # a CPU trainer is one rank
+    count = placement.gpu_counts.get((ctx.pipe.name, train.name))
+    if count is None or not train.valid("engine"):
+        return None
+    shard = train["engine"].args.get("tp", 1) * train["engine"].args.get("pp", 1)
+    return count // shard if count % shard == 0 and count else None
+
+
+def _indivisible(ctx: Context, train: Decl, spp: int, gb: int, mb: int, dp: int, of: str) -> Diagnostic:
+    options = [m for m in range(1, gb + 1) if gb % (m * dp) == 0]
+    message = f"global_batch = {gb}{of} is not divisible by micro_batch x dp = {mb} x {dp} = {mb * dp}"
+    if options:
+        span = train.span_of("micro_batch") if train.explicit("micro_batch") else train.name_span
+        shown = ", ".join(map(str, options[:8])) + (", ..." if len(options) > 8 else "")
+        return Diagnostic("RLP302", ERROR, message, span, help=f"micro_batch values that divide it: {shown}")
+    span = train.span_of("gpus") if train.explicit("gpus") else train.name_span
+    return Diagnostic("RLP302", ERROR, message, span,
+                      notes=(f"no micro_batch works: {gb} samples do not split over dp = {dp} ranks",),
+                      help=_dp_help(ctx, train, spp, gb, mb, dp))
+
+
+def _dp_help(ctx: Context, train: Decl, spp: int, gb: int, mb: int, dp: int) -> str:
+    """Fix the data-parallel size or the batch: the nearest GPU count and prompts_per_step with which the
+    current micro_batch works."""
+    args = train["engine"].args
+    shard = args.get("tp", 1) * args.get("pp", 1)
+    fits = [d for d in range(1, dp) if gb % (mb * d) == 0] or [d for d in range(1, dp) if gb % d == 0]
+    parts = [f"put `{train.name}` on {fits[-1] * shard} GPUs (dp = {fits[-1]})"] if fits else []
+    if train.explicit("global_batch"):
+        parts.append(f"make global_batch a multiple of {mb * dp}")
+    else:
+        pps = train["prompts_per_step"]
+        better = next(p for p in range(pps + 1, pps + mb * dp + 1) if (p * spp) % (mb * dp) == 0)
+        parts.append(f"set prompts_per_step = {better} ({better * spp} samples per step)")
+    return " or ".join(parts)
 
 
 def check_buffer(ctx: Context) -> list[Diagnostic]:
     """RLP304 deadlock proof, RLP305 in-flight limit, RLP306 staleness window."""
-    sizing = ctx.sizing()
-    if sizing is None:
+    shape = ctx.buffer_shape()
+    if shape is None:
         return []
     buffer = ctx.pipe.block("buffer")
-    pps, lag, cap, inflight = sizing.prompts_per_step, sizing.max_lag, sizing.capacity, sizing.max_inflight
+    pps, lag, cap, inflight = shape
     window = pps * (lag + 1)
+    of = f" of pipeline `{ctx.pipe.name}`" if ctx.program.multi else ""
     out = []
     if cap < pps:
         out.append(Diagnostic(
-            "RLP304", ERROR, f"buffer capacity {cap} < {pps} prompt groups per step: the rollout pump deadlocks",
+            "RLP304", ERROR, f"buffer capacity {cap}{of} < {pps} prompt groups per step: the rollout pump deadlocks",
             buffer.span_of("capacity"),
             notes=(f"a step finishes only after {pps} groups are trained, and trained groups stay stored until the "
                    "step's single clear",
@@ -61,15 +104,18 @@ def check_buffer(ctx: Context) -> list[Diagnostic]:
             help=f"set capacity >= {pps} (>= {window} to fill the max_lag = {lag} window), or leave it out"))
     elif cap < window:
         out.append(Diagnostic(
-            "RLP306", WARNING, f"buffer capacity {cap} < prompts_per_step x (max_lag + 1) = {pps} x {lag + 1} = "
+            "RLP306", WARNING, f"buffer capacity {cap}{of} < prompts_per_step x (max_lag + 1) = {pps} x {lag + 1} = "
             f"{window}: generation cannot run the full {lag} step{'s' * (lag != 1)} ahead", buffer.span_of("capacity"),
             help=f"set capacity = {window} to overlap generation and training fully"))
     if inflight < pps:
-        out.append(Diagnostic("RLP305", WARNING, f"max_inflight {inflight} < {pps} prompt groups per step: each "
+        out.append(Diagnostic("RLP305", WARNING, f"max_inflight {inflight}{of} < {pps} prompt groups per step: each "
                               f"step's groups are generated in {-(-pps // inflight)} waves",
                               buffer.span_of("max_inflight"), help=f"set max_inflight >= {pps}, or leave it out"))
     elif inflight > cap and buffer.explicit("max_inflight"):
-        out.append(Diagnostic("RLP305", WARNING, f"max_inflight {inflight} > buffer capacity {cap}: the buffer "
+        out.append(Diagnostic("RLP305", WARNING, f"max_inflight {inflight}{of} > buffer capacity {cap}: the buffer "
                               "caps in-flight groups first, so the limit is never reached",
                               buffer.span_of("max_inflight"), help=f"set max_inflight <= {cap}"))
     return out
+
+
+PASSES = (check_batch_sizes, check_buffer)

@@ -1,5 +1,8 @@
-"""Rules over GPU sharing: colocation must sleep/offload, partial overlaps
-must respect replica boundaries, on-policy on disjoint GPUs idles."""
+"""Rules over GPU sharing: colocation must sleep/offload (and wake with its
+weights), partial overlaps must respect replica boundaries, pipelines
+share GPUs only where they say so, on-policy on disjoint GPUs idles.
+
+They read placed stages only: a stage left unplaced takes part in none."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Program
 from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
 from rldsl.compiler.placement import Placement, StagePlacement
-from rldsl.compiler.schema import can_sleep
+from rldsl.compiler.schema import ENGINES, can_sleep
+from rldsl.compiler.types import arg_span
 
 
 def check_sharing(program: Program, placement: Placement) -> list[Diagnostic]:
@@ -18,6 +22,9 @@ def check_sharing(program: Program, placement: Placement) -> list[Diagnostic]:
     for residents in placement.residents().values():
         for a, b in combinations(residents, 2):
             pairs.add(tuple(sorted(((a.pipeline, a.stage), (b.pipeline, b.stage)))))
+    sharing = {key for pair in pairs for key in pair}
+    for key in sorted(sharing):
+        out += _wake_findings(program, placement.stages[key])
     for key_a, key_b in sorted(pairs):
         a, b = placement.stages[key_a], placement.stages[key_b]
         out += _sleep_findings(program, a, b)
@@ -27,33 +34,55 @@ def check_sharing(program: Program, placement: Placement) -> list[Diagnostic]:
 
 
 def _decl(program: Program, sp: StagePlacement):
-    return next(p for p in program.pipelines if p.name == sp.pipeline).stages[sp.stage]
+    return program.pipeline(sp.pipeline).stages[sp.stage]
 
 
 def _sleep_findings(program: Program, a: StagePlacement, b: StagePlacement) -> list[Diagnostic]:
     out = []
     for this, other in ((a, b), (b, a)):
-        decl = _decl(program, this)
-        engine = decl["engine"]
+        engine = _decl(program, this)["engine"]
         if not can_sleep(engine):
-            where = f"`{other.stage}`" + (f" of pipeline `{other.pipeline}`" if other.pipeline != this.pipeline else "")
-            out.append(Diagnostic("RLP504", ERROR, f"`{this.stage}` shares GPUs with {where} but its engine "
-                                  f"`{engine.name}` cannot sleep or offload", decl.span_of("engine"),
-                                  help=f"enable it (`{engine.name}(..., sleep = true)` / `offload = true`) "
-                                       "or give the stages separate GPUs"))
+            arg = ENGINES[engine.name].can_sleep_arg
+            enable = f"`{engine.name}({arg} = true)`" if arg else "an engine that can release the GPU"
+            out.append(Diagnostic("RLP504", ERROR, f"{program.label(this.pipeline, this.stage)} shares GPUs with "
+                                  f"{program.label(other.pipeline, other.stage)} but its engine `{engine.name}` "
+                                  "cannot sleep or offload", arg_span(engine, arg) if arg else engine.span,
+                                  help=f"enable it, {enable}, or give the stages separate GPUs"))
     return out
+
+
+def _wake_findings(program: Program, sp: StagePlacement) -> list[Diagnostic]:
+    """vLLM's sleep level 2 discards the weights: only a stage that a sync refills may use it."""
+    decl = _decl(program, sp)
+    engine = decl["engine"]
+    if engine.name != "vllm" or engine.args.get("sleep") != 2:
+        return []
+    receives = _receives_sync(program.pipeline(sp.pipeline), sp.stage)
+    if receives is not False:
+        return []
+    return [Diagnostic("RLP504", ERROR, f"{program.label(sp.pipeline, sp.stage)} sleeps at level 2, which discards "
+                       "its weights, and no sync sends it new ones: it would wake without weights",
+                       arg_span(engine, "sleep"),
+                       help="use `sleep = 1` (or `true`): level 1 keeps the weights in host memory")]
+
+
+def _receives_sync(pipe, stage: str) -> bool | None:
+    syncs = pipe.stages_of("sync")
+    if not pipe.declarations_known or not all(s.valid("to") for s in syncs):
+        return None
+    return any(ref.name == stage for s in syncs for ref in s["to"])
 
 
 def _partial_overlap_findings(program: Program, a: StagePlacement, b: StagePlacement) -> list[Diagnostic]:
     big, small = (a, b) if len(a.gpus) >= len(b.gpus) else (b, a)
-    decl = _decl(program, small)
-    span = decl.span_of("gpus")
+    span = _placement_span(program, small)
+    big_name, small_name = program.label(big.pipeline, big.stage), program.label(small.pipeline, small.stage)
     if not set(small.gpus) <= set(big.gpus):
-        return [Diagnostic("RLP505", ERROR, f"`{small.stage}` (GPUs {_ids(small)}) and `{big.stage}` (GPUs "
+        return [Diagnostic("RLP505", ERROR, f"{small_name} (GPUs {_ids(small)}) and {big_name} (GPUs "
                            f"{_ids(big)}) overlap without one containing the other", span,
                            help="place the trainer on a subset of the generator's GPUs, or on disjoint GPUs")]
     if big.kind != "generate" or small.kind not in ("train", "logprob"):
-        return [Diagnostic("RLP505", ERROR, f"`{small.stage}` ({small.kind}) sits on part of `{big.stage}`'s "
+        return [Diagnostic("RLP505", ERROR, f"{small_name} ({small.kind}) sits on part of {big_name}'s "
                            f"GPUs ({big.kind})", span,
                            help="a partial overlap puts a train or logprob stage on some of a generate stage's GPUs")]
     inside = set(small.gpus)
@@ -61,32 +90,75 @@ def _partial_overlap_findings(program: Program, a: StagePlacement, b: StagePlace
     for rank in big.ranks:
         shared = inside & set(rank.gpus)
         if shared and shared != set(rank.gpus):
-            out.append(Diagnostic("RLP505", ERROR, f"`{small.stage}` cuts through replica {rank.index} of "
-                                  f"`{big.stage}` (GPUs {', '.join(map(str, rank.gpus))})", span,
+            out.append(Diagnostic("RLP505", ERROR, f"{small_name} cuts through replica {rank.index} of "
+                                  f"{big_name} (GPUs {', '.join(map(str, rank.gpus))})", span,
                                   help="each generation replica must lie wholly inside or wholly outside the "
                                        "trainer's GPUs"))
     if not out and all(set(r.gpus) <= inside for r in big.ranks):
-        out.append(Diagnostic("RLP505", ERROR, f"every replica of `{big.stage}` overlaps `{small.stage}`: "
+        out.append(Diagnostic("RLP505", ERROR, f"every replica of {big_name} overlaps {small_name}: "
                               "generation stops whenever training runs", span,
-                              help=f"keep at least one replica outside, or write `colocate = {big.stage}`"))
+                              help=f"keep at least one replica outside, or write `colocate = {big.stage}`"
+                              if big.pipeline == small.pipeline else "keep at least one replica outside"))
     return out
+
+
+def _placement_span(program: Program, sp: StagePlacement):
+    """Where the stage's GPUs were decided: its `gpus`, its `colocate`, or its pipeline's placement groups."""
+    decl = _decl(program, sp)
+    if sp.how == "group":
+        return program.pipeline(sp.pipeline).block("placement").span_of("groups")
+    return decl.span_of("colocate" if sp.how == "colocate" else "gpus")
 
 
 def _ids(sp: StagePlacement) -> str:
     return ", ".join(map(str, sp.gpus))
 
 
+def check_pipeline_sharing(program: Program, placement: Placement) -> list[Diagnostic]:
+    """RLP509: pipelines share GPUs only when one of them names the other in `share`."""
+    shared: dict[tuple[str, str], dict[int, list[StagePlacement]]] = {}
+    for gpu, residents in sorted(placement.residents().items()):
+        for a, b in combinations(sorted(residents, key=lambda s: (s.pipeline, s.stage)), 2):
+            if a.pipeline != b.pipeline:
+                shared.setdefault((a.pipeline, b.pipeline), {}).setdefault(gpu, []).extend((a, b))
+    out = []
+    for (first, second), gpus in sorted(shared.items()):
+        if _declared(program, first, second) is not False:
+            continue
+        gpu, residents = next(iter(gpus.items()))
+        stage = next(s for s in residents if s.pipeline == second)
+        names = ", ".join(sorted({program.label(s.pipeline, s.stage) for s in residents}))
+        block = program.pipeline(second).block("placement")
+        where = "its `placement` block" if block.explicit("groups") or block.explicit("ratios") \
+            else "a `placement { }` block"
+        out.append(Diagnostic(
+            "RLP509", ERROR, f"pipelines `{first}` and `{second}` share GPU {gpu} ({names}) without declaring it",
+            _placement_span(program, stage),
+            notes=(f"GPUs shared by `{first}` and `{second}`: {', '.join(map(str, gpus))}",),
+            help=f"if they are meant to take turns, add `share = [{first}]` to {where} in pipeline `{second}`; "
+                 "otherwise give them separate GPUs"))
+    return out
+
+
+def _declared(program: Program, a: str, b: str) -> bool | None:
+    """Whether `a` or `b` names the other in `share`; None when a `share` did not resolve."""
+    blocks = [program.pipeline(a).block("placement"), program.pipeline(b).block("placement")]
+    if any(ref.name in (a, b) for block in blocks for ref in block.get("share") or ()):
+        return True
+    return None if not all(block.valid("share") for block in blocks) else False
+
+
 def check_on_policy_disjoint(ctx: Context) -> list[Diagnostic]:
     """RLP401: max_lag = 0 with generation and training on disjoint GPUs."""
-    staleness = ctx.pipe.block("staleness")
     train = ctx.train_stage()
     gen = train and ctx.generator_for(train)
-    if staleness["max_lag"] != 0 or gen is None or ctx.placement is None:
+    if ctx.lag() != 0 or gen is None or ctx.placement is None:
         return []
     gp, tp = ctx.placement.of(ctx.pipe.name, gen.name), ctx.placement.of(ctx.pipe.name, train.name)
     if not gp or not tp or not gp.gpus or not tp.gpus or set(gp.gpus) & set(tp.gpus):
         return []
+    staleness = ctx.pipe.block("staleness")
     span = staleness.span_of("max_lag") if staleness.explicit("max_lag") else ctx.pipe.name_span
-    return [Diagnostic("RLP401", WARNING, f"on-policy (max_lag = 0) with `{gen.name}` and `{train.name}` on "
-                       "disjoint GPUs: each side idles while the other works", span,
+    return [Diagnostic("RLP401", WARNING, f"on-policy (max_lag = 0) with {ctx.label(gen.name)} and "
+                       f"{ctx.label(train.name)} on disjoint GPUs: each side idles while the other works", span,
                        help="allow `max_lag = 1` in `staleness { }`, or colocate the stages")]

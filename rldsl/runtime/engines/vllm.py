@@ -229,11 +229,16 @@ class VLLMOptions:
 
     tp: int = 1
     gpu_memory: float = 0.9
-    sleep: bool = True
+    sleep: bool | int = True  # the plan's level: 0 (never), 1 (weights to host memory), 2 (weights discarded)
     max_model_len: int | None = None
     dtype: str = "bf16"
-    sleep_level: int = 1
+    sleep_level: int = 1  # the level for `sleep = True`
     enforce_eager: bool = False
+
+    @property
+    def level(self) -> int:
+        """vLLM's sleep level: `sleep` when it names one, else `sleep_level`."""
+        return self.sleep_level if self.sleep is True else int(self.sleep)
 
     def llm_kwargs(self, model_path: str, seed: int) -> dict[str, Any]:
         kwargs = {
@@ -241,7 +246,7 @@ class VLLMOptions:
             "tokenizer": model_path,
             "tensor_parallel_size": self.tp,
             "gpu_memory_utilization": self.gpu_memory,
-            "enable_sleep_mode": self.sleep,
+            "enable_sleep_mode": bool(self.sleep),
             "dtype": VLLM_DTYPES[self.dtype],
             "seed": seed,
             "logprobs_mode": "raw_logprobs",
@@ -311,7 +316,7 @@ class _VLLMEngine:
 
     def sleep(self) -> None:
         if self.options.sleep and not self._asleep:
-            self.llm.sleep(level=self.options.sleep_level)
+            self.llm.sleep(level=self.options.level)
             self._asleep = True
 
     def wake(self) -> None:

@@ -1,0 +1,146 @@
+"""Weight rules: syncs join a trainer and the generators of its model, and
+generation runs the model being trained (the RL loop closes)."""
+
+from __future__ import annotations
+
+from rldsl.compiler.context import Context
+from rldsl.compiler.decls import Decl
+from rldsl.compiler.diagnostics import ERROR, Diagnostic
+from rldsl.compiler.rules.advice import free_name
+
+
+def _model(stage: Decl) -> str | None:
+    return stage["model"].name if stage.valid("model") and stage.get("model") else None
+
+
+def _receives_weights(stage: Decl) -> bool:
+    return stage.stage_kind == "generate" or (stage.stage_kind == "logprob" and not stage.get("frozen"))
+
+
+def _weights_known(stage: Decl) -> bool:
+    """Whether it is known if the stage takes weights (a logprob stage's `frozen` resolved)."""
+    return stage.stage_kind != "logprob" or stage.valid("frozen")
+
+
+def check_sync(ctx: Context) -> list[Diagnostic]:
+    """RLP206: syncs go from a train stage to generators of the same model."""
+    out, pipe = [], ctx.pipe
+    trains = sorted(s.name for s in pipe.stages_of("train"))
+    for sync in pipe.stages_of("sync"):
+        if not sync.valid("from"):
+            continue
+        src = sync["from"]
+        source = pipe.stages[src.name]
+        if source.stage_kind != "train":
+            fix = f"`from = {trains[0]}`" if trains else "`from` names a train stage"
+            out.append(Diagnostic("RLP206", ERROR, f"sync {ctx.label(sync.name)} sends weights from "
+                                  f"{ctx.label(source.name)}, a {source.stage_kind} stage", src.span,
+                                  help=f"weights come from the trainer: {fix}"))
+            continue
+        for ref in sync["to"] if sync.valid("to") else ():
+            out += _target_findings(ctx, sync, source, pipe.stages[ref.name], ref)
+    return out
+
+
+def _target_findings(ctx: Context, sync: Decl, source: Decl, target: Decl, ref) -> list[Diagnostic]:
+    if not _weights_known(target):
+        return []
+    if not _receives_weights(target):
+        why = "a frozen reference keeps its weights" if target.stage_kind == "logprob" else \
+            "`to` names generate stages (or policy logprob stages)"
+        return [Diagnostic("RLP206", ERROR, f"sync {ctx.label(sync.name)} sends weights to {ctx.label(target.name)}, "
+                           f"a {_describe(target)}", ref.span, help=f"{why}: remove `{target.name}` from `to`")]
+    sent, runs = _model(source), _model(target)
+    if sent and runs and sent != runs:
+        return [Diagnostic("RLP206", ERROR, f"sync {ctx.label(sync.name)} sends `{sent}` weights to "
+                           f"{ctx.label(target.name)}, which runs model `{runs}`", ref.span,
+                           help=f"a sync joins a trainer and generators of the same model: set `model = {sent}` "
+                                f"in `{target.name}`, or remove it from `to`")]
+    return []
+
+
+def _describe(stage: Decl) -> str:
+    if stage.stage_kind == "logprob" and stage.get("frozen"):
+        return "frozen logprob stage"
+    return f"{stage.stage_kind} stage"
+
+
+def _synced(ctx: Context) -> set[tuple[str, str]] | None:
+    """(train, target) pairs joined by a sync; None when a sync did not resolve."""
+    syncs = ctx.pipe.stages_of("sync")
+    if not all(s.valid("from", "to") for s in syncs):
+        return None
+    return {(s["from"].name, ref.name) for s in syncs for ref in s["to"]}
+
+
+def check_missing_syncs(ctx: Context) -> list[Diagnostic]:
+    """RLP205: every generator (and policy logprob stage) of a trained model receives a sync."""
+    pipe = ctx.pipe
+    synced = _synced(ctx)
+    if synced is None or not pipe.declarations_known:  # a dropped block may be the sync
+        return []
+    out = []
+    for train in pipe.stages_of("train"):
+        model = _model(train)
+        for stage in pipe.stages.values():
+            if model is None or not _weights_known(stage) or not _receives_weights(stage) or _model(stage) != model:
+                continue
+            if stage.stage_kind == "logprob" and _exempt(ctx, stage, train) is not False:
+                continue  # colocated with its trainer (or unknown whether it is)
+            if (train.name, stage.name) not in synced:
+                out.append(Diagnostic("RLP205", ERROR, f"{ctx.label(stage.name)} runs model `{model}`, which "
+                                      f"{ctx.label(train.name)} trains, but receives no weight sync",
+                                      stage.name_span, help=_sync_help(ctx, train, stage)))
+    return out
+
+
+def _exempt(ctx: Context, stage: Decl, train: Decl) -> bool | None:
+    """A policy logprob stage on its trainer's GPUs (by `colocate` or a placement group) needs no sync."""
+    placement = ctx.pipe.block("placement")
+    if not stage.valid("colocate") or not placement.valid("groups"):
+        return None
+    colocated = stage.get("colocate") is not None and stage["colocate"].name == train.name
+    groups = placement.get("groups") or ()
+    return colocated or any({stage.name, train.name} <= {ref.name for ref in group} for group in groups)
+
+
+def _sync_help(ctx: Context, train: Decl, stage: Decl) -> str:
+    syncs = sorted(ctx.pipe.stages_of("sync"), key=lambda s: s.name)
+    own = [s for s in syncs if s["from"].name == train.name]
+    if own:
+        targets = ", ".join([ref.name for ref in own[0]["to"]] + [stage.name])
+        return f"add it to the `to` of sync `{own[0].name}`: `to = [{targets}]`"
+    misdirected = [s for s in syncs if ctx.pipe.stages[s["from"].name].stage_kind != "train"]
+    if misdirected:  # RLP206 reports it: that sync is meant to be this one
+        return f"send the weights from the trainer: `stage sync {misdirected[0].name} {{ from = {train.name}  " \
+               f"to = {stage.name} }}`"
+    return f"add `stage sync {free_name(ctx.pipe, 'weights')} {{ from = {train.name}  to = {stage.name} }}`"
+
+
+def check_trained_generation(ctx: Context) -> list[Diagnostic]:
+    """RLP209: the trainer's generators run the model it trains, or its updates never reach generation."""
+    train = ctx.train_stage()
+    model = train and _model(train)
+    synced = _synced(ctx)
+    if model is None or synced is None or not ctx.pipe.dataflow_known:
+        return []
+    upstream = ctx.upstream(train.name)
+    generators = sorted((s for s in ctx.pipe.stages_of("generate") if s.name in upstream), key=lambda s: s.name)
+    models = [_model(g) for g in generators]
+    if not generators or None in models or model in models:
+        return []
+    if any((train.name, g.name) in synced for g in generators):
+        return []  # RLP206 reports the sync across models
+    runs = ", ".join(f"`{g.name}` runs `{m}`" for g, m in zip(generators, models))
+    first = generators[0]
+    return [Diagnostic("RLP209", ERROR, f"{ctx.label(train.name)} trains model `{model}`, but generation never "
+                       f"uses it: {runs}", first.span_of("model"),
+                       notes=("every step trains on samples from a model the trainer does not update: the RL "
+                              + "loop never closes",),
+                       related=((train.span_of("model"), "the model trained"),),
+                       help=f"generate from the trained model, `model = {model}` in `{first.name}`, and send it the "
+                            f"weights: `stage sync {free_name(ctx.pipe, 'weights')} {{ from = {train.name}  "
+                            f"to = {first.name} }}`")]
+
+
+PASSES = (check_sync, check_missing_syncs, check_trained_generation)

@@ -27,12 +27,14 @@ import asyncio
 import itertools
 import time
 
-from rldsl.runtime.control.controller import Controller, StageHandles
+from rldsl.runtime.control.controller import Controller
 from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.dataplane import InMemoryDataPlane
 from rldsl.runtime.engines.sim import Latency
 from rldsl.runtime.inprocess import SimConfig, SimStages
-from rldsl.runtime.protocols import Prompt, StepResult
+from rldsl.runtime.protocols import Prompt
+
+from null_stages import NullDataPlane, null_handles
 
 PROMPTS_PER_STEP = 8
 SAMPLES_PER_PROMPT = 4
@@ -50,6 +52,7 @@ def run_settings(max_lag: int, steps: int) -> RunSettings:
         steps=steps,
         max_lag=max_lag,
         too_stale="drop",  # as measured in docs/performance.md: the train pump never idles on a ready group
+        generate_concurrency=1,  # one group per call, back to back: G is a step's groups in sequence
         reward_stages=("score",),
         watchdog_timeout_s=60.0,
     )
@@ -96,40 +99,6 @@ def overlap_table(gen_s: float, train_s: float, steps: int) -> list[str]:
         f"limit (G+T)/max(G,T) = {limit:.3f}x, reached {speedup / limit:.1%} of it"
     )
     return lines
-
-
-def null_handles() -> StageHandles:
-    """Handles that return at once: what is left is the controller."""
-    versions = {"trainer": 0, "generator": 0}
-
-    async def generate(prompts, keys, samples_per_prompt, seed):
-        return versions["generator"]
-
-    async def reward(stage, keys):
-        return [float(i % 2) for i in range(len(keys))]
-
-    async def nothing(*args):
-        return {}
-
-    async def finish(step):
-        versions["trainer"] += 1
-        return StepResult(versions["trainer"], {})
-
-    async def push_weights(version):
-        versions["generator"] = version
-
-    async def generator_version():
-        return versions["generator"]
-
-    return StageHandles(generate, reward, nothing, nothing, nothing, finish, nothing, push_weights, generator_version)
-
-
-class NullDataPlane:
-    def put(self, keys, partition, fields, tags=None):
-        pass
-
-    def clear(self, keys, partition):
-        pass
 
 
 def overhead_per_sample(steps: int, with_engines: bool) -> float:

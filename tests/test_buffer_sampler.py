@@ -52,7 +52,7 @@ def test_commit_records_arrival_order_and_the_generation_version():
         buffer.reserve(group_id, keys(group_id), 0, version=0)
     buffer.commit(9, keys(9)[:1], (1.0,), version=2)  # one sample failed its reward
     buffer.commit(3, keys(3), (0.0, 1.0), version=0)
-    assert [(g.group_id, g.arrival) for g in buffer.groups(GroupState.READY)] == [(3, 1), (9, 0)]
+    assert sorted((g.group_id, g.arrival) for g in buffer.groups(GroupState.READY)) == [(3, 1), (9, 0)]
     assert buffer.get(9).version == 2 and buffer.get(9).keys == keys(9)[:1]
     assert buffer.get(5).state is GroupState.RESERVED
 

@@ -24,11 +24,13 @@ def recording(intervals: list, events: list):
                     intervals.append((name, start, time.monotonic()))
             return call
 
-        async def sleep():
+        async def sleep(replicas):
             events.append(("sleep", time.monotonic()))
+            await handles.sleep_generators(replicas)
 
-        async def wake():
+        async def wake(replicas, version):
             events.append(("wake", time.monotonic()))
+            await handles.wake_generators(replicas, version)
 
         return dataclasses.replace(
             handles,
@@ -41,7 +43,8 @@ def recording(intervals: list, events: list):
 
 @pytest.mark.parametrize("max_lag", [0, 1])
 def test_generation_and_training_never_overlap_when_colocated(max_lag):
-    settings = make_settings(prompts_per_step=3, samples_per_prompt=2, steps=4, max_lag=max_lag, colocated=True)
+    settings = make_settings(prompts_per_step=3, samples_per_prompt=2, steps=4, max_lag=max_lag,
+                             sleeping_replicas=(0, 1))
     config = SimConfig(generate=Latency.constant(0.01), microbatch=Latency.constant(0.01),
                        finish=Latency.constant(0.01), generators=2)
     intervals, events = [], []

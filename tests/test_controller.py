@@ -91,11 +91,11 @@ def test_microbatches_follow_arrival_order():
 
     config = SimConfig(generate=Latency.uniform(0.001, 0.02), generators=4, microbatch=Latency.constant(0.003))
     summary, sim, _ = run_controller(settings, config, wrap=wrap)
-    trained = [group_of(keys[0]) for _, keys in sim.microbatch_keys]
+    trained = [group_of(keys[0]) for _, keys, _ in sim.microbatch_keys]
     assert summary["steps"] == 3
     assert sorted(trained) == sorted(arrivals)
     for step in range(3):
-        in_step = [group_of(keys[0]) for s, keys in sim.microbatch_keys if s == step]
+        in_step = [group_of(keys[0]) for s, keys, _ in sim.microbatch_keys if s == step]
         assert in_step == [g for g in arrivals if g in in_step]
 
 
@@ -140,12 +140,12 @@ def test_long_tail_group_does_not_block_other_groups():
     committed_at: dict[int, float] = {}
 
     def wrap(handles: StageHandles) -> StageHandles:
-        async def generate(prompts, keys, samples_per_prompt, seed):
+        async def generate(replica, prompts, keys, samples_per_prompt, seed):
             if prompts[0].index == 0:
                 await asyncio.sleep(0.3)  # the straggler
-            version = await handles.generate(prompts, keys, samples_per_prompt, seed)
+            generated = await handles.generate(replica, prompts, keys, samples_per_prompt, seed)
             committed_at[prompts[0].index] = time.monotonic()
-            return version
+            return generated
 
         async def finish(step):
             result = await handles.finish_train_step(step)
@@ -156,7 +156,7 @@ def test_long_tail_group_does_not_block_other_groups():
 
     config = SimConfig(generate=Latency.constant(0.005), generators=4, microbatch=Latency.constant(0.002))
     summary, sim, _ = run_controller(settings, config, wrap=wrap)
-    step0 = [group_of(keys[0]) for step, keys in sim.microbatch_keys if step == 0]
+    step0 = [group_of(keys[0]) for step, keys, _ in sim.microbatch_keys if step == 0]
     assert 0 not in step0 and len(step0) == 4
     assert finished_at["step0"] < committed_at[0]  # step 0 finished while the straggler generated
     assert summary["max_lag"] <= 1
@@ -179,7 +179,7 @@ def test_a_straggler_past_its_deadline_is_dropped_or_waited_for(too_stale):
 
     config = SimConfig(generate=Latency.constant(0.005), generators=4, reward_workers=4)
     summary, sim, _ = run_controller(settings, config, wrap=wrap)
-    step1 = {group_of(keys[0]) for step, keys in sim.microbatch_keys if step == 1}
+    step1 = {group_of(keys[0]) for step, keys, _ in sim.microbatch_keys if step == 1}
     if too_stale == "drop":  # the trainer went on with a fresh group; the straggler expired
         assert summary["ledger"]["dropped"] == {"too_stale": 2} and 0 not in step1
     else:  # the trainer waited for it
@@ -210,10 +210,10 @@ def test_request_stop_ends_the_run_after_the_call_in_flight_with_the_ledger_bala
     sim = SimStages(settings, dataplane, config)
     controller = None
 
-    async def stop_during_step_2(step, keys):
+    async def stop_during_step_2(step, keys, replica):
         if step == 2:
             controller.request_stop()
-        return await sim.handles.train_microbatch(step, keys)
+        return await sim.handles.train_microbatch(step, keys, replica)
 
     handles = dataclasses.replace(sim.handles, train_microbatch=stop_during_step_2)
     controller = Controller(settings, handles, dataplane, prompt_stream())
@@ -223,7 +223,9 @@ def test_request_stop_ends_the_run_after_the_call_in_flight_with_the_ledger_bala
     assert sim.trainer.open_step is None  # nothing half-trained is left open
     ledger = summary["ledger"]
     assert ledger["trained"] == 2 * 4 * 2
-    assert ledger["dropped"]["run_stopped"] == 2  # the one group of step 2 trained before the stop
+    # the group of step 2 in its microbatch when the stop came, and any taken into step 2 behind it
+    assert ledger["dropped"]["run_stopped"] >= 2
+    assert [step for step, _, _ in sim.microbatch_keys].count(2) == 1  # queued microbatches never started
     assert set(ledger["dropped"]) <= {"run_stopped", "run_finished"}
     assert dataplane.list("t") == []
 
@@ -276,7 +278,7 @@ def test_in_order_batch_with_every_reward_failed_is_skipped():
     assert summary["steps"] == 2
     assert [c[1] for c in trainer_calls(sim, "begin_train_step")] == [0, 2]  # batch 1 never opened
     assert summary["ledger"]["dropped"] == {"reward_failed": 4}
-    assert sorted({group_of(k[0]) for _, k in sim.microbatch_keys}) == [0, 1, 4, 5]
+    assert sorted({group_of(k[0]) for _, k, _ in sim.microbatch_keys}) == [0, 1, 4, 5]
 
 
 def test_exactly_one_clear_per_step():
@@ -285,7 +287,7 @@ def test_exactly_one_clear_per_step():
     assert summary["ledger"]["dropped"] == {}
     assert len(dataplane.clears) == 4 == len(trainer_calls(sim, "finish_train_step"))
     for step, cleared in enumerate(dataplane.clears):
-        trained = [key for s, keys in sim.microbatch_keys if s == step for key in keys]
+        trained = [key for s, keys, _ in sim.microbatch_keys if s == step for key in keys]
         assert sorted(cleared) == sorted(trained)
     assert dataplane.list("t") == []
 
@@ -296,12 +298,12 @@ def test_advantages_are_written_before_each_microbatch():
     sim = SimStages(settings, dataplane, SimConfig())
     seen: list[list[float]] = []
 
-    async def microbatch(step, keys):
+    async def microbatch(step, keys, replica):
         fields = dataplane.get(list(keys), "t", [FIELD_ADVANTAGE, "reward"])
         expected = group_advantages(fields["reward"].tolist(), settings.advantage_eps)
         assert fields[FIELD_ADVANTAGE].tolist() == pytest.approx(expected, abs=1e-6)
         seen.append(fields[FIELD_ADVANTAGE].tolist())
-        return await sim.train_microbatch(step, keys)
+        return await sim.train_microbatch(step, keys, replica)
 
     handles = dataclasses.replace(sim.handles, train_microbatch=microbatch)
     asyncio.run(Controller(settings, handles, dataplane, prompt_stream()).run())
@@ -318,12 +320,30 @@ def test_metrics_callback_reports_every_step():
     assert summary["weight_pushes"] == 3 and summary["samples_per_s"] > 0
 
 
-def test_a_slow_weight_push_holds_the_next_finish_not_the_microbatches():
+def test_a_slow_weight_push_holds_neither_generation_nor_the_trainer():
     settings = make_settings(prompts_per_step=2, max_lag=2, steps=4)
     config = SimConfig(generate=Latency.constant(0.001), push_bucket=Latency.constant(0.03), generators=2)
-    summary, sim, _ = run_controller(settings, config)  # the sim trainer raises on a finish during a push
+    intervals = []
+
+    def wrap(handles: StageHandles) -> StageHandles:
+        def timed(name, fn):
+            async def call(*args):
+                start = time.monotonic()
+                try:
+                    return await fn(*args)
+                finally:
+                    intervals.append((name, start, time.monotonic()))
+            return call
+        return dataclasses.replace(handles, generate=timed("generate", handles.generate),
+                                   push_weights=timed("push", handles.push_weights),
+                                   finish_train_step=timed("finish", handles.finish_train_step))
+
+    summary, sim, _ = run_controller(settings, config, wrap=wrap)
     assert summary["steps"] == 4 and summary["aborted_steps"] == 0
     assert summary["weight_pushes"] >= 2
+    pushes = [(s, e) for name, s, e in intervals if name == "push"]
+    others = [(s, e) for name, s, e in intervals if name != "push"]
+    assert any(s < pe and ps < e for ps, pe in pushes for s, e in others), "nothing ran during a push"
 
 
 # -- properties: the staleness bound and the ledger ------------------------------
@@ -425,7 +445,7 @@ def test_watchdog_reports_generation_that_always_fails():
 
 @pytest.mark.parametrize("handle,report", [
     ("reward", r"groups in flight"),
-    ("train_microbatch", r"train pump: step 0: in train_microbatch"),
+    ("train_microbatch", r"train pump: step 0: .*in train_microbatch on trainer replicas \[0\]"),
 ])
 def test_watchdog_reports_a_call_that_never_returns(handle, report):
     settings = make_settings(watchdog_timeout_s=0.3)

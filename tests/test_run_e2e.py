@@ -36,9 +36,31 @@ def test_sim_pipeline_runs_and_the_ledger_balances(tmp_path):
     assert {"stage rollout", "stage score", "stage reference", "stage actor", "stage controller"} <= stages
     calls = {e["name"] for e in trace if e["ph"] == "X"}
     assert {"generate", "reward", "logprob", "train_microbatch", "finish_train_step", "weight export",
-            "weight bucket", "weight push", "dataplane put", "dataplane get", "dataplane clear"} <= calls
+            "weight receive", "weight push", "dataplane put", "dataplane get", "dataplane clear"} <= calls
     arrows_out, arrows_in = (sum(e["ph"] == phase for e in trace) for phase in ("s", "f"))
     assert arrows_in == 4 * 4 and arrows_out >= arrows_in  # generated groups -> the 16 trained
+
+
+def test_partial_overlap_trains_only_while_the_replica_on_its_gpu_sleeps(tmp_path):
+    proc, run_dir = run(["pipelines/sim_partial_overlap.rlp"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["ledger"]["open"] == 0
+    spans = [e for e in json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+             if e["ph"] == "X" and e.get("cat") != "gpu"]
+
+    def of(actor, *names):
+        return [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["args"]["actor"] == actor and e["name"] in names]
+
+    sleeps, wakes = of("rollout-0", "sleep"), of("rollout-0", "wake")
+    asleep = [(sleep_end, next(start for start, _ in wakes if start >= sleep_end)) for _, sleep_end in sleeps]
+    trainer = of("actor-0", "begin_train_step", "train_microbatch", "finish_train_step", "weight export")
+    assert len(sleeps) == 6 and trainer
+    for start, end in trainer:  # no trainer call while replica 0, on the trainer's GPU, is awake
+        assert any(a <= start and end <= b for a, b in asleep), (start, end, asleep)
+    other = of("rollout-1", "generate")
+    assert any(s < b and a < e for s, e in other for a, b in asleep), "replica 1 never generated during a step"
+    assert of("rollout-0", "weight refresh"), "replica 0 was never refreshed when it woke"
 
 
 def test_torch_pipeline_trains_and_evaluates(tmp_path):

@@ -1,4 +1,4 @@
-"""Split-step training equals one full-batch backward, at dp=1 and dp=2 (gloo).
+"""Split-step training equals one full-batch backward, at dp=1, 2 and 4 (gloo).
 
 The reference is one backward over the whole global batch of
 ``loss_sum / N``; the trainer instead sees the rows as uneven microbatches
@@ -91,22 +91,41 @@ def test_split_step_equals_full_batch_dp1(config):
 
 
 # rank -> microbatch row ranges; ranks hold different, uneven numbers of microbatches
-DP2_LAYOUTS = {
-    "uneven": {0: [(0, 2), (2, 3), (3, 7)], 1: [(7, 10)]},
-    "idle rank": {0: [(0, 4), (4, 10)], 1: []},
+DP_LAYOUTS = {
+    2: {
+        "uneven": {0: [(0, 2), (2, 3), (3, 7)], 1: [(7, 10)]},
+        "idle rank": {0: [(0, 4), (4, 10)], 1: []},
+    },
+    4: {"uneven": {0: [(0, 1), (1, 2)], 1: [(2, 6)], 2: [(6, 7), (7, 9)], 3: [(9, 10)]}},
 }
 
 
-def _dp_worker(rank: int, port: int, results: dict):
+def lanes_layout(world_size: int, model) -> dict[int, list[tuple[int, int]]]:
+    """Two-row groups assigned to ranks as the controller's lanes assign them
+    (equal counts per rank, balanced by response tokens)."""
+    from rldsl.runtime.control.lanes import MicrobatchLanes
+
+    tokens = make_batch(model)["response_mask"].sum(dim=1).tolist()
+    groups = [(start, start + 2) for start in range(0, ROWS, 2)]
+    lanes = MicrobatchLanes(world_size, lambda: None)
+    lanes.open_step(len(groups))
+    layout: dict[int, list[tuple[int, int]]] = {rank: [] for rank in range(world_size)}
+    for start, stop in groups:
+        layout[lanes.assign(int(sum(tokens[start:stop])))].append((start, stop))
+    return layout
+
+
+def _dp_worker(rank: int, world_size: int, port: int, results: dict):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
         model = make_model()
         batch = make_batch(model)
+        layouts = {**DP_LAYOUTS[world_size], "lanes": lanes_layout(world_size, model)}
         for config in LOSS_CONFIGS:
             expected = full_batch_gradients(model, batch, config)
-            for name, layout in DP2_LAYOUTS.items():
+            for name, layout in layouts.items():
                 actual = split_step_gradients(model, batch, config, layout[rank])
                 results[(rank, config.level, name)] = max_relative_error(actual, expected)
     finally:
@@ -119,11 +138,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_split_step_equals_full_batch_dp2_gloo():
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_split_step_equals_full_batch_data_parallel_gloo(world_size):
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_dp_worker, args=(_free_port(), results), nprocs=2, join=True)
+        mp.spawn(_dp_worker, args=(world_size, _free_port(), results), nprocs=world_size, join=True)
         results = dict(results)
-    assert len(results) == 2 * len(LOSS_CONFIGS) * len(DP2_LAYOUTS)
+    assert len(results) == world_size * len(LOSS_CONFIGS) * (len(DP_LAYOUTS[world_size]) + 1)
     worst = max(results.values())
     assert worst < 1e-5, results

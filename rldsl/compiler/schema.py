@@ -100,6 +100,8 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
         "temperature": Key(Float(low=0), 1.0, "sampling temperature"),
         "top_p": Key(Fraction(), 1.0, "nucleus sampling share"),
         "logprobs": Key(Bool(), True, "return per-token behaviour logprobs"),
+        "concurrency": Key(Int(low=0), 0, "prompt groups in flight per replica, decoded as one batch "
+                                           "(0: a step's groups spread over the replicas)"),
     },
     "reward": {
         "fn": Key(Str(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "a `module:function` reference",

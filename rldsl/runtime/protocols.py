@@ -50,6 +50,17 @@ class Prompt:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Generated:
+    """What a generator replica reports for one prompt group: the weight
+    version every row was generated with (a replica swaps weights only
+    between batches, so a group never spans two) and its response tokens
+    (the trainer's ranks are balanced by them)."""
+
+    version: int
+    tokens: int = 0
+
+
 @dataclass
 class StepResult:
     """What ``finish_train_step`` reports."""

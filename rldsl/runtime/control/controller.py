@@ -1,11 +1,12 @@
 """The single controller: three asyncio pumps that move only metadata.
 
 - rollout pump (rollout_pump.py): prompts -> generate -> reward -> logprob,
-  one prompt group at a time, gated by buffer capacity, the in-flight limit
-  and the staleness quota;
-- train pump (train_pump.py): the split-step trainer fed one ready group at
-  a time;
-- sync pump (sync_pump.py): pushes weights to the generators after each step.
+  one prompt group per call, several in flight on every generator replica,
+  gated by buffer capacity, the in-flight limit and the staleness quota;
+- train pump (train_pump.py): the split-step trainer fed ready groups as they
+  arrive, every data-parallel replica busy (lanes.py);
+- sync pump (sync_pump.py): pushes each exported version to the generator
+  replicas without stopping them.
 
 A watchdog turns any stall into a ``PipelineStalled`` error that says what
 each pump is waiting on. Engines sit behind ``StageHandles`` (handles.py); the Ray
@@ -56,7 +57,8 @@ class Controller:
 
     async def run(self) -> dict:
         state = self.state
-        state.trainer_version = state.generator_version = int(await resolve(state.stages.generator_version()))
+        state.trainer_version = int(await resolve(state.stages.generator_version()))
+        state.start_replicas(state.stages.generator_replicas, state.trainer_version)
         state.started_at = state.last_progress = state.clock()
         await self._supervise()
         await self._settle_leftovers()

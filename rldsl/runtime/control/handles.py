@@ -7,52 +7,71 @@ in-process lowering over sim engines (``inprocess.sim_stages``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Mapping, Sequence
 
-from rldsl.runtime.protocols import Prompt, StepResult
+from rldsl.runtime.protocols import Generated, Prompt, StepResult
 
 
-async def _nothing() -> None:
+async def _nothing(*_args) -> None:
     return None
 
 
 @dataclass(frozen=True)
 class StageHandles:
-    """The async callables the controller drives; the Ray layer implements
-    them over actors, ``inprocess.sim_stage_handles`` in process.
+    """The async callables the controller drives.
 
     Only keys and metadata cross this boundary: engines read and write the
     sample fields in the data plane themselves.
 
-    - ``generate(prompts, keys, samples_per_prompt, seed) -> version``:
-      generate ``samples_per_prompt`` responses per prompt, write them under
-      ``keys`` (prompt-major), and return the weight version used. The
-      controller calls it once per prompt group and never while a weight
-      push is in progress.
+    - ``generate(replica, prompts, keys, samples_per_prompt, seed) -> Generated``:
+      generate ``samples_per_prompt`` responses per prompt on generator
+      replica ``replica``, write them under ``keys`` (prompt-major), and
+      report the weight version used. The controller keeps several groups
+      in flight per replica; the replica batches them (continuous batching)
+      and answers each call as its group completes.
     - ``reward(stage, keys) -> [float | None]``: one reward per key; ``None``
       (or NaN) marks a sample whose reward failed. An exception fails all.
     - ``logprob(stage, keys)``: compute and store the stage's logprob field.
-    - ``begin_train_step(step)``, ``train_microbatch(step, keys) -> metrics``,
-      ``finish_train_step(step) -> StepResult``, ``abort_train_step(step)``:
-      the split-step trainer; microbatches read their fields (``advantage``
-      included) from the data plane.
-    - ``push_weights(version)``: bucketed transfer trainer -> every generator;
-      the new version takes effect when the last bucket lands.
+    - ``begin_train_step(step)``, ``train_microbatch(step, keys, replica) ->
+      metrics``, ``finish_train_step(step) -> StepResult``,
+      ``abort_train_step(step)``: the split-step trainer. Begin, finish and
+      abort involve every rank; a microbatch goes to one data-parallel
+      replica (its tp x pp ranks). The controller sends one replica at most
+      one microbatch at a time and awaits them all before finish or abort.
+      Microbatches read their fields (``advantage`` included) from the data
+      plane.
+    - ``export_weights(version)``: snapshot the trainer's weights, once per
+      step, into the host bucket cache that pushes and refreshes read.
+    - ``push_weights(version, replicas)``: send the cached version to those
+      generator replicas (and every other weight receiver). A replica stages
+      the buckets while it keeps generating and swaps them in between two
+      batches, so a push never stops the fleet.
     - ``generator_version() -> int``: the generators' weight version at start.
-    - ``sleep_generators()`` / ``wake_generators()``: release and reclaim the
-      accelerator memory of generators that share GPUs with the trainer
-      (``RunSettings.colocated``); no-ops otherwise.
+    - ``sleep_generators(replicas)`` / ``wake_generators(replicas, version)``:
+      release and reclaim the accelerator memory of the generator replicas
+      that share GPUs with the trainer; a woken replica is refreshed from
+      the host bucket cache to ``version`` before it serves.
+    - ``generator_replicas`` / ``train_replicas``: how many replicas the
+      controller schedules over.
+    - ``stage_slots``: reward or logprob stage -> how many calls it serves
+      at once (its workers or replicas). The controller runs that many and
+      merges the groups waiting meanwhile into the next call; a stage not
+      named takes every call as it comes.
     """
 
-    generate: Callable[[Sequence[Prompt], Sequence[str], int, int], Awaitable[int]]
+    generate: Callable[[int, Sequence[Prompt], Sequence[str], int, int], Awaitable[Generated]]
     reward: Callable[[str, Sequence[str]], Awaitable[Sequence[float | None]]]
     logprob: Callable[[str, Sequence[str]], Awaitable[None]]
     begin_train_step: Callable[[int], Awaitable[None]]
-    train_microbatch: Callable[[int, Sequence[str]], Awaitable[Mapping[str, float]]]
+    train_microbatch: Callable[[int, Sequence[str], int], Awaitable[dict]]
     finish_train_step: Callable[[int], Awaitable[StepResult]]
     abort_train_step: Callable[[int], Awaitable[None]]
-    push_weights: Callable[[int], Awaitable[None]]
+    export_weights: Callable[[int], Awaitable[None]]
+    push_weights: Callable[[int, Sequence[int]], Awaitable[None]]
     generator_version: Callable[[], Awaitable[int]]
-    sleep_generators: Callable[[], Awaitable[None]] = _nothing
-    wake_generators: Callable[[], Awaitable[None]] = _nothing
+    sleep_generators: Callable[[Sequence[int]], Awaitable[None]] = _nothing
+    wake_generators: Callable[[Sequence[int], int], Awaitable[None]] = _nothing
+    generator_replicas: int = 1
+    train_replicas: int = 1
+    stage_slots: Mapping[str, int] = field(default_factory=dict)

@@ -33,6 +33,8 @@ class Ledger:
         self._lag_histogram: Counter[int] = Counter()
         self._dropped: Counter[str] = Counter()
         self._violations: list[str] = []
+        self._open = 0
+        self._trained_in_order: list[str] = []  # read incrementally by progress checkpoints
 
     def register(self, keys: Iterable[str]) -> None:
         for key in keys:
@@ -40,11 +42,13 @@ class Ledger:
                 self._violations.append(f"{key}: generated twice")
             else:
                 self._outcome[key] = None
+                self._open += 1
 
     def trained(self, keys: Iterable[str], lag: int) -> None:
         for key in keys:
             if self._close(key, TRAINED):
                 self._lag_histogram[lag] += 1
+                self._trained_in_order.append(key)
 
     def dropped(self, keys: Iterable[str], reason: str) -> None:
         if not reason or reason == TRAINED:
@@ -53,8 +57,10 @@ class Ledger:
             if self._close(key, reason):
                 self._dropped[reason] += 1
 
-    def trained_keys(self) -> list[str]:
-        return [key for key, outcome in self._outcome.items() if outcome == TRAINED]
+    def trained_keys(self, start: int = 0) -> list[str]:
+        """Keys trained so far, in training order, from position ``start``
+        (callers that keep a cursor pay only for what is new)."""
+        return self._trained_in_order[start:]
 
     def open_keys(self) -> list[str]:
         return [key for key, outcome in self._outcome.items() if outcome is None]
@@ -90,7 +96,7 @@ class Ledger:
             "generated": self.generated,
             "trained": self.trained_count,
             "dropped": dict(sorted(self._dropped.items())),
-            "open": len(self.open_keys()),
+            "open": self._open,
             "max_lag": self.max_lag,
             "lag_histogram": self.lag_histogram,
         }
@@ -104,4 +110,5 @@ class Ledger:
             self._violations.append(f"{key}: {outcome} after already {previous}")
             return False
         self._outcome[key] = outcome
+        self._open -= 1
         return True

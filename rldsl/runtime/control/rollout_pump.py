@@ -8,19 +8,38 @@ from typing import Any, Iterable
 
 from rldsl.runtime.control import ledger as outcomes
 from rldsl.runtime.control.buffer import Group, GroupState
+from rldsl.runtime.control.coalesce import CoalescedStage
 from rldsl.runtime.control.sampler import DispatchPlan
-from rldsl.runtime.control.state import RunState
+from rldsl.runtime.control.state import GeneratorReplica, RunState
 from rldsl.runtime.dataplane.base import sample_key
-from rldsl.runtime.protocols import Prompt
+from rldsl.runtime.protocols import Generated, Prompt
 
 
 class RolloutPump:
-    """Prompts -> generate -> reward stages -> logprob stages, group by group."""
+    """Prompts -> generate -> reward stages -> logprob stages, group by group.
+
+    Each group goes to the awake generator replica holding the fewest, up to
+    its concurrency, so every replica has a batch to decode."""
 
     def __init__(self, state: RunState, prompts: Iterable[Prompt]) -> None:
         self.state = state
         self._prompts = iter(prompts)
         self.tasks: set[asyncio.Task] = set()
+        self._reward_calls = {name: self._stage_calls(name, "reward") for name in state.settings.reward_stages}
+        self._logprob_calls = {name: self._stage_calls(name, "logprob") for name in state.settings.logprob_stages}
+
+    def _stage_calls(self, stage: str, kind: str):
+        """The stage's calls, metered; merged while its slots are busy when
+        the lowering says how many it serves at once."""
+        state = self.state
+        handle = state.stages.reward if kind == "reward" else state.stages.logprob
+
+        async def call(keys: list[str]):
+            with state.meter(f"{kind}:{stage}").track():
+                return await handle(stage, keys)
+
+        slots = state.stages.stage_slots.get(stage)
+        return CoalescedStage(call, slots, state.settings.samples_per_step) if slots else call
 
     async def run(self) -> None:
         state = self.state
@@ -43,10 +62,6 @@ class RolloutPump:
         state, settings = self.state, self.state.settings
         if state.training_done:
             return "run finished", None
-        if state.sync_pending:
-            return f"paused while weights sync to version {state.trainer_version}", None
-        if state.generators_asleep:
-            return "colocated generators sleep while the trainer runs", None
         if state.prompts_exhausted:
             return "prompt stream exhausted", None
         if not state.buffer.has_room:
@@ -54,10 +69,33 @@ class RolloutPump:
         in_flight = state.buffer.count(GroupState.RESERVED)
         if in_flight >= settings.max_inflight:
             return f"in-flight limit ({in_flight}/{settings.max_inflight} groups dispatched, not yet ready)", None
+        replica = self._pick_replica()
+        if replica is None:
+            return self._replicas_busy(), None
         plan = state.sampler.plan_dispatch(
-            state.buffer, state.train_progress(), state.generator_version, state.groups_dispatched
+            state.buffer, state.train_progress(), replica.version, state.groups_dispatched
         )
         return plan.blocked, plan
+
+    def _pick_replica(self) -> GeneratorReplica | None:
+        """The awake replica with the fewest groups in flight that has room."""
+        state = self.state
+        open_replicas = [r for r in state.replicas if r.can_take(state.draining_sleepers)]
+        return min(open_replicas, key=lambda r: (r.in_flight, r.index), default=None)
+
+    def _replicas_busy(self) -> str:
+        state = self.state
+        if all(r.asleep for r in state.replicas):
+            return "colocated generators sleep while the trainer runs"
+        parts = []
+        for r in state.replicas:
+            if r.asleep:
+                parts.append(f"{r.index} asleep")
+            elif state.draining_sleepers and r.shares_trainer_gpus:
+                parts.append(f"{r.index} finishing {r.in_flight} before it sleeps")
+            else:
+                parts.append(f"{r.index} holds {r.in_flight}/{r.concurrency}")
+        return "every generator replica is full or asleep (" + ", ".join(parts) + ")"
 
     def describe(self) -> str:
         blocked, _ = self.blocked_reason()
@@ -71,36 +109,41 @@ class RolloutPump:
 
     def _dispatch(self, prompt: Prompt, plan: DispatchPlan) -> None:
         state, settings = self.state, self.state.settings
+        replica = self._pick_replica()
         keys = tuple(sample_key(settings.pipeline, prompt.index, i) for i in range(settings.samples_per_prompt))
-        group = state.buffer.reserve(prompt.index, keys, plan.target_step, state.generator_version)
+        group = state.buffer.reserve(prompt.index, keys, plan.target_step, replica.version)
+        group.replica = replica.index
         state.ledger.register(keys)
         state.groups_dispatched += 1
-        state.generating += 1  # counted now, so a weight push cannot slip in before the call
-        task = asyncio.create_task(self._process(group, prompt))
+        replica.in_flight += 1  # counted now, so the replica cannot be put to sleep before the call
+        task = asyncio.create_task(self._process(group, prompt, replica))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _process(self, group: Group, prompt: Prompt) -> None:
+    async def _process(self, group: Group, prompt: Prompt, replica: GeneratorReplica) -> None:
         state = self.state
         try:
-            version = await self._generate(group, prompt)
+            generated = await self._generate(group, prompt, replica)
         except Exception as error:  # an engine failure drops the group, never the run
             state.drop(group, outcomes.GENERATION_FAILED, error)
             return
+        group.tokens = generated.tokens
         rewards = await self._score(group)
         if rewards is None or not await self._logprobs(group):
             return
-        state.buffer.commit(group.group_id, group.keys, rewards, version)
+        state.buffer.commit(group.group_id, group.keys, rewards, generated.version)
         state.progress()
 
-    async def _generate(self, group: Group, prompt: Prompt) -> int:
+    async def _generate(self, group: Group, prompt: Prompt, replica: GeneratorReplica) -> Generated:
         state, settings = self.state, self.state.settings
         seed = (settings.seed * 1_000_003 + prompt.index) % (1 << 31)
         try:
             with state.meter("generate").track():
-                return int(await state.stages.generate([prompt], list(group.keys), settings.samples_per_prompt, seed))
+                return await state.stages.generate(
+                    replica.index, [prompt], list(group.keys), settings.samples_per_prompt, seed
+                )
         finally:
-            state.generating -= 1
+            replica.in_flight -= 1
             state.changed.notify()
 
     async def _score(self, group: Group) -> tuple[float, ...] | None:
@@ -131,8 +174,7 @@ class RolloutPump:
         """One reward per key, None where it failed; a raising stage fails all."""
         state = self.state
         try:
-            with state.meter(f"reward:{stage}").track():
-                results = list(await state.stages.reward(stage, keys))
+            results = list(await self._reward_calls[stage](keys))
             if len(results) != len(keys):
                 raise ValueError(f"{len(results)} rewards for {len(keys)} samples")
             return [_finite_or_none(r) for r in results]
@@ -144,8 +186,7 @@ class RolloutPump:
         state = self.state
         for stage in state.settings.logprob_stages:
             try:
-                with state.meter(f"logprob:{stage}").track():
-                    await state.stages.logprob(stage, list(group.keys))
+                await self._logprob_calls[stage](list(group.keys))
             except Exception as error:
                 state.drop(group, outcomes.LOGPROB_FAILED, error)
                 return False

@@ -22,6 +22,7 @@ finishes.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from rldsl.runtime.control.buffer import Group, GroupState, ReplayBuffer
@@ -85,7 +86,8 @@ class StalenessSampler:
         Lag only grows, so keeping them would hold slots forever. Under
         ``too_stale = "wait"`` selection lets no group expire, so this finds
         nothing unless an engine reported an unexpected version."""
-        return [g for g in buffer.groups(GroupState.READY) if g.lag_at(trainer_version) > self.max_lag]
+        oldest_allowed = trainer_version - self.max_lag
+        return [g for v in buffer.ready_versions() if v < oldest_allowed for g in buffer.ready_at(v)]
 
     def select(
         self, buffer: ReplayBuffer, trainer_version: int, batch_index: int, open_slots: int
@@ -96,24 +98,29 @@ class StalenessSampler:
         taking lets every protected group still train before its deadline
         (version + max_lag): the ready ones, and with ``too_stale = "wait"``
         the ones still in flight too. Without that guard a fresher group
-        would push older ready ones past their deadline and waste them."""
-        candidates = [g for g in buffer.groups(GroupState.READY) if self._eligible(g, trainer_version, batch_index)]
-        candidates.sort(key=lambda g: (g.lag_at(trainer_version), g.arrival))
-        if self.in_order or not candidates:
-            return candidates[0] if candidates else None
-        protected = buffer.groups(GroupState.READY)
-        if self.wait_for_expiring:
-            protected += buffer.groups(GroupState.RESERVED)
-        if not self._fits(protected, trainer_version, open_slots):
-            # something expires whatever we do: save the oldest
-            return max(candidates, key=lambda g: (g.lag_at(trainer_version), -g.arrival))
-        for group in candidates:
-            if self._fits([g for g in protected if g is not group], trainer_version, open_slots - 1):
-                return group
+        would push older ready ones past their deadline and waste them.
+
+        Groups are bucketed by version, so a choice costs O(max_lag^2)
+        whatever the buffer holds."""
+        if self.in_order:
+            candidates = [g for g in buffer.ready_for(batch_index) if self._eligible(g, trainer_version, batch_index)]
+            return min(candidates, key=lambda g: (g.lag_at(trainer_version), g.arrival), default=None)
+        versions = [v for v in buffer.ready_versions() if trainer_version - v <= self.max_lag]  # lowest lag first
+        if not versions:
+            return None
+        deadlines = self._protected_deadlines(buffer, trainer_version)
+        if not _fits(deadlines, trainer_version, open_slots, self.per_step):
+            return next(buffer.ready_at(versions[-1]))  # something expires whatever we do: save the oldest
+        for version in versions:
+            if _fits(deadlines, trainer_version, open_slots, self.per_step, taken=version + self.max_lag):
+                return next(buffer.ready_at(version))
         return None  # every ready group would let an older one in flight expire: wait for it
 
     def count_eligible(self, buffer: ReplayBuffer, trainer_version: int, batch_index: int) -> int:
-        return sum(self._eligible(g, trainer_version, batch_index) for g in buffer.groups(GroupState.READY))
+        if self.in_order:
+            return sum(self._eligible(g, trainer_version, batch_index) for g in buffer.ready_for(batch_index))
+        counts = buffer.version_counts(GroupState.READY)
+        return sum(n for v, n in counts.items() if trainer_version - v <= self.max_lag)
 
     def describe_wait(self, trainer_version: int, batch_index: int) -> str:
         if self.in_order:
@@ -125,13 +132,32 @@ class StalenessSampler:
             return False
         return not self.in_order or group.target_step == batch_index
 
-    def _fits(self, groups: list[Group], trainer_version: int, open_slots: int) -> bool:
-        """Earliest-deadline feasibility: can every group still be trained by
-        its deadline, given ``open_slots`` in the open step and
-        ``prompts_per_step`` in each later one? (Expired groups are ignored:
-        eviction handles them.)"""
-        deadlines = sorted(g.version + self.max_lag for g in groups if g.version + self.max_lag >= trainer_version)
-        for count, deadline in enumerate(deadlines, start=1):
-            if count > open_slots + (deadline - trainer_version) * self.per_step:
-                return False
-        return True
+    def _protected_deadlines(self, buffer: ReplayBuffer, trainer_version: int) -> Counter[int]:
+        """Protected groups per deadline (version + max_lag); expired ones are
+        left out (eviction handles them)."""
+        deadlines: Counter[int] = Counter()
+        states = (GroupState.READY, GroupState.RESERVED) if self.wait_for_expiring else (GroupState.READY,)
+        for state in states:
+            for version, count in buffer.version_counts(state).items():
+                if version + self.max_lag >= trainer_version:
+                    deadlines[version + self.max_lag] += count
+        return deadlines
+
+
+def _fits(deadlines: Counter[int], trainer_version: int, open_slots: int, per_step: int,
+          taken: int | None = None) -> bool:
+    """Earliest-deadline feasibility: can every protected group still be
+    trained by its deadline, given ``open_slots`` in the open step and
+    ``per_step`` in each later one? With ``taken`` (a deadline), one group of
+    that deadline is taken into the open step first: it leaves the set and
+    uses a slot, which tightens every earlier deadline by one and leaves the
+    later ones as they were."""
+    trained_by = 0
+    for deadline in sorted(deadlines):
+        trained_by += deadlines[deadline]
+        room = open_slots + (deadline - trainer_version) * per_step
+        if taken is not None and deadline < taken:
+            room -= 1
+        if trained_by > room:
+            return False
+    return True

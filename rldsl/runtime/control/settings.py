@@ -45,6 +45,13 @@ class RunSettings:
       ``(max_lag + 1) * prompts_per_step``.
     - ``reward_stages`` / ``logprob_stages``: stage names, each in flow order.
       Rewards run first, so a group whose rewards all failed skips logprobs.
+    - ``generate_concurrency``: prompt groups kept in flight on each
+      generator replica (it decodes them in one batch); 0 derives it: a
+      step's groups spread over the replicas.
+    - ``sleeping_replicas``: the generator replicas that share GPUs with the
+      trainer. They sleep while a step trains and are refreshed when they
+      wake; the others keep generating (partial overlap). All of them:
+      full colocation, generation and training take turns.
     """
 
     pipeline: str
@@ -63,15 +70,14 @@ class RunSettings:
     advantage_eps: float = 1e-6
     seed: int = 0
     max_aborted_steps: int = 3  # consecutive aborts before the run gives up
-    # Generators share GPUs with the trainer: generation and training take
-    # turns (generators sleep while a step trains) instead of streaming.
-    colocated: bool = False
+    generate_concurrency: int = 0  # 0 = derived per replica
+    sleeping_replicas: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _require(bool(self.pipeline), "pipeline name must not be empty")
         for name in ("prompts_per_step", "samples_per_prompt", "max_aborted_steps"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("steps", "max_lag", "buffer_capacity", "max_inflight", "seed"):
+        for name in ("steps", "max_lag", "buffer_capacity", "max_inflight", "seed", "generate_concurrency"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         _require(self.order in ("any", "in_order"), f"order must be 'any' or 'in_order', got {self.order!r}")
         _require(self.too_stale in ("drop", "wait"), f"too_stale must be 'drop' or 'wait', got {self.too_stale!r}")
@@ -80,6 +86,7 @@ class RunSettings:
         _require(self.advantage_eps >= 0, "advantage_eps must be >= 0")
         object.__setattr__(self, "reward_stages", tuple(self.reward_stages))
         object.__setattr__(self, "logprob_stages", tuple(self.logprob_stages))
+        object.__setattr__(self, "sleeping_replicas", tuple(sorted(set(self.sleeping_replicas))))
         if self.buffer_capacity == 0:
             object.__setattr__(self, "buffer_capacity", self.window_groups)
         if self.max_inflight == 0:
@@ -95,6 +102,19 @@ class RunSettings:
     def samples_per_step(self) -> int:
         return self.prompts_per_step * self.samples_per_prompt
 
+    @property
+    def colocated(self) -> bool:
+        """Some generator replica shares GPUs with the trainer: steps and
+        that replica's generation take turns."""
+        return bool(self.sleeping_replicas)
+
+    def replica_concurrency(self, replicas: int) -> int:
+        """Groups in flight per generator replica: the declared value, or a
+        step's groups spread over the replicas."""
+        if self.generate_concurrency:
+            return self.generate_concurrency
+        return max(1, -(-self.prompts_per_step // max(1, replicas)))
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -107,6 +127,7 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None) -> RunSetti
     flow_order = [name for generation in pipe.generations for name in generation]
     sync = next((s for s in pipe.stages if s.kind == "sync"), None)
     train = pipe.batch.train_stage
+    generators = [s for s in pipe.stages if s.kind == "generate"]
     return RunSettings(
         pipeline=pipe.name,
         prompts_per_step=pipe.batch.prompts_per_step,
@@ -122,5 +143,18 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None) -> RunSetti
         sync_bucket_bytes=int(sync.settings["bucket"]) if sync else 256 * MIB,
         watchdog_timeout_s=pipe.run.watchdog_s,
         seed=pipe.run.seed,
-        colocated=any(s.kind == "generate" and train in s.colocated_with for s in pipe.stages),
+        generate_concurrency=int(generators[0].settings.get("concurrency", 0)) if generators else 0,
+        sleeping_replicas=sleeping_replicas(pipe),
     )
+
+
+def sleeping_replicas(pipe: PipelinePlan) -> tuple[int, ...]:
+    """Generator replicas (ranks of the generate stages, in stage order) whose
+    GPUs the trainer also uses; a replica without planned GPUs sleeps when
+    its stage is colocated with the trainer."""
+    train = pipe.stage(pipe.batch.train_stage)
+    trainer_gpus = {(rank.node, gpu) for rank in train.ranks for gpu in rank.gpus}
+    replicas = [(stage, rank) for stage in pipe.stages if stage.kind == "generate" for rank in stage.ranks]
+    return tuple(index for index, (stage, rank) in enumerate(replicas)
+                 if ({(rank.node, gpu) for gpu in rank.gpus} & trainer_gpus)
+                 or (not rank.gpus and train.name in stage.colocated_with))

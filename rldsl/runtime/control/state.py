@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from rldsl.runtime.control.buffer import Group, ReplayBuffer
@@ -67,6 +68,24 @@ async def resolve(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+@dataclass
+class GeneratorReplica:
+    """The controller's view of one generator replica."""
+
+    index: int
+    version: int  # the newest weights it has (staged or swapped in): groups dispatched now get them
+    concurrency: int  # prompt groups it may hold at once
+    shares_trainer_gpus: bool  # sleeps while a step trains
+    in_flight: int = 0  # groups inside a generate call on it
+    asleep: bool = False
+    receiving: bool = False  # a push to it is in transit
+
+    def can_take(self, draining_sleepers: bool) -> bool:
+        if self.asleep or self.in_flight >= self.concurrency:
+            return False
+        return not (draining_sleepers and self.shares_trainer_gpus)
+
+
 class RunState:
     def __init__(self, settings: RunSettings, stages: StageHandles, dataplane: Any, clock: Callable[[], float]):
         self.settings = settings
@@ -78,15 +97,14 @@ class RunState:
         self.ledger = Ledger()
         self.changed = Notifier()
         self.trainer_version = 0
-        self.generator_version = 0
         self.batch_index = 0  # the open step's index, aborted attempts reuse it
         self.consumed_in_step = 0
         self.finished_steps = 0
         self.groups_dispatched = 0
-        self.generating = 0  # groups inside a generate call
-        self.sync_pending = False  # the sync pump holds dispatch to drain generation
-        self.pushing = False  # weights are being read from the trainer
-        self.generators_asleep = False  # colocated: the trainer has the GPUs
+        self.replicas: list[GeneratorReplica] = []  # set when the run starts (Controller.run)
+        self.draining_sleepers = False  # the open step is covered: replicas that will sleep take no more groups
+        self.exported_version = 0  # the newest version in the host bucket cache
+        self.receivers_version = 0  # the newest version pushed to the weight receivers besides generators
         self.prompts_exhausted = False
         self.training_done = False
         self.stop_requested = False  # Ctrl-C: end the open step and stop cleanly
@@ -94,6 +112,26 @@ class RunState:
         self.last_error: dict[str, str] = {}
         self.started_at = self.last_progress = clock()
         self._meters: dict[str, BusyMeter] = {}
+
+    def start_replicas(self, count: int, version: int) -> None:
+        concurrency = self.settings.replica_concurrency(count)
+        sleeping = set(self.settings.sleeping_replicas)
+        self.replicas = [GeneratorReplica(i, version, concurrency, i in sleeping) for i in range(count)]
+        self.exported_version = self.receivers_version = version
+
+    @property
+    def generating(self) -> int:
+        """Groups inside a generate call, all replicas together."""
+        return sum(replica.in_flight for replica in self.replicas)
+
+    @property
+    def generator_version(self) -> int:
+        """The oldest weights an awake replica serves (all replicas when none is awake)."""
+        awake = [r.version for r in self.replicas if not r.asleep] or [r.version for r in self.replicas]
+        return min(awake, default=self.trainer_version)
+
+    def sleepers(self) -> list[GeneratorReplica]:
+        return [replica for replica in self.replicas if replica.shares_trainer_gpus]
 
     def progress(self) -> None:
         self.last_progress = self.clock()
@@ -128,8 +166,16 @@ class RunState:
         return keys
 
     async def put(self, keys: Sequence[str], fields: dict) -> None:
-        await resolve(self.dataplane.put(list(keys), self.settings.pipeline, fields, None))
+        await self._dataplane_call("put", list(keys), self.settings.pipeline, fields, None)
 
     async def clear(self, keys: Sequence[str]) -> None:
         if keys:
-            await resolve(self.dataplane.clear(list(keys), self.settings.pipeline))
+            await self._dataplane_call("clear", list(keys), self.settings.pipeline)
+
+    async def _dataplane_call(self, method: str, *args: Any) -> Any:
+        """A data plane that blocks (a network client) runs in a thread, so
+        the pumps keep moving while it waits; an in-memory one is called directly."""
+        call = getattr(self.dataplane, method)
+        if getattr(self.dataplane, "blocking", False):
+            return await asyncio.to_thread(call, *args)
+        return await resolve(call(*args))

@@ -1,17 +1,21 @@
-"""The sync pump: pushes the trainer's weights to the generators after each step."""
+"""The sync pump: brings the weight receivers up to the exported version."""
 
 from __future__ import annotations
 
-from rldsl.runtime.control.state import RunState
+from rldsl.runtime.control.state import GeneratorReplica, RunState
 
 
 class SyncPump:
-    """After each finished step: drain generation, push weights, resume.
+    """After each finished step the train pump exports the weights once into
+    the host bucket cache; this pump pushes that version to every awake
+    generator replica that is behind, and to the other receivers.
 
-    Generators swap weights only between groups, so dispatch pauses while
-    groups already mid-generation finish; reward and logprob stages, and the
-    trainer, keep running. Steps that finish during a push coalesce into one
-    push of the newest version."""
+    Nothing waits for it: a replica stages the buckets while it keeps
+    generating and swaps them in between two batches (its groups then carry
+    the new version), dispatch goes on, and the trainer starts the next
+    step. Sleeping replicas are skipped: they are refreshed from the cache
+    when they wake. Steps that finish during a push coalesce into one push
+    of the newest version."""
 
     def __init__(self, state: RunState) -> None:
         self.state = state
@@ -21,24 +25,34 @@ class SyncPump:
     async def run(self) -> None:
         state = self.state
         while True:
-            if state.generator_version >= state.trainer_version:
+            target = state.exported_version
+            behind = self._behind(target)
+            if not behind and state.receivers_version >= target:
                 if state.training_done:
                     self.phase = "done"
                     return
                 self.phase = "idle"
                 await state.changed.wait()
                 continue
-            target = state.trainer_version
-            state.sync_pending = True
-            state.changed.notify()
-            while state.generating > 0:
-                self.phase = f"waiting for {state.generating} groups mid-generation before pushing version {target}"
-                await state.changed.wait()
-            self.phase = f"pushing weights version {target}"
-            state.pushing = True
+            await self._push(target, behind)
+
+    def _behind(self, target: int) -> list[GeneratorReplica]:
+        return [r for r in self.state.replicas if not r.asleep and not r.receiving and r.version < target]
+
+    async def _push(self, target: int, replicas: list[GeneratorReplica]) -> None:
+        state = self.state
+        names = ", ".join(str(r.index) for r in replicas) or "none"
+        self.phase = f"pushing weights version {target} to generator replicas {names}"
+        for replica in replicas:
+            replica.receiving = True
+        try:
             with state.meter("sync").track():
-                await state.stages.push_weights(target)
-            state.generator_version = target
-            state.sync_pending = state.pushing = False
-            self.pushes += 1
-            state.progress()
+                await state.stages.push_weights(target, [r.index for r in replicas])
+        finally:
+            for replica in replicas:
+                replica.receiving = False
+        for replica in replicas:
+            replica.version = max(replica.version, target)
+        state.receivers_version = max(state.receivers_version, target)
+        self.pushes += 1
+        state.progress()

@@ -1,4 +1,4 @@
-"""The train pump: the split-step trainer fed one ready group at a time."""
+"""The train pump: the split-step trainer fed ready groups as they arrive."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from rldsl.runtime.control import ledger as outcomes
 from rldsl.runtime.control.advantages import group_advantages
 from rldsl.runtime.control.buffer import Group, GroupState
 from rldsl.runtime.control.errors import StepFailed, StopRequested, TrainCallFailed
+from rldsl.runtime.control.lanes import MicrobatchLanes
 from rldsl.runtime.control.state import RunState, resolve
 from rldsl.runtime.protocols import FIELD_ADVANTAGE, FIELD_REWARD, StepResult
 
@@ -29,7 +30,8 @@ class StepBuild:
 
 class TrainPump:
     """Builds each step from ready groups: lazy begin, one microbatch per group
-    as it arrives, one finish and one data-plane clear; abort on failure."""
+    as it arrives (all data-parallel replicas busy at once, see lanes.py),
+    one finish, one weight export and one data-plane clear; abort on failure."""
 
     def __init__(self, state: RunState, on_step: StepCallback | None) -> None:
         self.state = state
@@ -38,6 +40,8 @@ class TrainPump:
         self.activity: str | None = None  # what the pump awaits besides groups, for the watchdog
         self.aborted_steps = 0
         self._aborted_in_row = 0
+        self.lanes = MicrobatchLanes(state.stages.train_replicas, state.changed.notify,
+                                     stopping=lambda: state.stop_requested)
 
     async def run(self) -> None:
         state = self.state
@@ -51,7 +55,6 @@ class TrainPump:
                             return
                         state.batch_index += 1  # an in-order batch whose groups were all dropped
                         continue
-                    await self._wait_for_weight_push()
                     result = await self._call("finish_train_step", state.stages.finish_train_step, step.batch_index)
                 except TrainCallFailed as failure:
                     await self._abort(step, failure)
@@ -61,6 +64,7 @@ class TrainPump:
                     return
                 await self._close_step(step, result)
         finally:
+            self.lanes.cancel()
             state.training_done = True
             state.changed.notify()
 
@@ -80,6 +84,8 @@ class TrainPump:
             f"{state.sampler.describe_wait(state.trainer_version, step.batch_index)}, "
             f"have {eligible} eligible of {state.buffer.count(GroupState.READY)} ready"
         )
+        if self.lanes.in_flight:
+            text += f"; {self.lanes.describe()}"
         if "train" in state.last_error:
             text += f"; last failure {state.last_error['train']}"
         return text
@@ -88,7 +94,8 @@ class TrainPump:
         state = self.state
         if state.settings.colocated:
             await self._generation_phase(step)
-        while not self._step_complete(step):
+        self.lanes.open_step(state.settings.prompts_per_step)
+        while not self._step_complete(step) and self.lanes.failure is None:
             if state.stop_requested:
                 raise StopRequested
             for stale in state.sampler.evict(state.buffer, state.trainer_version):
@@ -98,31 +105,53 @@ class TrainPump:
             if group is None:
                 await self._wait_unless_stopped()
             else:
-                await self._train_group(step, group)
+                await self._start_group(step, group)
+        self.activity = f"waiting for the step's last microbatches: {self.lanes.describe()}"
+        failure = await self.lanes.drain()
+        self.activity = None
+        if failure is not None:
+            raise failure
+        if state.stop_requested:
+            raise StopRequested
 
     async def _generation_phase(self, step: StepBuild) -> None:
-        """Colocated: the step starts only when all its groups are ready and no
-        generator is mid-call; then the generators sleep until it finishes."""
+        """The step starts once all its groups are ready and the generator
+        replicas on the trainer's GPUs are idle; those then sleep until it
+        finishes. From the moment the step's groups are all dispatched they
+        take no new groups; the other replicas keep generating."""
         state, per_step = self.state, self.state.settings.prompts_per_step
-        self.activity = "colocated: waiting for the step's groups before the generators sleep"
-        while not ((state.sampler.count_eligible(state.buffer, state.trainer_version, step.batch_index) >= per_step
-                    or (state.prompts_exhausted and state.buffer.count(GroupState.RESERVED) == 0))
-                   and state.generating == 0 and not state.pushing):
+        sleepers = state.sleepers()
+        self.activity = "colocated: waiting for the step's groups before the generators on its GPUs sleep"
+        while True:
+            covered = state.prompts_exhausted or state.buffer.outstanding + state.consumed_in_step >= per_step
+            if covered != state.draining_sleepers:
+                state.draining_sleepers = covered
+                state.changed.notify()
+            ready = (state.sampler.count_eligible(state.buffer, state.trainer_version, step.batch_index) >= per_step
+                     or (state.prompts_exhausted and state.buffer.count(GroupState.RESERVED) == 0))
+            if ready and all(r.in_flight == 0 and not r.receiving for r in sleepers):
+                break
             await self._wait_unless_stopped()
-        state.generators_asleep = True
+        for replica in sleepers:
+            replica.asleep = True
         state.changed.notify()
-        self.activity = "colocated: putting the generators to sleep"
-        await state.stages.sleep_generators()
+        self.activity = "colocated: putting the generators on the trainer's GPUs to sleep"
+        await state.stages.sleep_generators([r.index for r in sleepers])
         self.activity = None
 
     async def _wake_generators(self) -> None:
+        """Sleeping replicas wake, refreshed from the host bucket cache."""
         state = self.state
-        if state.generators_asleep:
-            self.activity = "colocated: waking the generators"
-            await state.stages.wake_generators()
-            state.generators_asleep = False
+        asleep = [r for r in state.replicas if r.asleep]
+        if asleep:
+            self.activity = f"colocated: waking the generators, refreshed to version {state.exported_version}"
+            await state.stages.wake_generators([r.index for r in asleep], state.exported_version)
+            for replica in asleep:
+                replica.asleep = False
+                replica.version = max(replica.version, state.exported_version)
             self.activity = None
-            state.changed.notify()
+        state.draining_sleepers = False
+        state.changed.notify()
 
     async def _wait_unless_stopped(self) -> None:
         if self.state.stop_requested:
@@ -135,12 +164,12 @@ class TrainPump:
         state, per_step = self.state, self.state.settings.prompts_per_step
         if state.settings.order == "in_order":
             batch_dispatched = state.prompts_exhausted or state.groups_dispatched >= (step.batch_index + 1) * per_step
-            return batch_dispatched and not any(
-                g.target_step == step.batch_index and g.state is not GroupState.CONSUMED for g in state.buffer.groups()
-            )
+            return batch_dispatched and state.buffer.unconsumed_for(step.batch_index) == 0
         return len(step.groups) >= per_step or (state.prompts_exhausted and state.buffer.outstanding == 0)
 
-    async def _train_group(self, step: StepBuild, group: Group) -> None:
+    async def _start_group(self, step: StepBuild, group: Group) -> None:
+        """Take the group into the step and queue its microbatch; the pump
+        goes on selecting while it runs."""
         state = self.state
         state.buffer.consume(group.group_id)
         step.groups.append(group)
@@ -149,27 +178,30 @@ class TrainPump:
         if not step.begun:
             step.begun = True
             await self._call("begin_train_step", state.stages.begin_train_step, step.batch_index)
+        replica = self.lanes.assign(group.tokens)
+        self.lanes.submit(replica, lambda: self._microbatch(step, group, replica))
+
+    async def _microbatch(self, step: StepBuild, group: Group, replica: int) -> None:
+        state = self.state
         advantages = group_advantages(group.rewards, state.settings.advantage_eps)
         fields = {
             FIELD_REWARD: torch.tensor(group.rewards, dtype=torch.float32),
             FIELD_ADVANTAGE: torch.tensor(advantages, dtype=torch.float32),
         }
-        await self._call("the data-plane put of advantages", state.put, group.keys, fields, metered=False)
-        await self._call("train_microbatch", state.stages.train_microbatch, step.batch_index, list(group.keys))
+        try:
+            await state.put(group.keys, fields)
+        except Exception as error:
+            raise TrainCallFailed("the data-plane put of advantages", error) from error
+        try:
+            with state.meter("train").track():
+                await state.stages.train_microbatch(step.batch_index, list(group.keys), replica)
+        except Exception as error:
+            raise TrainCallFailed("train_microbatch", error) from error
         state.progress()
 
-    async def _wait_for_weight_push(self) -> None:
-        """The optimizer step must not change weights a push is still reading."""
-        self.activity = "waiting for the weight push to end before finish_train_step"
-        while self.state.pushing:
-            await self.state.changed.wait()
-        self.activity = None
-
-    async def _call(self, name: str, fn: Callable[..., Any], *args: Any, metered: bool = True) -> Any:
+    async def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
         self.activity = f"in {name}"
         try:
-            if not metered:
-                return await resolve(fn(*args))
             with self.state.meter("train").track():
                 return await resolve(fn(*args))
         except Exception as error:
@@ -189,10 +221,20 @@ class TrainPump:
         state.batch_index += 1
         state.consumed_in_step = 0
         self._aborted_in_row = 0
+        await self._export(state.trainer_version)
         await self._wake_generators()
         state.progress()  # the sync pump starts its push while the clear runs
         await self._clear_and_release(step.groups)
         self._report(step, result, lags)
+
+    async def _export(self, version: int) -> None:
+        """Once per step, before anything reads the new version: the host
+        bucket cache that pushes and refreshes serve."""
+        state = self.state
+        self.activity = f"exporting weights version {version} to the host bucket cache"
+        await state.stages.export_weights(version)
+        state.exported_version = version
+        self.activity = None
 
     async def _abort(self, step: StepBuild, failure: TrainCallFailed) -> None:
         self.state.last_error["train"] = str(failure)
@@ -204,8 +246,10 @@ class TrainPump:
             raise StepFailed(message) from failure.error
 
     async def _drop_open_step(self, step: StepBuild, outcome: str) -> None:
-        """Abort the trainer's open step and drop its groups as ``outcome``."""
+        """Abort the trainer's open step, once none of its microbatches runs,
+        and drop its groups as ``outcome``."""
         state = self.state
+        await self.lanes.drain()
         if step.begun:
             await resolve(state.stages.abort_train_step(step.batch_index))  # idempotent; a raise here is fatal
         await self._wake_generators()

@@ -21,9 +21,17 @@ from __future__ import annotations
 import abc
 from typing import Any, Iterable, Mapping, Sequence
 
-from rldsl.runtime.protocols import FIELD_PROMPT_IDS, FIELD_PROMPT_MASK
+from rldsl.runtime.protocols import (
+    FIELD_BEHAVIOUR_LOGPROBS,
+    FIELD_PROMPT_IDS,
+    FIELD_PROMPT_MASK,
+    FIELD_REF_LOGPROBS,
+    FIELD_RESPONSE_MASK,
+)
 
 DEFAULT_LEFT_PADDED_FIELDS = frozenset({FIELD_PROMPT_IDS, FIELD_PROMPT_MASK})
+# per-token fields written after generation, column for column with the response
+RESPONSE_ALIGNED_FIELDS = (FIELD_BEHAVIOUR_LOGPROBS, FIELD_REF_LOGPROBS)
 
 
 def sample_key(pipeline: str, prompt_index: int, sample_index: int) -> str:
@@ -64,6 +72,7 @@ class DataPlane(abc.ABC):
     """Client of the data plane. See the module docstring for the semantics."""
 
     backend = ""  # the name connect_dataplane knows this class by
+    blocking = False  # True: calls wait on the network, and async callers should run them in a thread
 
     def __init__(self, left_padded_fields: Iterable[str] = DEFAULT_LEFT_PADDED_FIELDS):
         self.left_padded_fields = frozenset(left_padded_fields)
@@ -150,3 +159,27 @@ def pad_rows(rows: list, pad_left: bool):
     import torch
 
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_side="left" if pad_left else "right")
+
+
+def align_to_responses(fields: dict) -> dict:
+    """Make the per-token logprob fields exactly as wide as the response mask.
+
+    A logprob call that covered several prompt groups writes every row at
+    the width of its widest response, wider than a group's own responses;
+    read back alone, that group's columns must still line up. The extra
+    columns are padding (zero under the mask), so trimming them is exact."""
+    mask = fields.get(FIELD_RESPONSE_MASK)
+    if mask is None or mask.dim() < 2:
+        return fields
+    width = mask.shape[1]
+    for name in RESPONSE_ALIGNED_FIELDS:
+        value = fields.get(name)
+        if value is None or value.dim() < 2 or value.shape[1] == width:
+            continue
+        if value.shape[1] > width:
+            fields[name] = value[:, :width]
+        else:
+            import torch
+
+            fields[name] = torch.nn.functional.pad(value, (0, width - value.shape[1]))
+    return fields

@@ -9,7 +9,9 @@ contract (``dataplane_base``) promises.
 
 from __future__ import annotations
 
+import importlib
 import os
+import threading
 from typing import Iterable
 
 from rldsl.runtime.dataplane.base import (
@@ -38,6 +40,18 @@ def transferqueue_env() -> dict[str, str]:
 
     cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
     return {"TQ_NUM_THREADS": os.environ.get("TQ_NUM_THREADS", str(min(8, cores)))}
+
+
+def import_in_background() -> threading.Thread:
+    """Start importing transfer_queue on a thread: it takes seconds (it pulls
+    in tensordict and torch._dynamo), time that can overlap Ray's start. A
+    later import waits on Python's import lock for this one to finish."""
+    for name, value in transferqueue_env().items():
+        os.environ.setdefault(name, value)
+    thread = threading.Thread(target=importlib.import_module, args=("transfer_queue",), daemon=True,
+                              name="import transfer_queue")
+    thread.start()
+    return thread
 
 
 def _import_transferqueue():
@@ -115,6 +129,7 @@ class TransferQueueDataPlane(DataPlane):
     it had when transfer_queue was first imported in the process."""
 
     backend = "transferqueue"
+    blocking = True  # network calls: the controller runs them off its event loop
 
     def __init__(self, storage_units: int = 1, left_padded_fields: Iterable[str] = DEFAULT_LEFT_PADDED_FIELDS):
         super().__init__(left_padded_fields)
@@ -129,6 +144,9 @@ class TransferQueueDataPlane(DataPlane):
         storage = {"num_data_storage_units": storage_units}
         tq.init({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": storage}})
         self._closed = False
+        # one call at a time per process: threaded actors (generators) and the
+        # controller's worker threads share the module-global client
+        self._lock = threading.Lock()
 
     def _options(self) -> dict:
         return {"storage_units": self.storage_units}
@@ -140,7 +158,8 @@ class TransferQueueDataPlane(DataPlane):
         from tensordict import TensorDict
 
         batch = TensorDict(dict(fields), batch_size=[len(keys)]) if fields else None
-        self._tq.kv_batch_put(keys=keys, partition_id=partition, fields=batch, tags=tags)
+        with self._lock:
+            self._tq.kv_batch_put(keys=keys, partition_id=partition, fields=batch, tags=tags)
 
     def get(self, keys, partition, fields):
         keys = check_get(keys, fields)
@@ -153,7 +172,8 @@ class TransferQueueDataPlane(DataPlane):
     def _fetch(self, keys, partition, fields):
         """The TensorDict if every key has every field, else None."""
         try:
-            batch = self._tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=fields)
+            with self._lock:
+                batch = self._tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=fields)
         except ValueError:  # "keys or partition were not found!"
             return None
         if batch.batch_size[0] != len(keys) or any(f not in batch.keys() for f in fields):
@@ -169,12 +189,14 @@ class TransferQueueDataPlane(DataPlane):
         return MissingDataError(partition, missing_fields=missing_fields or fields)
 
     def list_tags(self, partition):
-        return dict(self._tq.kv_list(partition_id=partition).get(partition, {}))
+        with self._lock:
+            return dict(self._tq.kv_list(partition_id=partition).get(partition, {}))
 
     def clear(self, keys, partition):
         keys = check_keys(keys)
         if keys:
-            self._tq.kv_clear(keys=keys, partition_id=partition)
+            with self._lock:
+                self._tq.kv_clear(keys=keys, partition_id=partition)
 
     def close(self):
         # Only the owner calls tq.close(): in an attached process it would

@@ -27,6 +27,7 @@ over duck-typed vLLM objects and is tested without vLLM.
 from __future__ import annotations
 
 import io
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -68,6 +69,13 @@ def sampling_options(samples_per_prompt: int, max_new_tokens: int, temperature: 
     log-probability of each sampled token (``logprobs = 0``: none besides it)."""
     return {"n": samples_per_prompt, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
             "seed": seed, "logprobs": 0, "detokenize": False}
+
+
+def _encode_or_error(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]] | ValueError:
+    try:
+        return prompt_token_ids(tokenizer, prompts)
+    except ValueError as error:
+        return error
 
 
 def request_seeds(seed: int, count: int) -> list[int]:
@@ -348,13 +356,27 @@ class VLLMGenerator(_VLLMEngine):
 
     def generate(self, prompts: list[Prompt], samples_per_prompt: int, seed: int) -> Batch:
         """Rows prompt-major; each prompt's samples are seeded from ``seed``."""
+        (batch,) = self.generate_groups([(prompts, samples_per_prompt, seed)])
+        if isinstance(batch, ValueError):
+            raise batch
+        return batch
+
+    def generate_groups(self, requests: Sequence[tuple[Sequence[Prompt], int, int]]) -> list[Batch | ValueError]:
+        """One batch per ``(prompts, samples_per_prompt, seed)`` request, all
+        decoded by ONE ``llm.generate`` call (vLLM batches them continuously)
+        and split back per request. A request whose prompts cannot be encoded
+        comes back as its ``ValueError``; the others still run."""
         self._require_ready()
-        ids = prompt_token_ids(self.tokenizer, prompts)
-        params = [self._make_sampling_params(**sampling_options(
-            samples_per_prompt, self.max_new_tokens, self.temperature, self.top_p, request_seed))
-            for request_seed in request_seeds(seed, len(ids))]
-        outputs = self.llm.generate([{"prompt_token_ids": row} for row in ids], params, use_tqdm=False)
-        return batch_from_outputs(ids, outputs, samples_per_prompt, self.version)
+        encoded = [_encode_or_error(self.tokenizer, prompts) for prompts, _, _ in requests]
+        runnable = [(ids, n, seed) for ids, (_, n, seed) in zip(encoded, requests) if not isinstance(ids, ValueError)]
+        inputs = [{"prompt_token_ids": row} for ids, _, _ in runnable for row in ids]
+        params = [self._make_sampling_params(**sampling_options(n, self.max_new_tokens, self.temperature, self.top_p,
+                                                                request_seed))
+                  for ids, n, seed in runnable for request_seed in request_seeds(seed, len(ids))]
+        outputs = iter(self.llm.generate(inputs, params, use_tqdm=False) if inputs else [])
+        return [ids if isinstance(ids, ValueError)  # batch_from_outputs checks each request got its outputs
+                else batch_from_outputs(ids, list(itertools.islice(outputs, len(ids))), n, self.version)
+                for ids, (_, n, _) in zip(encoded, requests)]
 
     def generate_greedy(self, prompts: list[Prompt]) -> list[str]:
         """One argmax response per prompt, for evaluation."""

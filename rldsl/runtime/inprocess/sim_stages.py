@@ -27,8 +27,9 @@ TRAIN_FIELDS = (p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_BEHAVIOUR_L
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Latencies are per call: one prompt group per generate / reward /
-    logprob call, one group per microbatch, one push per bucket."""
+    """Latencies are per call: one batch of prompt groups per generate call of
+    a replica, one prompt group per reward / logprob call, one group per
+    microbatch, one push per bucket."""
 
     generate: Latency = Latency()
     reward: Latency = Latency()
@@ -36,7 +37,9 @@ class SimConfig:
     microbatch: Latency = Latency()
     finish: Latency = Latency()
     push_bucket: Latency = Latency()
-    generators: int = 1  # generator engines; each holds one group at a time
+    generators: int = 1  # generator replicas; each decodes the groups queued on it in one batch
+    generate_per_group: float | None = None  # seconds a batch takes per group beyond the first; None: 10% of generate
+    train_replicas: int = 1  # data-parallel trainer replicas
     reward_workers: int = 1
     reward_fail_prob: float = 0.0  # per sample
     reward_call_fail_prob: float = 0.0  # the whole call raises
@@ -53,42 +56,51 @@ class SimConfig:
 class SimStages:
     """Sim engines in this process and the ``StageHandles`` that drive them.
 
-    Generators and reward workers are pools: a call waits for an idle engine,
-    so ``generators`` bounds generation concurrency like real workers do.
-    ``microbatch_keys`` records (step, keys) for every microbatch."""
+    Each generator replica batches the groups queued on it (``SimReplica``);
+    reward workers are a pool. The data-parallel trainer replicas are one
+    ``SimTrainer`` each. The invariants real engines rely on are checked as
+    the run goes: a trainer replica never runs two microbatches at once, no
+    trainer call runs while a replica on the trainer's GPUs is awake, and no
+    replica swaps weights mid-batch. ``microbatch_keys`` records
+    (step, keys, replica) for every microbatch."""
 
     def __init__(self, settings: RunSettings, dataplane: Any, config: SimConfig = SimConfig()) -> None:
         self.settings, self.dataplane, self.config = settings, dataplane, config
         seed, c = settings.seed * 7919, config
         self.generators = [
-            SimGenerator(c.generate, c.vocab_size, c.prompt_len, c.max_new_tokens, c.generate_fail_prob, seed + i)
+            SimGenerator(c.generate, c.vocab_size, c.prompt_len, c.max_new_tokens, c.generate_fail_prob, seed + i,
+                         per_group=c.generate_per_group)
             for i in range(c.generators)
         ]
+        self.replicas = [SimReplica(engine) for engine in self.generators]
         self.reward_workers = [
             SimRewardWorker(c.reward, 0.5, c.reward_fail_prob, c.reward_call_fail_prob, seed + 1000 + i)
             for i in range(c.reward_workers)
         ]
         self.logprob_engine = SimLogprob(c.logprob, seed + 2000)
-        self.trainer = SimTrainer(
-            c.microbatch, c.finish, c.trainer_fail_on, c.trainer_fail_prob, c.weight_bytes, seed + 3000
-        )
+        self.trainers = [
+            SimTrainer(c.microbatch, c.finish, c.trainer_fail_on, c.trainer_fail_prob, c.weight_bytes, seed + 3000 + r)
+            for r in range(c.train_replicas)
+        ]
+        self.trainer = self.trainers[0]
         self._push_timer = Timed(c.push_bucket, seed + 4000)
         self._pools: dict[str, asyncio.Queue] = {}
-        self.microbatch_keys: list[tuple[int, tuple[str, ...]]] = []
-        self._pushing = False
+        self._microbatch_running = [False] * c.train_replicas
+        self._host_cache: tuple[int, list[dict]] | None = None
+        self.microbatch_keys: list[tuple[int, tuple[str, ...], int]] = []
         self.handles = StageHandles(
-            self.generate, self.reward, self.logprob, _as_async(self.trainer.begin_train_step), self.train_microbatch,
-            self.finish_train_step, _as_async(self.trainer.abort_train_step), self.push_weights, self.generator_version,
+            self.generate, self.reward, self.logprob, self.begin_train_step, self.train_microbatch,
+            self.finish_train_step, self.abort_train_step, self.export_weights, self.push_weights,
+            self.generator_version, self.sleep_generators, self.wake_generators,
+            generator_replicas=len(self.replicas), train_replicas=len(self.trainers),
         )
 
     async def generate(
-        self, prompts: Sequence[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int
-    ) -> int:
-        requested_at = asyncio.get_running_loop().time()
-        async with _borrow(self._pool("generators")) as generator:
-            batch = await generator.generate_async(prompts, samples_per_prompt, seed, requested_at)
+        self, replica: int, prompts: Sequence[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int
+    ) -> p.Generated:
+        batch = await self.replicas[replica].submit(list(prompts), samples_per_prompt, seed)
         await self._put(keys, batch)
-        return int(batch[p.FIELD_VERSION][0])
+        return p.Generated(int(batch[p.FIELD_VERSION][0]), int(batch[p.FIELD_RESPONSE_MASK].sum()))
 
     async def reward(self, stage: str, keys: Sequence[str]) -> list[float | None]:
         requested_at = asyncio.get_running_loop().time()
@@ -100,36 +112,70 @@ class SimStages:
         values = await self.logprob_engine.logprobs_async(batch)
         await self._put(keys, {self.config.logprob_fields.get(stage, p.FIELD_REF_LOGPROBS): values})
 
-    async def train_microbatch(self, step: int, keys: Sequence[str]) -> dict[str, float]:
-        self.microbatch_keys.append((step, tuple(keys)))
-        batch = await self._get(keys, TRAIN_FIELDS)
-        return await self.trainer.train_microbatch_async(step, batch)
+    async def begin_train_step(self, step: int) -> None:
+        self._require_sleepers_asleep("begin_train_step")
+        for trainer in self.trainers:
+            trainer.begin_train_step(step)
+
+    async def train_microbatch(self, step: int, keys: Sequence[str], replica: int = 0) -> dict[str, float]:
+        self._require_sleepers_asleep("train_microbatch")
+        if self._microbatch_running[replica]:
+            raise SplitStepError(f"trainer replica {replica} got a microbatch while one is running")
+        self._microbatch_running[replica] = True
+        try:
+            self.microbatch_keys.append((step, tuple(keys), replica))
+            batch = await self._get(keys, TRAIN_FIELDS)
+            return await self.trainers[replica].train_microbatch_async(step, batch)
+        finally:
+            self._microbatch_running[replica] = False
 
     async def finish_train_step(self, step: int) -> p.StepResult:
-        if self._pushing:
-            raise SplitStepError(f"finish_train_step({step}) while a weight push reads the weights")
-        return await self.trainer.finish_train_step_async(step)
+        self._require_sleepers_asleep("finish_train_step")
+        results = await asyncio.gather(*(t.finish_train_step_async(step) for t in self.trainers))
+        return results[0]
 
-    async def push_weights(self, version: int) -> None:
+    async def abort_train_step(self, step: int) -> None:
+        for trainer in self.trainers:
+            trainer.abort_train_step(step)
+
+    async def export_weights(self, version: int) -> None:
+        self._require_sleepers_asleep("export_weights")
         buckets = list(self.trainer.weight_buckets(self.settings.sync_bucket_bytes))
-        self._pushing = True
-        try:
-            for index, bucket in enumerate(buckets):
-                await self._push_timer._hold(self._push_timer._draw())
-                for generator in self.generators:
-                    generator.update_weights(bucket, version, last=index == len(buckets) - 1)
-        finally:
-            self._pushing = False
+        self._host_cache = (version, buckets)
+
+    async def push_weights(self, version: int, replicas: Sequence[int]) -> None:
+        cached, buckets = self._host_cache or (version, [])
+        if cached != version:
+            raise SplitStepError(f"push of version {version} but the host cache holds {cached}")
+        for _ in buckets:
+            await self._push_timer._hold(self._push_timer._draw())
+        for index in replicas:
+            self.replicas[index].stage(buckets, version)
 
     async def generator_version(self) -> int:
         return min(generator.version for generator in self.generators)
 
+    async def sleep_generators(self, replicas: Sequence[int]) -> None:
+        for index in replicas:
+            self.replicas[index].sleep()
+
+    async def wake_generators(self, replicas: Sequence[int], version: int) -> None:
+        for index in replicas:
+            replica = self.replicas[index]
+            replica.wake()
+            if self._host_cache and replica.engine.version < version:
+                replica.refresh(*self._host_cache[::-1])
+
+    def _require_sleepers_asleep(self, call: str) -> None:
+        awake = [i for i in self.settings.sleeping_replicas if i < len(self.replicas) and not self.generators[i].asleep]
+        if awake:
+            raise SplitStepError(f"{call} while generator replicas {awake} on the trainer's GPUs are awake")
+
     def _pool(self, name: str) -> asyncio.Queue:
         if not self._pools:  # built lazily: the queues belong to the controller's loop
-            for pool_name, engines in (("generators", self.generators), ("rewards", self.reward_workers)):
-                self._pools[pool_name] = asyncio.Queue()
-                for engine in engines:
-                    self._pools[pool_name].put_nowait(engine)
+            self._pools["rewards"] = asyncio.Queue()
+            for engine in self.reward_workers:
+                self._pools["rewards"].put_nowait(engine)
         return self._pools[name]
 
     async def _put(self, keys: Sequence[str], fields: dict) -> None:
@@ -139,11 +185,91 @@ class SimStages:
         return await resolve(self.dataplane.get(list(keys), self.settings.pipeline, list(fields)))
 
 
-def _as_async(call: Any) -> Any:
-    async def called(*args: Any) -> Any:
-        return call(*args)
+class SimReplica:
+    """One sim generator replica: the groups queued on it go into one batch
+    (one ``generate_groups_async`` call); groups arriving meanwhile wait for
+    the next. A staged version is swapped in between two batches."""
 
-    return called
+    def __init__(self, engine: SimGenerator) -> None:
+        self.engine = engine
+        self._queue: list[tuple[tuple, asyncio.Future, float]] = []  # request, its answer, when it came
+        self._kick: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._staged: tuple[list[dict], int] | None = None
+        self._decoding = False
+        self.batches = 0
+        self.max_groups = 0
+
+    async def submit(self, prompts: list[p.Prompt], samples_per_prompt: int, seed: int) -> p.Batch:
+        if self.engine.asleep:
+            raise SplitStepError("generate on a sleeping replica")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.append(((prompts, samples_per_prompt, seed), future, loop.time()))
+        self._ensure_loop().set()
+        return await future
+
+    def stage(self, buckets: list[dict], version: int) -> None:
+        self._staged = (buckets, version)
+        self._swap()  # at once when idle, else by the batch loop when the batch ends
+
+    def refresh(self, buckets: list[dict], version: int) -> None:
+        self._staged = (buckets, version)
+        self._swap()
+
+    def sleep(self) -> None:
+        if self._queue or self._decoding:
+            raise SplitStepError("sleep while the replica has groups in flight")
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+    def _ensure_loop(self) -> asyncio.Event:
+        if self._loop_task is None:
+            self._kick = asyncio.Event()
+            self._loop_task = asyncio.create_task(self._serve())
+        return self._kick
+
+    async def _serve(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            while self._queue:
+                self._swap()  # between batches: never mid-batch
+                taken, self._queue = self._queue, []
+                self.batches += 1
+                self.max_groups = max(self.max_groups, len(taken))
+                self._decoding = True
+                try:
+                    # timed from the first request's arrival: an exact timeline, free of the loop's wake-up jitter
+                    batches = await self.engine.generate_groups_async([request for request, _, _ in taken],
+                                                                      min(at for _, _, at in taken))
+                except Exception as error:
+                    self._decoding = False
+                    for _, future, _ in taken:
+                        if not future.done():
+                            future.set_exception(error)
+                    continue
+                self._decoding = False
+                for (_, future, _), batch in zip(taken, batches):
+                    if future.done():
+                        continue
+                    if isinstance(batch, Exception):  # that group's injected failure
+                        future.set_exception(batch)
+                    else:
+                        future.set_result(batch)
+            self._swap()
+
+    def _swap(self) -> None:
+        if self._staged is None or self._decoding:
+            return
+        buckets, version = self._staged
+        self._staged = None
+        for index, bucket in enumerate(buckets):
+            self.engine.update_weights(bucket, version, last=index == len(buckets) - 1)
+        if not buckets:
+            self.engine.version = version
 
 
 @asynccontextmanager

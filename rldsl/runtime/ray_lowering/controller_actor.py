@@ -17,9 +17,8 @@ from rldsl.runtime.control.settings import RunSettings
 
 
 class ControllerActor:
-    def __init__(self, settings: RunSettings, pipe: PipelinePlan, workers: dict, receivers: list,
-                 dataplane_spec: dict, checkpoint: dict | None = None, resume: dict | None = None,
-                 observers: list | None = None):
+    def __init__(self, settings: RunSettings, pipe: PipelinePlan, workers: dict, dataplane_spec: dict,
+                 checkpoint: dict | None = None, resume: dict | None = None, observers: list | None = None):
         from rldsl.runtime.dataplane import connect_dataplane
         from rldsl.runtime.ray_lowering.checkpoint import expand_indices
         from rldsl.runtime.ray_lowering.stage_handles import ray_stage_handles
@@ -32,20 +31,24 @@ class ControllerActor:
         kinds = {s.name: s.kind for s in pipe.stages}
         train = pipe.stage(pipe.batch.train_stage)
         replicas = {s.name: _replicas(s) for s in pipe.stages if s.kind in ("train", "logprob")}
-        sleepers = [a for s in pipe.stages if s.kind == "generate" and train.name in s.colocated_with
-                    for a in workers[s.name]]
-        self.handles = ray_stage_handles(workers, kinds, receivers, settings.sync_bucket_bytes, train.name,
-                                         replicas, sleepers, observers, tracer=self.tracers[1])
+        receiver_stages = {e.dst for e in pipe.edges if e.kind == "weights"}
+        self.handles = ray_stage_handles(workers, kinds, receiver_stages, settings.sync_bucket_bytes, train.name,
+                                         replicas, observers, tracer=self.tracers[1])
         self.dataplane = _TracedDataPlane(connect_dataplane(dataplane_spec), self.tracers[0])
         self.checkpoint = checkpoint or {}
         resume = resume or {}
         self.step_offset = resume.get("steps_done", 0)
         below, above = expand_indices(resume.get("trained_prompts", {"below": 0, "above": []}))
         self.trained_before = (below, frozenset(above))
+        self.trained = TrainedPrompts(below, above)
+        self._ledger_cursor = 0
         self.steps: list[dict] = []
         self.last_version = -1
         self.controller = None
         self.stop_requested = False
+
+    def ready(self) -> bool:
+        return True
 
     async def run(self) -> dict:
         from rldsl.runtime.control.controller import Controller
@@ -73,13 +76,14 @@ class ControllerActor:
             self._write_progress(record["version"], record["step"])
 
     def _trained_prompts(self) -> dict:
+        """Every prompt trained so far, this run and before; reads only the
+        keys trained since the last call."""
         from rldsl.runtime.dataplane import parse_sample_key
-        from rldsl.runtime.ray_lowering.checkpoint import compress_indices
 
-        below, above = self.trained_before
-        trained = set(range(below)) | set(above)
-        trained |= {parse_sample_key(key)[1] for key in self.controller.state.ledger.trained_keys()}
-        return compress_indices(trained)
+        new_keys = self.controller.state.ledger.trained_keys(self._ledger_cursor)
+        self._ledger_cursor += len(new_keys)
+        self.trained.add(parse_sample_key(key)[1] for key in new_keys)
+        return self.trained.compressed()
 
     def _write_progress(self, version: int, step: int) -> None:
         from rldsl.runtime.ray_lowering.checkpoint import PROGRESS_FILE, checkpoint_dir, write_json_atomically
@@ -109,6 +113,28 @@ class ControllerActor:
 
     def trace(self) -> list[dict]:
         return [tracer.drain() for tracer in self.tracers]
+
+
+class TrainedPrompts:
+    """Prompt indices as a prefix ``below`` plus the indices ``above`` it:
+    adding costs O(new), and the prefix absorbs the set as it fills in."""
+
+    def __init__(self, below: int = 0, above=()) -> None:
+        self.below = below
+        self.above = set(above)
+        self._advance()
+
+    def add(self, indices) -> None:
+        self.above.update(i for i in indices if i >= self.below)
+        self._advance()
+
+    def compressed(self) -> dict:
+        return {"below": self.below, "above": sorted(self.above)}
+
+    def _advance(self) -> None:
+        while self.below in self.above:
+            self.above.discard(self.below)
+            self.below += 1
 
 
 def _replicas(stage) -> list[list[int]]:

@@ -42,6 +42,9 @@ class Driver:
         layout_bundles(actor_slots(plan), ACTOR_NUM_CPUS)  # a LayoutError before Ray starts
 
     def run(self) -> int:
+        from rldsl.runtime.dataplane.transferqueue import import_in_background
+
+        import_in_background()
         with self._session() as session:
             for pipeline in self.pipelines:
                 pipeline.prepare_models()
@@ -54,7 +57,7 @@ class Driver:
             for pipeline in self.pipelines:
                 pipeline.restore()
                 pipeline.offload_for_generation()
-            return self._drive(dataplane.spec)
+            return self._drive()
 
     def dry_run(self) -> int:
         """Reserve the placement groups, start a placeholder for every stage
@@ -132,14 +135,14 @@ class Driver:
         reports = dict(zip([s.name for s in slots], ray.get([actors[s.name].placement.remote() for s in slots])))
         return check_placement(reservation, reports, slots)
 
-    def _drive(self, dataplane_spec: dict) -> int:
+    def _drive(self) -> int:
         """Follow every pipeline until all are done; Ctrl-C stops them all at a
         safe point and checkpoints each. A failed pipeline does not stop the
         others; the first failure is raised once all have ended."""
         import ray
 
         live = len(self.pipelines) == 1  # a live view per pipeline cannot share one terminal
-        running = [p for p in self.pipelines if p.begin(dataplane_spec, live=live)]
+        running = [p for p in self.pipelines if p.begin(live=live)]
         try:
             with contextlib.ExitStack() as stack:
                 for pipeline in running:

@@ -84,8 +84,15 @@ class PipelineDriver:
                 if stage.kind == "train":
                     args.append(self.checkpoint)
                 options = self.actor_options(stage.name, rank.index, bool(rank.gpus), reservation)
+                if stage.kind == "generate":  # one thread per group in flight, plus pushes and control calls
+                    options["max_concurrency"] = self._generator_concurrency() + 4
                 self.handles[stage.name].append(actor_class.options(**options).remote(*args))
         self._create_evaluator()
+        self._create_controller(spec)
+
+    def _generator_concurrency(self) -> int:
+        replicas = sum(len(s.ranks) for s in self.pipe.stages if s.kind == "generate")
+        return self.settings.replica_concurrency(replicas)
 
     def actor_options(self, stage: str, rank: int, uses_gpus: bool, reservation) -> dict:
         """Ray options of one rank's actor: its name, and its bundle for a GPU rank."""
@@ -117,6 +124,8 @@ class PipelineDriver:
         calls = {a.ready.remote(): f"{self.prefix}{name}" for name, actors in self.handles.items() for a in actors}
         if self.evaluations:
             calls[self.evaluations.actor.ready.remote()] = f"{self.prefix}evaluator"
+        if self.controller is not None:
+            calls[self.controller.ready.remote()] = f"{self.prefix}controller"
         return calls
 
     def restore(self) -> None:
@@ -131,11 +140,10 @@ class PipelineDriver:
         except ray.exceptions.RayError as err:  # e.g. a checkpoint of another layout: say so, no remote traceback
             raise ResumeError(f"{self.prefix}could not restore the trainer from {self.resume['dir']}: "
                               f"{root_cause(err)}") from None
-        count = ray.get([t.prepare_buckets.remote(self.settings.sync_bucket_bytes) for t in trainers])[0]
-        for index in range(count):
-            bucket = trainers[0].bucket.remote(index)
-            ray.get([r.update_weights.remote(bucket, version, index == count - 1)
-                     for r in self._receivers() + self._observers()])
+        refs = ray.get([t.export_buckets.remote(self.settings.sync_bucket_bytes) for t in trainers])[0]
+        ray.get([r.receive_weights.remote(refs, version) for r in self._receivers()])
+        for observer in self._observers():
+            ray.get([observer.update_weights.remote(ref, version, i == len(refs) - 1) for i, ref in enumerate(refs)])
         self.say(f"resumed from {self.resume['dir'].name}: version {version}, {self.resume['steps_done']} steps done")
 
     def offload_for_generation(self) -> None:
@@ -147,24 +155,33 @@ class PipelineDriver:
 
     # ---------------------------------------------------------------- drive
 
-    def begin(self, dataplane_spec: dict, live: bool = True) -> bool:
-        """Start the controller; False when the resumed run has nothing left to do."""
+    def _remaining_settings(self) -> RunSettings:
+        done_before = self.resume["steps_done"] if self.resume else 0
+        return replace(self.settings, steps=self.settings.steps - done_before)
+
+    def _create_controller(self, dataplane_spec: dict) -> None:
+        """The controller actor, started with the stage actors so that its
+        process comes up (imports, data-plane client) in parallel with theirs."""
         import ray
 
         from rldsl.runtime.ray_lowering.controller_actor import ControllerActor
 
-        done_before = self.resume["steps_done"] if self.resume else 0
-        settings = replace(self.settings, steps=self.settings.steps - done_before)
-        if settings.steps <= 0:
+        if self._remaining_settings().steps <= 0:
+            return
+        self.controller = ray.remote(ControllerActor).options(
+            num_cpus=ACTOR_NUM_CPUS, name=f"{self.prefix}controller").remote(
+            self._remaining_settings(), self.pipe, self.handles, dataplane_spec, self.checkpoint,
+            self.resume_info(), self._observers())
+
+    def begin(self, live: bool = True) -> bool:
+        """Start the controller's loop; False when the resumed run has nothing left to do."""
+        if self.controller is None:
+            done_before = self.resume["steps_done"] if self.resume else 0
             self.say(f"nothing to do: {done_before} of {self.settings.steps} steps are done")
             return False
         self.progress = Progress(self.settings, self.run_dir, prefix=self.prefix, live=live)
         if self.evaluations and not self.resume:
             self.evaluations.request(step=0, version=0)
-        self.controller = ray.remote(ControllerActor).options(
-            num_cpus=ACTOR_NUM_CPUS, name=f"{self.prefix}controller").remote(
-            settings, self.pipe, self.handles, self._receivers(), dataplane_spec, self.checkpoint,
-            self.resume_info(), self._observers())
         self.result_ref = self.controller.run.remote()
         self.traces = TraceCollector(self.run_dir, self._traced_actors(), self.pipe.name)
         return True

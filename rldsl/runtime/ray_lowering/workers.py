@@ -14,6 +14,7 @@ from typing import Sequence
 
 from rldsl.plan import PipelinePlan, StagePlan
 from rldsl.runtime import protocols as p
+from rldsl.runtime.dataplane.base import align_to_responses
 from rldsl.runtime.ray_lowering.actor_process import setup_worker_process, where
 from rldsl.runtime.ray_lowering.trace import Tracer, prompt_groups
 
@@ -48,7 +49,7 @@ class _Worker:
 
     def _get(self, keys: Sequence[str], fields: list[str]) -> dict:
         with self.tracer.span("dataplane get", rows=len(keys)):
-            return self.dataplane.get(list(keys), self.partition, fields)
+            return align_to_responses(self.dataplane.get(list(keys), self.partition, fields))
 
     def _put(self, keys: Sequence[str], fields: dict) -> None:
         with self.tracer.span("dataplane put", rows=len(keys)):
@@ -56,18 +57,27 @@ class _Worker:
 
 
 class GeneratorWorker(_Worker):
+    """One generator replica, a threaded actor: every call of ``generate`` (one
+    prompt group) waits in its own thread while the engine's batcher decodes
+    all the groups in flight together; weights arrive on another thread and
+    are swapped in between two batches."""
+
     def __init__(self, pipe, stage, rank, dataplane_spec):
+        from rldsl.runtime.engines.batching import ContinuousBatcher
         from rldsl.runtime.engines.factory import build_generator
 
         super().__init__(pipe, stage, rank, dataplane_spec)
         self.engine = build_generator(stage, pipe, seed=pipe.run.seed + 1000 * rank)
+        self.batcher = ContinuousBatcher(self.engine)
 
-    def generate(self, prompts: list[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int) -> int:
-        with self.tracer.span("generate", groups=prompt_groups(keys), version=self.engine.version):
-            batch = self.engine.generate(prompts, samples_per_prompt, seed)
+    def generate(self, prompts: list[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int):
+        with self.tracer.span("generate", groups=prompt_groups(keys)) as args:
+            batch = self.batcher.submit(prompts, samples_per_prompt, seed)
+            version = int(batch[p.FIELD_VERSION][0]) if len(keys) else self.batcher.version
+            args["version"] = version
             batch[ANSWER_IDS] = self._answers(prompts, samples_per_prompt)
             self._put(keys, batch)
-        return int(batch[p.FIELD_VERSION][0]) if len(keys) else self.engine.version
+        return p.Generated(version, int(batch[p.FIELD_RESPONSE_MASK].sum()))
 
     def _answers(self, prompts, samples_per_prompt):
         import torch
@@ -77,20 +87,37 @@ class GeneratorWorker(_Worker):
         width = max(1, max(len(r) for r in rows))
         return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
 
-    def update_weights(self, bucket: dict, version: int, last: bool) -> None:
-        with self.tracer.span("weight bucket", version=version, last=last):
-            self.engine.update_weights(bucket, version, last)
+    def receive_weights(self, bucket_refs: list, version: int) -> None:
+        """A push: stage every bucket while generation goes on."""
+        import ray
+
+        with self.tracer.span("weight receive", version=version, buckets=len(bucket_refs)):
+            buckets = ray.get(bucket_refs)
+            for index, bucket in enumerate(buckets):
+                self.batcher.update_weights(bucket, version, index == len(buckets) - 1)
+
+    def refresh(self, bucket_refs: list, version: int) -> None:
+        """A replica that slept through pushes: load ``version`` from the host cache."""
+        import ray
+
+        if self.batcher.version >= version:
+            return
+        with self.tracer.span("weight refresh", version=version, buckets=len(bucket_refs)):
+            self.batcher.refresh(ray.get(bucket_refs), version)
 
     def version(self) -> int:
-        return self.engine.version
+        return self.batcher.version
+
+    def batching(self) -> dict:
+        return self.batcher.stats()
 
     def sleep(self) -> None:
         with self.tracer.span("sleep"):
-            self.engine.sleep()
+            self.batcher.sleep()
 
     def wake(self) -> None:
         with self.tracer.span("wake"):
-            self.engine.wake()
+            self.batcher.wake()
 
 
 class RewardWorker(_Worker):
@@ -161,9 +188,14 @@ class LogprobWorker(_Worker):
             if self.writes:
                 self._put(keys, {self.field: logprobs})
 
-    def update_weights(self, bucket: dict, version: int, last: bool) -> None:
-        with self.tracer.span("weight bucket", version=version, last=last):
-            self.engine.update_weights(bucket, version, last)
+    def receive_weights(self, bucket_refs: list, version: int) -> None:
+        """A push: applied in place between two logprob calls (the actor runs one call at a time)."""
+        import ray
+
+        with self.tracer.span("weight receive", version=version, buckets=len(bucket_refs)):
+            buckets = ray.get(bucket_refs)
+            for index, bucket in enumerate(buckets):
+                self.engine.update_weights(bucket, version, index == len(buckets) - 1)
 
 
 class TrainerWorker(_Worker):
@@ -177,7 +209,6 @@ class TrainerWorker(_Worker):
         self.checkpoint = checkpoint or {}  # {"run_dir": ..., "every": N}
         group = _join(dist) if dist and dist["world_size"] > 1 else None
         self.engine = build_trainer(stage, pipe, seed=pipe.run.seed, process_group=group)
-        self._buckets: list[dict] = []
         self.needs = [p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK,
                       p.FIELD_ADVANTAGE, p.FIELD_VERSION]
         consumed = {f for e in pipe.edges if e.kind == "data" for f in e.fields}
@@ -206,13 +237,17 @@ class TrainerWorker(_Worker):
     def version(self) -> int:
         return self.engine.version
 
-    def prepare_buckets(self, bucket_bytes: int) -> int:
-        """Snapshot the weights into buckets; returns how many."""
+    def export_buckets(self, bucket_bytes: int) -> list:
+        """The weights into the host bucket cache: one object-store entry per
+        bucket, put by rank 0 (every rank takes part: gathering shards is a
+        collective). Returns rank 0's references; the others return []."""
+        import ray
+
         with self.tracer.span("weight export", version=self.engine.version) as args, self._awake():
-            self._buckets = [{k: v.detach().clone() for k, v in b.items()}
-                             for b in self.engine.weight_buckets(bucket_bytes)]
-            args["buckets"] = len(self._buckets)
-        return len(self._buckets)
+            buckets = [{k: v.detach().cpu().clone() for k, v in b.items()}
+                       for b in self.engine.weight_buckets(bucket_bytes)]
+            args["buckets"] = len(buckets)
+        return [ray.put(bucket) for bucket in buckets] if self.rank == 0 else []
 
     @contextlib.contextmanager
     def _awake(self):
@@ -237,9 +272,6 @@ class TrainerWorker(_Worker):
         if hasattr(self.engine, "wake"):
             with self.tracer.span("wake"):
                 self.engine.wake()
-
-    def bucket(self, index: int) -> dict:
-        return self._buckets[index]
 
     def can_checkpoint(self) -> bool:
         return hasattr(self.engine, "save_checkpoint")

@@ -25,6 +25,9 @@ from rldsl.runtime.engines.sim.latency import Latency, Timed
 from rldsl.runtime.protocols import MIB
 
 
+GroupRequest = tuple[Sequence[p.Prompt], int, int]  # (prompts, samples_per_prompt, seed)
+
+
 class SimFailure(RuntimeError):
     """An injected engine failure."""
 
@@ -34,13 +37,24 @@ class SplitStepError(RuntimeError):
 
 
 class SimGenerator(Timed):
-    """``GenerationEngine``: random tokens of realistic shapes."""
+    """``GenerationEngine``: random tokens of realistic shapes.
+
+    ``generate_groups`` serves several prompt groups in one call, as a
+    batching engine does: the call costs one latency draw plus ``per_group``
+    seconds for each group after the first (default: 10% of the typical
+    latency), so batching is much cheaper than one call per group."""
+
+    PER_GROUP_SHARE = 0.1  # the default per_group, as a share of the typical latency
 
     def __init__(self, latency: Latency = Latency(), vocab_size: int = 64, prompt_len: int = 8,
-                 max_new_tokens: int = 16, fail_prob: float = 0.0, seed: int = 0) -> None:
+                 max_new_tokens: int = 16, fail_prob: float = 0.0, seed: int = 0,
+                 per_group: float | None = None) -> None:
         super().__init__(latency, seed)
         self.vocab_size, self.prompt_len, self.max_new_tokens = vocab_size, prompt_len, max_new_tokens
         self.fail_prob = fail_prob
+        self.per_group = self.PER_GROUP_SHARE * latency.typical if per_group is None else per_group
+        if self.per_group < 0:
+            raise ValueError(f"per_group must be >= 0, got {self.per_group}")
         self.version = 0
         self.generating = False
         self.asleep = False
@@ -57,6 +71,19 @@ class SimGenerator(Timed):
         with self._generating():
             await self._hold(self._draw(), requested_at)
             return self._batch(prompts, samples_per_prompt, seed)
+
+    def generate_groups(self, requests: Sequence[GroupRequest]) -> list[p.Batch]:
+        """One batch per ``(prompts, samples_per_prompt, seed)`` request, from
+        one call (an injected failure fails the whole call, as in ``generate``)."""
+        with self._generating():
+            time.sleep(self._group_call_seconds(requests))
+            return [self._batch(*request) for request in requests]
+
+    async def generate_groups_async(self, requests: Sequence[GroupRequest],
+                                    requested_at: float | None = None) -> list[p.Batch]:
+        with self._generating():
+            await self._hold(self._group_call_seconds(requests), requested_at)
+            return [self._batch(*request) for request in requests]
 
     def update_weights(self, bucket: Mapping[str, Any], version: int, last: bool) -> None:
         if self.generating:
@@ -82,6 +109,11 @@ class SimGenerator(Timed):
             yield
         finally:
             self.generating = False
+
+    def _group_call_seconds(self, requests: Sequence[GroupRequest]) -> float:
+        if not requests:
+            raise ValueError("generate_groups needs at least one request")
+        return self._draw() + self.per_group * (len(requests) - 1)
 
     def _batch(self, prompts: Sequence[p.Prompt], samples_per_prompt: int, seed: int) -> p.Batch:
         rows = len(prompts) * samples_per_prompt

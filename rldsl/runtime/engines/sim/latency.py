@@ -50,6 +50,12 @@ class Latency:
         if self.seconds < 0 or self.high < 0 or not 0 <= self.tail_prob <= 1 or self.tail_mult < 0:
             raise ValueError(f"invalid latency {self}")
 
+    @property
+    def typical(self) -> float:
+        """A call's usual duration without the tail: the constant, the uniform
+        mid-point or the lognormal median."""
+        return (self.seconds + max(self.high, self.seconds)) / 2 if self.kind == "uniform" else self.seconds
+
     def sample(self, rng: random.Random) -> float:
         if self.kind == "uniform":
             value = rng.uniform(self.seconds, max(self.high, self.seconds))

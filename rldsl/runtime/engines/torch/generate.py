@@ -1,5 +1,10 @@
 """``TorchGenerator``: batched sampling with a KV cache for the torch engine.
 
+``generate`` decodes one prompt group; the stepwise API (``admit``,
+``decode_step``, ``finish_request``) lets a ``ContinuousBatcher``
+(``rldsl.runtime.engines.batching``) decode many groups in one running batch
+that requests join and leave between steps (``decode_batch.py``).
+
 Behaviour logprobs are the log-probabilities of the sampled tokens under the
 model's own distribution at temperature 1 without top-p truncation, i.e. the
 same quantity the trainer computes with ``response_logprobs``. They are
@@ -20,6 +25,7 @@ from rldsl.runtime.engines.torch.common import (
     positions_from_mask,
     response_logprobs,
 )
+from rldsl.runtime.engines.torch.decode_batch import DecodeBatch
 from rldsl.runtime.protocols import (
     FIELD_BEHAVIOUR_LOGPROBS,
     FIELD_PROMPT_IDS,
@@ -44,6 +50,7 @@ class TorchGenerator(WeightReceiver):
         self.top_p = top_p
         self.version = 0
         model.module.eval()
+        self._running = self._new_decode_batch()
 
     @property
     def tokenizer(self):
@@ -51,16 +58,36 @@ class TorchGenerator(WeightReceiver):
 
     def generate(self, prompts: list[Prompt], samples_per_prompt: int, seed: int) -> Batch:
         """Rows prompt-major; the same seed and weights give the same batch."""
+        decoding = self._new_decode_batch()
+        (request_id,) = self._admit_into(decoding, [(prompts, samples_per_prompt, seed)])
+        while not decoding.step():
+            pass
+        return self._completed(*decoding.take(request_id))
+
+    # -- the stepwise API a ContinuousBatcher drives (one running batch) ---------------
+
+    def admit(self, requests: list[tuple[list[Prompt], int, int]]) -> list[int]:
+        """Prefill ``(prompts, samples_per_prompt, seed)`` requests into the
+        running batch (one forward for all); their request ids. On error the
+        running batch is unchanged."""
+        return self._admit_into(self._running, requests)
+
+    def decode_step(self) -> list[int]:
+        """One token for every row in flight; the ids of the requests that ended."""
         self.require_consistent_weights()
-        if not prompts or samples_per_prompt < 1:
-            raise ValueError("generate needs at least one prompt and samples_per_prompt >= 1")
-        texts = [prompt.text for prompt in prompts for _ in range(samples_per_prompt)]
-        sampler = torch.Generator(device="cpu").manual_seed(seed)
-        batch = self._decode(texts, lambda logits: self._sample(logits, sampler))
-        with torch.no_grad():
-            batch[FIELD_BEHAVIOUR_LOGPROBS] = response_logprobs(self.model, batch).cpu()
-        batch[FIELD_VERSION] = torch.full((len(texts),), self.version, dtype=torch.long)
-        return batch
+        return self._running.step()
+
+    def finish_request(self, request_id: int) -> Batch:
+        """An ended request's batch, as ``generate`` returns it."""
+        return self._completed(*self._running.take(request_id))
+
+    def abort_requests(self, request_ids: list[int] | None = None) -> None:
+        """Drop requests (all of them when None), e.g. after a failed step."""
+        self._running.abort(request_ids)
+
+    @property
+    def rows_in_flight(self) -> int:
+        return self._running.rows
 
     def generate_greedy(self, prompts: list[Prompt]) -> list[str]:
         """One argmax response per prompt, for evaluation."""
@@ -103,13 +130,37 @@ class TorchGenerator(WeightReceiver):
             FIELD_RESPONSE_MASK: torch.stack(masks, dim=1).cpu(),
         }
 
-    def _sample(self, logits: torch.Tensor, sampler: torch.Generator) -> torch.Tensor:
+    def _new_decode_batch(self) -> DecodeBatch:
+        return DecodeBatch(self.model, self.max_new_tokens, self._sample)
+
+    def _admit_into(self, decoding: DecodeBatch, requests) -> list[int]:
+        self.require_consistent_weights()
+        groups = []
+        for prompts, samples_per_prompt, seed in requests:
+            if not prompts or samples_per_prompt < 1:
+                raise ValueError("generate needs at least one prompt and samples_per_prompt >= 1")
+            texts = [prompt.text for prompt in prompts for _ in range(samples_per_prompt)]
+            groups.append((texts, torch.Generator(device="cpu").manual_seed(seed)))
+        return decoding.admit(groups, self.version)
+
+    def _completed(self, batch: Batch, version: int) -> Batch:
+        """Add behaviour logprobs (the trainer's own computation) and the version."""
+        if version != self.version:
+            raise RuntimeError(f"weights changed to version {self.version} while a request decoded with {version}")
+        with torch.no_grad():
+            batch[FIELD_BEHAVIOUR_LOGPROBS] = response_logprobs(self.model, batch).cpu()
+        batch[FIELD_VERSION] = torch.full((len(batch[FIELD_RESPONSE_IDS]),), version, dtype=torch.long)
+        return batch
+
+    def _sample(self, logits: torch.Tensor, groups: list[tuple[slice, torch.Generator]]) -> torch.Tensor:
+        """One token per row. Each request's rows draw from its own generator,
+        so a group's samples do not depend on what else is in the batch."""
         if self.temperature == 0:
             return logits.argmax(dim=-1)
         probs = torch.softmax(logits.cpu() / self.temperature, dim=-1)
         if self.top_p < 1:
             probs = _top_p_filter(probs, self.top_p)
-        return torch.multinomial(probs, 1, generator=sampler).squeeze(-1)
+        return torch.cat([torch.multinomial(probs[rows], 1, generator=sampler).squeeze(-1) for rows, sampler in groups])
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

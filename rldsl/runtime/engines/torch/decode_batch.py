@@ -1,0 +1,204 @@
+"""``DecodeBatch``: the rows a torch generator decodes together, step by step.
+
+A request is one prompt group (its prompts times ``samples_per_prompt``
+rows, one sampling generator). Requests join between decode steps (their
+prompts are prefilled, then their KV cache is merged into the running one)
+and leave once all their rows have ended, so a long group never holds back a
+short one and a new group never waits for the batch to drain.
+
+A request's rows stay in the batch until the whole request ends (a row that
+emitted EOS is fed padding), exactly as a one-request decode does: a group
+draws the same tokens whatever else is in the batch, up to the float
+rounding that padding introduces.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from rldsl.runtime.engines.torch.kv_cache import (
+    cache_length,
+    concat_rows,
+    drop_leading_columns,
+    left_pad_time,
+    select_rows,
+)
+from rldsl.runtime.engines.torch.common import encode_prompts, positions_from_mask
+from rldsl.runtime.protocols import (
+    FIELD_PROMPT_IDS,
+    FIELD_PROMPT_MASK,
+    FIELD_RESPONSE_IDS,
+    FIELD_RESPONSE_MASK,
+    Batch,
+)
+
+# (logits [B, V] float32, [(rows, generator)] per request in row order) -> tokens [B]
+Sampler = Callable[[torch.Tensor, list[tuple[slice, torch.Generator]]], torch.Tensor]
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    request_id: int
+    rows: int
+    sampler: torch.Generator
+    version: int  # the weights its rows are decoded with
+    prompt_ids: torch.Tensor  # CPU, left-padded to this request's own width
+    prompt_mask: torch.Tensor
+    tokens: list[torch.Tensor] = field(default_factory=list)  # one [rows] tensor per step
+    masks: list[torch.Tensor] = field(default_factory=list)
+
+    def batch(self) -> Batch:
+        return {
+            FIELD_PROMPT_IDS: self.prompt_ids,
+            FIELD_PROMPT_MASK: self.prompt_mask,
+            FIELD_RESPONSE_IDS: torch.stack(self.tokens, dim=1).cpu(),
+            FIELD_RESPONSE_MASK: torch.stack(self.masks, dim=1).cpu(),
+        }
+
+
+class DecodeBatch:
+    """The running batch: one KV cache for all rows, requests in row order.
+
+    After ``step`` raises, the batch is inconsistent: ``abort()`` it."""
+
+    def __init__(self, model, max_new_tokens: int, sample: Sampler):
+        self.model = model
+        self.max_new_tokens = max_new_tokens
+        self._sample = sample
+        self._ids = itertools.count()
+        self._requests: list[DecodeRequest] = []
+        self._ended: dict[int, DecodeRequest] = {}
+        self._reset()
+
+    @property
+    def rows(self) -> int:
+        return sum(request.rows for request in self._requests)
+
+    @torch.no_grad()
+    def admit(self, groups: list[tuple[list[str], torch.Generator]], version: int) -> list[int]:
+        """Prefill the groups' prompts in one forward and add their rows.
+        The running batch changes only once the prefill has succeeded."""
+        texts = [text for group_texts, _ in groups for text in group_texts]
+        prompt_ids, prompt_mask = encode_prompts(self.model.tokenizer, texts, self.model.device)
+        positions = positions_from_mask(prompt_mask)
+        logits, cache = self.model.forward(prompt_ids, prompt_mask, positions)
+        admitted, start = [], 0
+        for group_texts, sampler in groups:
+            rows = slice(start, start + len(group_texts))
+            width = int(prompt_mask[rows].sum(dim=1).max())  # this group's own padding, as if decoded alone
+            admitted.append(DecodeRequest(next(self._ids), len(group_texts), sampler, version,
+                                          prompt_ids[rows, -width:].cpu(), prompt_mask[rows, -width:].cpu()))
+            start = rows.stop
+        self._merge(cache, prompt_mask, positions[:, -1:] + 1, logits[:, -1])
+        self._requests += admitted
+        return [request.request_id for request in admitted]
+
+    @torch.no_grad()
+    def step(self) -> list[int]:
+        """Draw one token for every row; requests whose rows have all ended
+        (EOS or ``max_new_tokens``) leave the batch, the others advance one
+        position. Returns the ids of the requests that left."""
+        eos = self.model.eos_id
+        slices = list(self._slices())
+        chosen = self._sample(self._logits.float(), [(rows, request.sampler) for request, rows in slices])
+        tokens = torch.where(self._alive, chosen.to(self._alive.device), 0)
+        for request, rows in slices:
+            request.tokens.append(tokens[rows])
+            request.masks.append(self._alive[rows].long())
+        self._alive = self._alive & (tokens != eos)
+        alive_rows = self._rows_per_request(self._alive)
+        ended = [request for request, alive in zip(self._requests, alive_rows)
+                 if alive == 0 or len(request.tokens) == self.max_new_tokens]
+        if ended:
+            tokens = tokens[self._remove(ended).to(tokens.device)]
+        if self._requests:
+            self._advance(tokens)
+        return [request.request_id for request in ended]
+
+    def take(self, request_id: int) -> tuple[Batch, int]:
+        """An ended request's rows (prompt and response fields) and its version."""
+        request = self._ended.pop(request_id)
+        return request.batch(), request.version
+
+    def abort(self, request_ids=None) -> None:
+        """Forget the given requests (all of them when None), running or ended."""
+        if request_ids is None:
+            self._requests, self._ended = [], {}
+            self._reset()
+            return
+        doomed = set(request_ids)
+        running = [request for request in self._requests if request.request_id in doomed]
+        if running:
+            self._remove(running)  # moves them to the ended requests, dropped next
+        for request_id in doomed:
+            self._ended.pop(request_id, None)
+
+    # -- the batch tensors ------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._cache = None
+        self._key_mask = None  # [B, T]: 1 on real keys
+        self._next_position = None  # [B, 1]
+        self._logits = None  # [B, V]: each row's next-token logits
+        self._alive = None  # [B] bool: not yet ended
+
+    def _merge(self, cache, key_mask, next_position, logits) -> None:
+        merged_cache = concat_rows(self._cache, cache)
+        width = cache_length(merged_cache)
+        alive = torch.ones(len(key_mask), dtype=torch.bool, device=key_mask.device)
+        if self._cache is None:
+            self._key_mask, self._next_position, self._logits, self._alive = key_mask, next_position, logits, alive
+        else:
+            masks = [left_pad_time(self._key_mask, width), left_pad_time(key_mask, width)]
+            self._key_mask = torch.cat(masks)
+            self._next_position = torch.cat([self._next_position, next_position])
+            self._logits = torch.cat([self._logits, logits])
+            self._alive = torch.cat([self._alive, alive])
+        self._cache = merged_cache
+
+    def _remove(self, leaving: list[DecodeRequest]) -> torch.Tensor:
+        """Drop the leaving requests' rows; the kept rows' index (old numbering)."""
+        leaving_ids = {request.request_id for request in leaving}
+        keep = [torch.arange(rows.start, rows.stop) for request, rows in self._slices()
+                if request.request_id not in leaving_ids]
+        self._ended.update((request.request_id, request) for request in leaving)
+        self._requests = [request for request in self._requests if request.request_id not in leaving_ids]
+        if not self._requests:
+            self._reset()
+            return torch.zeros(0, dtype=torch.long)
+        index = torch.cat(keep)
+        on_device = index.to(self._key_mask.device)
+        self._cache = select_rows(self._cache, on_device)
+        self._key_mask, self._next_position = self._key_mask[on_device], self._next_position[on_device]
+        self._logits, self._alive = self._logits[on_device], self._alive[on_device]
+        self._trim_padding()
+        return index
+
+    def _trim_padding(self) -> None:
+        """Drop leading columns no remaining row attends to (they came from rows that left)."""
+        unused = int(self._key_mask.any(dim=0).int().argmax())
+        if unused:
+            self._cache = drop_leading_columns(self._cache, unused)
+            self._key_mask = self._key_mask[:, unused:]
+
+    def _advance(self, tokens: torch.Tensor) -> None:
+        key_mask = torch.cat([self._key_mask, torch.ones_like(self._key_mask[:, :1])], dim=1)
+        logits, self._cache = self.model.forward(tokens[:, None], key_mask, self._next_position, self._cache)
+        self._key_mask, self._logits = key_mask, logits[:, -1]
+        self._next_position = self._next_position + 1
+
+    def _slices(self):
+        start = 0
+        for request in self._requests:
+            yield request, slice(start, start + request.rows)
+            start += request.rows
+
+    def _rows_per_request(self, flags: torch.Tensor) -> list[int]:
+        """How many rows of each request have ``flags`` set (one device sync)."""
+        owner = torch.repeat_interleave(torch.tensor([request.rows for request in self._requests]))
+        counts = torch.zeros(len(self._requests), dtype=torch.long, device=flags.device)
+        return counts.index_add_(0, owner.to(flags.device), flags.long()).tolist()

@@ -1,7 +1,8 @@
 """The `rldsl` command line.
 
 check / plan / graph / explain import only the compiler (lark, networkx):
-they must start fast. run / report import the runtime lazily.
+they must start fast; audit reads a run's journal, as light. run / report
+import the runtime lazily.
 Exit codes: 0 ok, 1 findings (errors, or warnings with --strict), 2 usage
 error or unreadable file.
 """
@@ -176,6 +177,12 @@ def cmd_report(args) -> int:
     return write_report(Path(args.run_dir), html=args.html)
 
 
+def cmd_audit(args) -> int:
+    from rldsl.audit import audit_command
+
+    return audit_command(Path(args.run_dir), args.format)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rldsl", description="Checked pipelines for asynchronous RL post-training.")
     common = argparse.ArgumentParser(add_help=False)
@@ -219,10 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--html", action="store_true", help="also write report.html: the same, interactive, self-contained")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("audit", parents=[common], help="prove from a run's journal that every sample was accounted for")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.set_defaults(func=cmd_audit)
     return parser
 
 
-_CHECKED_COMMANDS = ("check", "plan", "graph", "explain")  # never a traceback, whatever the input
+_CHECKED_COMMANDS = ("check", "plan", "graph", "explain", "audit")  # never a traceback, whatever the input
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `rldsl plan --format json | head`
+        sys.stderr.close()
+        return EXIT_OK
     except Exception as error:  # noqa: BLE001 - the top: anything left is a bug of ours
         if args.command not in _CHECKED_COMMANDS:
             raise
@@ -237,9 +252,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `rldsl plan --format json | head`
-        sys.stderr.close()
-        return EXIT_OK
 
 
 def _internal_error(args, error: Exception) -> int:

@@ -3,7 +3,9 @@
 A reward is ``fn(response, answer, prompt) -> float``. Pipelines name one as
 ``"module:function"``; ``load_reward`` resolves it with messages that say
 what is wrong. ``safe_reward`` turns a reward that raises, hangs or returns a
-non-number into a dropped sample with a reason instead of a dead run.
+non-number into a dropped sample with a reason, in this process; a run's
+reward workers isolate rewards in processes instead
+(``rldsl.runtime.reward_pool``).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def safe_reward(
     value, error = outcome
     if error is not None:
         return None, f"reward raised {type(error).__name__}: {error}"
-    return _checked_value(value)
+    return checked_reward(value)
 
 
 def _call(fn, *args):
@@ -95,7 +97,8 @@ def _call_with_timeout(fn, args, timeout_s: float):
     return result[0] if result else None
 
 
-def _checked_value(value) -> tuple[float | None, str | None]:
+def checked_reward(value) -> tuple[float | None, str | None]:
+    """``(float, None)`` for a finite number, else ``(None, what it was)``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         try:
             value = float(value)  # numpy / torch scalars

@@ -96,4 +96,5 @@ def test_megatron_trainer_and_tp2_reference_run_checkpoint_and_resume_on_ray(tmp
     assert "resumed from v000002: version 2" in resumed.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == summary["version"] == 4
-    assert summary["ledger"]["trained"] == 2 * 2 * 4  # steps 3 and 4 again: step 3 was not checkpointed
+    assert summary["segment_ledger"]["trained"] == 2 * 2 * 4  # steps 3 and 4 again: step 3 was not checkpointed
+    assert summary["ledger"]["trained"] == 4 * 2 * 4 and summary["ledger"]["rolled_back"] == 2 * 4  # the whole run

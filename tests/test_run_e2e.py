@@ -107,6 +107,8 @@ def test_ctrl_c_checkpoints_and_resume_continues_without_retraining(tmp_path):
     version = progress["version"]
     trained = progress["trained_prompts"]
     assert trained["below"] + len(trained["above"]) == version * 16  # every finished step's prompts, once
+    stopped = json.loads((run_dir / "summary.json").read_text())  # written on Ctrl-C too
+    assert stopped["exit"] == "stopped" and stopped["ledger"]["trained"] == version * 16 * 8
 
     resumed = subprocess.run([sys.executable, "-m", "rldsl", "run", "--resume", str(run_dir), "--steps",
                               str(version + 2)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -114,7 +116,13 @@ def test_ctrl_c_checkpoints_and_resume_continues_without_retraining(tmp_path):
     assert f"resumed from {checkpoint.name}" in resumed.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == version + 2 and summary["version"] == version + 2
-    assert summary["ledger"]["trained"] == 2 * 16 * 8
+    assert summary["exit"] == "finished" and summary["resumes"] == 1
+    assert summary["segment_ledger"]["trained"] == 2 * 16 * 8  # the resumed part
+    assert summary["ledger"]["trained"] == (version + 2) * 16 * 8  # the whole run, from the journal
+    audit = subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert f"started, stopped; resumed after step {version}, finished" in audit.stdout
 
 
 def test_watchdog_stops_an_impossible_plan_forced_past_check(tmp_path):

@@ -108,6 +108,9 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
                       'for example "rldsl.rewards:exact_match"'), REQUIRED, "the reward function, `module:function`"),
         "workers": Key(Int(low=1), 1, "CPU worker processes"),
         "timeout": Key(DURATION, 10.0, "per-sample limit; a slower reward drops the sample"),
+        # 2: rldsl.runtime.reward_pool.DEFAULT_PROCESSES (the compiler imports no runtime)
+        "processes": Key(Int(low=1), 2, "reward processes per worker: a call's samples are scored across "
+                                        "them, and a hung or crashed one is killed and replaced"),
     },
     "logprob": {
         "model": Key(RefTo(("model",)), REQUIRED, "the model scored with"),

@@ -30,12 +30,12 @@ def write_report(run_dir: Path, html: bool = False) -> int:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     print(f"run: {run_dir}")
-    print(f"steps: {len(steps)}" + ("" if summary else " (no summary.json: the run did not finish)"))
-    if summary:
+    print(f"steps: {len(steps)}" + _ending(summary))
+    if summary.get("ledger"):
         ledger = summary["ledger"]
         dropped = ", ".join(f"{k} {v}" for k, v in ledger["dropped"].items()) or "none"
         print(f"samples: generated {ledger['generated']}, trained {ledger['trained']}, dropped {dropped}")
-        print(f"max lag: {summary['max_lag']}, {summary['samples_per_s']:.1f} samples/s, "
+        print(f"max lag: {summary['max_lag']}, {summary.get('samples_per_s', 0):.1f} samples/s, "
               f"wall clock {summary.get('wall_clock_s', 0):.0f}s")
     if evals:
         first, last = evals[0], evals[-1]
@@ -47,3 +47,13 @@ def write_report(run_dir: Path, html: bool = False) -> int:
     for path in written:
         print(f"wrote {path}")
     return 0
+
+
+def _ending(summary: dict) -> str:
+    """How the run ended, when it did not simply finish (summary.json says so on every exit path)."""
+    if not summary:
+        return " (no summary.json: the run did not finish)"
+    exit = summary.get("exit", "finished")
+    if exit == "finished":
+        return ""
+    return f" (the run {exit}" + (f": {summary['error']}" if summary.get("error") else "") + ")"

@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 
 
-def write_json_atomically(path: Path, payload: dict) -> None:
+def write_json_atomically(path: Path, payload: dict, indent: int | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(payload, sort_keys=True, indent=indent) + "\n")
     os.replace(tmp, path)
 
 

@@ -40,6 +40,11 @@ FIELD_REWARD = "reward"
 FIELD_ADVANTAGE = "advantage"
 
 
+def logprob_field(frozen: bool) -> str:
+    """The field a logprob stage writes: a frozen reference's, or the policy's behaviour logprobs."""
+    return FIELD_REF_LOGPROBS if frozen else FIELD_BEHAVIOUR_LOGPROBS
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One dataset row as the controller hands it to a generator."""
@@ -59,6 +64,16 @@ class Generated:
 
     version: int
     tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RewardFailure:
+    """A sample whose reward cannot be used, in place of its float: ``reason``
+    is the ledger's drop reason (``reward_raised``, ``reward_timeout``,
+    ``reward_invalid``), ``detail`` what happened, for the run's messages."""
+
+    reason: str
+    detail: str = ""
 
 
 @dataclass

@@ -9,8 +9,10 @@
   replicas without stopping them.
 
 A watchdog turns any stall into a ``PipelineStalled`` error that says what
-each pump is waiting on. Engines sit behind ``StageHandles`` (handles.py); the Ray
-lowering provides them over actors, ``inprocess.sim_stages`` in process.
+each pump is waiting on. Every sample's course goes into the run's journal
+(journal.py), flushed after each step and however the run ends. Engines sit
+behind ``StageHandles`` (handles.py); the Ray lowering provides them over
+actors, ``inprocess.sim_stages`` in process.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Callable, Iterable
 from rldsl.runtime.control import ledger as outcomes
 from rldsl.runtime.control.errors import PipelineStalled, StepFailed, StopRequested, TrainCallFailed
 from rldsl.runtime.control.handles import StageHandles
+from rldsl.runtime.control.journal import FAILED, FINISHED, INTERRUPTED, STOPPED, Journal, describe_error
 from rldsl.runtime.control.rollout_pump import RolloutPump
 from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.control.state import RunState, resolve
@@ -36,6 +39,7 @@ class Controller:
     """Runs ``settings.steps`` training steps and returns a summary.
 
     ``on_step`` receives one dict per finished step (see ``TrainPump._report``);
+    ``journal`` records every sample's course (by default kept in memory);
     ``clock`` is injectable for tests. The data plane needs ``put`` and
     ``clear``; its methods may be plain or async."""
 
@@ -47,15 +51,36 @@ class Controller:
         prompts: Iterable[Prompt],
         *,
         on_step: StepCallback | None = None,
+        journal: Journal | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
-        self.state = RunState(settings, stages, dataplane, clock)
+        self.journal = journal if journal is not None else Journal()
+        self.state = RunState(settings, stages, dataplane, clock, self.journal)
         self.rollout = RolloutPump(self.state, prompts)
-        self.train = TrainPump(self.state, on_step)
+        self.train = TrainPump(self.state, self._step_done(on_step))
         self.sync = SyncPump(self.state)
+        self.exit: str | None = None  # how the run ended (journal.FINISHED, ...), once it has
+        self.error: str | None = None
 
     async def run(self) -> dict:
+        """Run to the end and return the summary; the journal records how it
+        ended, whatever the way, and is flushed."""
+        self.journal.run_started(self.settings.pipeline, self.settings.max_lag, self.settings.steps)
+        try:
+            await self._run()
+            self._ended(STOPPED if self.state.stop_requested else FINISHED)
+        except Exception as error:
+            self._ended(FAILED, error)
+            raise
+        except BaseException as error:  # cancelled: the loop or the process is going away
+            self._ended(INTERRUPTED, error)
+            raise
+        finally:
+            self.journal.flush()
+        return self.summary()
+
+    async def _run(self) -> None:
         state = self.state
         state.trainer_version = int(await resolve(state.stages.generator_version()))
         state.start_replicas(state.stages.generator_replicas, state.trainer_version)
@@ -63,7 +88,20 @@ class Controller:
         await self._supervise()
         await self._settle_leftovers()
         state.ledger.check()
-        return self.summary()
+
+    def _ended(self, exit: str, error: BaseException | None = None) -> None:
+        self.exit = exit
+        self.error = describe_error(error) if error is not None else None
+        self.journal.ended(exit, self.error)
+
+    def _step_done(self, on_step: StepCallback | None) -> StepCallback:
+        """The journal is flushed after every step, before the step is reported."""
+        def step_done(record: dict) -> None:
+            self.journal.flush()
+            if on_step is not None:
+                on_step(record)
+
+        return step_done
 
     def request_stop(self) -> None:
         """End the run at the next safe point: a trainer call in flight
@@ -95,6 +133,8 @@ class Controller:
             "max_lag": state.ledger.max_lag,
             "ledger": state.ledger.summary(),
             "busy": state.busy_fractions(),
+            "exit": self.exit,
+            "error": self.error,
         }
 
     async def _supervise(self) -> None:

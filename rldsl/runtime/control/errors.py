@@ -20,4 +20,19 @@ class TrainCallFailed(Exception):
 
     def __init__(self, call: str, error: BaseException):
         super().__init__(f"{call} failed: {error!r}")
-        self.error = error
+        self.call, self.error = call, error
+
+
+class WorkerLost(RuntimeError):
+    """A stage's actor died and could not be replaced (or its replacement
+    died too): the samples it held are dropped as ``worker_died``."""
+
+    def __init__(self, stage: str, rank: int, detail: str, replica: int | None = None):
+        super().__init__(f"{stage}-{rank} was lost: {detail}")
+        self.stage, self.rank, self.detail = stage, rank, detail
+        self.replica = replica  # the generator replica index, when it was one
+
+
+class TrainerLost(StepFailed):
+    """A trainer rank died: its optimizer state is gone, so the run ends
+    (resume it from the last checkpoint)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Mapping, Sequence
 
-from rldsl.runtime.protocols import Generated, Prompt, StepResult
+from rldsl.runtime.protocols import Generated, Prompt, RewardFailure, StepResult
 
 
 async def _nothing(*_args) -> None:
@@ -30,8 +30,10 @@ class StageHandles:
       report the weight version used. The controller keeps several groups
       in flight per replica; the replica batches them (continuous batching)
       and answers each call as its group completes.
-    - ``reward(stage, keys) -> [float | None]``: one reward per key; ``None``
-      (or NaN) marks a sample whose reward failed. An exception fails all.
+    - ``reward(stage, keys) -> [float | RewardFailure | None]``: one reward
+      per key; a ``RewardFailure`` says why a sample has none (its reason is
+      the ledger's drop reason), ``None`` that it failed without a reason, a
+      non-finite value is ``reward_invalid``. An exception fails all.
     - ``logprob(stage, keys)``: compute and store the stage's logprob field.
     - ``begin_train_step(step)``, ``train_microbatch(step, keys, replica) ->
       metrics``, ``finish_train_step(step) -> StepResult``,
@@ -61,7 +63,7 @@ class StageHandles:
     """
 
     generate: Callable[[int, Sequence[Prompt], Sequence[str], int, int], Awaitable[Generated]]
-    reward: Callable[[str, Sequence[str]], Awaitable[Sequence[float | None]]]
+    reward: Callable[[str, Sequence[str]], Awaitable[Sequence[float | RewardFailure | None]]]
     logprob: Callable[[str, Sequence[str]], Awaitable[None]]
     begin_train_step: Callable[[int], Awaitable[None]]
     train_microbatch: Callable[[int, Sequence[str], int], Awaitable[dict]]

@@ -3,7 +3,9 @@
 The controller registers a group's sample keys when it dispatches the group
 and records one outcome per key. Violations (an outcome for an unknown key,
 a second outcome) are collected rather than raised on the spot, so one
-``check()`` reports all of them together with the samples left open.
+``check()`` reports all of them together with the samples left open. Every
+call is also recorded in the run's journal (journal.py), violations included:
+the journal is the evidence `rldsl audit` checks.
 """
 
 from __future__ import annotations
@@ -11,14 +13,20 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable
 
+from rldsl.runtime.control.journal import Journal
+
 TRAINED = "trained"
 
 # Drop reasons the runtime uses; engines and layers may add their own.
 TOO_STALE = "too_stale"
-REWARD_FAILED = "reward_failed"
+REWARD_FAILED = "reward_failed"  # the reward call failed as a whole, or gave no reason
+REWARD_RAISED = "reward_raised"  # the function raised for this sample
+REWARD_TIMEOUT = "reward_timeout"  # it overran the stage's timeout and was killed
+REWARD_INVALID = "reward_invalid"  # it returned something that is not a finite number
 LOGPROB_FAILED = "logprob_failed"
 GENERATION_FAILED = "generation_failed"
 STEP_ABORTED = "step_aborted"
+WORKER_DIED = "worker_died"  # its actor died and the work could not be redone
 RUN_FINISHED = "run_finished"  # generated after the last step needed it
 RUN_STOPPED = "run_stopped"  # in the open step when the run was stopped (Ctrl-C)
 
@@ -28,7 +36,8 @@ class LedgerError(AssertionError):
 
 
 class Ledger:
-    def __init__(self) -> None:
+    def __init__(self, journal: Journal | None = None) -> None:
+        self.journal = journal if journal is not None else Journal()
         self._outcome: dict[str, str | None] = {}  # key -> None while open
         self._lag_histogram: Counter[int] = Counter()
         self._dropped: Counter[str] = Counter()
@@ -36,7 +45,9 @@ class Ledger:
         self._open = 0
         self._trained_in_order: list[str] = []  # read incrementally by progress checkpoints
 
-    def register(self, keys: Iterable[str]) -> None:
+    def register(self, keys: Iterable[str], prompt: int | None = None, replica: int | None = None) -> None:
+        keys = list(keys)
+        self.journal.dispatched(keys, prompt, replica)
         for key in keys:
             if key in self._outcome:
                 self._violations.append(f"{key}: generated twice")
@@ -44,7 +55,10 @@ class Ledger:
                 self._outcome[key] = None
                 self._open += 1
 
-    def trained(self, keys: Iterable[str], lag: int) -> None:
+    def trained(self, keys: Iterable[str], lag: int, step: int | None = None, version: int | None = None) -> None:
+        """``step``: the step (from 1) that trained them, ``version``: the trainer's version it trained at."""
+        keys = list(keys)
+        self.journal.trained(keys, step, version, lag)
         for key in keys:
             if self._close(key, TRAINED):
                 self._lag_histogram[lag] += 1
@@ -53,6 +67,8 @@ class Ledger:
     def dropped(self, keys: Iterable[str], reason: str) -> None:
         if not reason or reason == TRAINED:
             raise ValueError(f"invalid drop reason {reason!r}")
+        keys = list(keys)
+        self.journal.dropped(keys, reason)
         for key in keys:
             if self._close(key, reason):
                 self._dropped[reason] += 1

@@ -9,10 +9,11 @@ from typing import Any, Iterable
 from rldsl.runtime.control import ledger as outcomes
 from rldsl.runtime.control.buffer import Group, GroupState
 from rldsl.runtime.control.coalesce import CoalescedStage
+from rldsl.runtime.control.errors import WorkerLost
 from rldsl.runtime.control.sampler import DispatchPlan
 from rldsl.runtime.control.state import GeneratorReplica, RunState
 from rldsl.runtime.dataplane.base import sample_key
-from rldsl.runtime.protocols import Generated, Prompt
+from rldsl.runtime.protocols import FIELD_BEHAVIOUR_LOGPROBS, Generated, Prompt, RewardFailure
 
 
 class RolloutPump:
@@ -85,11 +86,15 @@ class RolloutPump:
 
     def _replicas_busy(self) -> str:
         state = self.state
+        if all(r.lost for r in state.replicas):
+            return "every generator replica was lost (its actor died and could not be replaced)"
         if all(r.asleep for r in state.replicas):
             return "colocated generators sleep while the trainer runs"
         parts = []
         for r in state.replicas:
-            if r.asleep:
+            if r.lost:
+                parts.append(f"{r.index} lost")
+            elif r.asleep:
                 parts.append(f"{r.index} asleep")
             elif state.draining_sleepers and r.shares_trainer_gpus:
                 parts.append(f"{r.index} finishing {r.in_flight} before it sleeps")
@@ -113,7 +118,7 @@ class RolloutPump:
         keys = tuple(sample_key(settings.pipeline, prompt.index, i) for i in range(settings.samples_per_prompt))
         group = state.buffer.reserve(prompt.index, keys, plan.target_step, replica.version)
         group.replica = replica.index
-        state.ledger.register(keys)
+        state.ledger.register(keys, prompt=prompt.index, replica=replica.index)
         state.groups_dispatched += 1
         replica.in_flight += 1  # counted now, so the replica cannot be put to sleep before the call
         task = asyncio.create_task(self._process(group, prompt, replica))
@@ -125,9 +130,12 @@ class RolloutPump:
         try:
             generated = await self._generate(group, prompt, replica)
         except Exception as error:  # an engine failure drops the group, never the run
-            state.drop(group, outcomes.GENERATION_FAILED, error)
+            if isinstance(error, WorkerLost):
+                state.lose_replica(error)
+            state.drop(group, _failure_reason(error, outcomes.GENERATION_FAILED), error)
             return
         group.tokens = generated.tokens
+        state.journal.generated(group.keys, generated.version, FIELD_BEHAVIOUR_LOGPROBS)  # every engine records them
         rewards = await self._score(group)
         if rewards is None or not await self._logprobs(group):
             return
@@ -147,22 +155,22 @@ class RolloutPump:
             state.changed.notify()
 
     async def _score(self, group: Group) -> tuple[float, ...] | None:
-        """Sum the reward stages per sample; failed samples are dropped.
-        Returns the survivors' rewards, or None when none survived."""
+        """Sum the reward stages per sample; failed samples are dropped with
+        their reason. Returns the survivors' rewards, or None when none survived."""
         state = self.state
         totals = dict.fromkeys(group.keys, 0.0)
         for stage in state.settings.reward_stages:
             alive = list(totals)
-            rewards = await self._reward_stage(stage, alive)
-            failed = [key for key, reward in zip(alive, rewards) if reward is None]
-            if failed:
-                state.ledger.dropped(failed, outcomes.REWARD_FAILED)
-                state.pending_clear.extend(failed)
-            for key, reward in zip(alive, rewards):
-                if reward is None:
+            outcomes_by_reason: dict[str, list[str]] = {}
+            for key, reward in zip(alive, await self._reward_stage(stage, alive)):
+                if isinstance(reward, RewardFailure):
+                    outcomes_by_reason.setdefault(reward.reason, []).append(key)
                     del totals[key]
                 else:
                     totals[key] += reward
+            for reason, failed in outcomes_by_reason.items():
+                state.ledger.dropped(failed, reason)
+                state.pending_clear.extend(failed)
         group.keys = tuple(totals)
         if not totals:
             state.buffer.release(group.group_id)
@@ -170,31 +178,49 @@ class RolloutPump:
             return None
         return tuple(totals.values())
 
-    async def _reward_stage(self, stage: str, keys: list[str]) -> list[float | None]:
-        """One reward per key, None where it failed; a raising stage fails all."""
+    async def _reward_stage(self, stage: str, keys: list[str]) -> list[float | RewardFailure]:
+        """One reward per key, or why that key has none; a raising stage fails all."""
         state = self.state
         try:
             results = list(await self._reward_calls[stage](keys))
             if len(results) != len(keys):
                 raise ValueError(f"{len(results)} rewards for {len(keys)} samples")
-            return [_finite_or_none(r) for r in results]
         except Exception as error:
             state.last_error["rollout"] = f"{outcomes.REWARD_FAILED} ({stage}): {error!r}"
-            return [None] * len(keys)
+            return [RewardFailure(_failure_reason(error, outcomes.REWARD_FAILED), repr(error))] * len(keys)
+        checked = [_reward_or_failure(r) for r in results]
+        failure = next((r for r in checked if isinstance(r, RewardFailure)), None)
+        if failure is not None:
+            state.last_error["rollout"] = f"{failure.reason} ({stage}): {failure.detail}"
+        return checked
 
     async def _logprobs(self, group: Group) -> bool:
         state = self.state
         for stage in state.settings.logprob_stages:
+            receivers_at_call = state.receivers_version
             try:
                 await self._logprob_calls[stage](list(group.keys))
             except Exception as error:
-                state.drop(group, outcomes.LOGPROB_FAILED, error)
+                state.drop(group, _failure_reason(error, outcomes.LOGPROB_FAILED), error)
                 return False
+            state.journal_logprob(group.keys, stage, receivers_at_call)
         return True
 
 
-def _finite_or_none(value: Any) -> float | None:
+def _failure_reason(error: BaseException, otherwise: str) -> str:
+    """``worker_died`` when the stage's actor was lost (the lowering already
+    tried a replacement), else the stage's own failure reason."""
+    return outcomes.WORKER_DIED if isinstance(error, WorkerLost) else otherwise
+
+
+def _reward_or_failure(value: Any) -> float | RewardFailure:
+    """A finite float, or the reason there is none (None: the stage gave no reason)."""
+    if isinstance(value, RewardFailure):
+        return value
     if value is None:
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
+        return RewardFailure(outcomes.REWARD_FAILED, "no reward")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return RewardFailure(outcomes.REWARD_INVALID, f"not a number: {value!r}")
+    return number if math.isfinite(number) else RewardFailure(outcomes.REWARD_INVALID, f"not finite: {number}")

@@ -45,6 +45,9 @@ class RunSettings:
       ``(max_lag + 1) * prompts_per_step``.
     - ``reward_stages`` / ``logprob_stages``: stage names, each in flow order.
       Rewards run first, so a group whose rewards all failed skips logprobs.
+    - ``policy_logprob_stages``: the logprob stages that score the policy
+      being trained (they write ``behaviour_logprobs`` with the weights the
+      sync pump pushes); the others are frozen references (``ref_logprobs``).
     - ``generate_concurrency``: prompt groups kept in flight on each
       generator replica (it decodes them in one batch); 0 derives it: a
       step's groups spread over the replicas.
@@ -65,6 +68,7 @@ class RunSettings:
     max_inflight: int = 0  # 0 = buffer_capacity
     reward_stages: tuple[str, ...] = ()
     logprob_stages: tuple[str, ...] = ()
+    policy_logprob_stages: tuple[str, ...] = ()
     sync_bucket_bytes: int = 256 * MIB
     watchdog_timeout_s: float = 300.0
     advantage_eps: float = 1e-6
@@ -86,6 +90,7 @@ class RunSettings:
         _require(self.advantage_eps >= 0, "advantage_eps must be >= 0")
         object.__setattr__(self, "reward_stages", tuple(self.reward_stages))
         object.__setattr__(self, "logprob_stages", tuple(self.logprob_stages))
+        object.__setattr__(self, "policy_logprob_stages", tuple(self.policy_logprob_stages))
         object.__setattr__(self, "sleeping_replicas", tuple(sorted(set(self.sleeping_replicas))))
         if self.buffer_capacity == 0:
             object.__setattr__(self, "buffer_capacity", self.window_groups)
@@ -140,6 +145,8 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None) -> RunSetti
         max_inflight=pipe.batch.max_inflight,
         reward_stages=tuple(n for n in flow_order if n in stages and stages[n].kind == "reward"),
         logprob_stages=tuple(n for n in flow_order if n in stages and stages[n].kind == "logprob"),
+        policy_logprob_stages=tuple(n for n in flow_order if n in stages and stages[n].kind == "logprob"
+                                    and not stages[n].settings.get("frozen")),
         sync_bucket_bytes=int(sync.settings["bucket"]) if sync else 256 * MIB,
         watchdog_timeout_s=pipe.run.watchdog_s,
         seed=pipe.run.seed,

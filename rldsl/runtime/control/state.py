@@ -15,9 +15,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 from rldsl.runtime.control.buffer import Group, ReplayBuffer
 from rldsl.runtime.control.handles import StageHandles
+from rldsl.runtime.control.journal import Journal
 from rldsl.runtime.control.ledger import Ledger
 from rldsl.runtime.control.sampler import StalenessSampler, TrainProgress
 from rldsl.runtime.control.settings import RunSettings
+from rldsl.runtime.protocols import logprob_field
 
 
 class Notifier:
@@ -79,22 +81,25 @@ class GeneratorReplica:
     in_flight: int = 0  # groups inside a generate call on it
     asleep: bool = False
     receiving: bool = False  # a push to it is in transit
+    lost: bool = False  # its actor died and could not be replaced: it takes no more groups or pushes
 
     def can_take(self, draining_sleepers: bool) -> bool:
-        if self.asleep or self.in_flight >= self.concurrency:
+        if self.lost or self.asleep or self.in_flight >= self.concurrency:
             return False
         return not (draining_sleepers and self.shares_trainer_gpus)
 
 
 class RunState:
-    def __init__(self, settings: RunSettings, stages: StageHandles, dataplane: Any, clock: Callable[[], float]):
+    def __init__(self, settings: RunSettings, stages: StageHandles, dataplane: Any, clock: Callable[[], float],
+                 journal: Journal | None = None):
         self.settings = settings
         self.stages = stages
         self.dataplane = dataplane
         self.clock = clock
         self.buffer = ReplayBuffer(settings.buffer_capacity)
         self.sampler = StalenessSampler(settings)
-        self.ledger = Ledger()
+        self.journal = journal if journal is not None else Journal()
+        self.ledger = Ledger(self.journal)
         self.changed = Notifier()
         self.trainer_version = 0
         self.batch_index = 0  # the open step's index, aborted attempts reuse it
@@ -105,6 +110,7 @@ class RunState:
         self.draining_sleepers = False  # the open step is covered: replicas that will sleep take no more groups
         self.exported_version = 0  # the newest version in the host bucket cache
         self.receivers_version = 0  # the newest version pushed to the weight receivers besides generators
+        self.receivers_incoming = 0  # the newest version a push to them has started with
         self.prompts_exhausted = False
         self.training_done = False
         self.stop_requested = False  # Ctrl-C: end the open step and stop cleanly
@@ -117,7 +123,7 @@ class RunState:
         concurrency = self.settings.replica_concurrency(count)
         sleeping = set(self.settings.sleeping_replicas)
         self.replicas = [GeneratorReplica(i, version, concurrency, i in sleeping) for i in range(count)]
-        self.exported_version = self.receivers_version = version
+        self.exported_version = self.receivers_version = self.receivers_incoming = version
 
     @property
     def generating(self) -> int:
@@ -131,7 +137,7 @@ class RunState:
         return min(awake, default=self.trainer_version)
 
     def sleepers(self) -> list[GeneratorReplica]:
-        return [replica for replica in self.replicas if replica.shares_trainer_gpus]
+        return [replica for replica in self.replicas if replica.shares_trainer_gpus and not replica.lost]
 
     def progress(self) -> None:
         self.last_progress = self.clock()
@@ -160,6 +166,26 @@ class RunState:
         if error is not None:
             self.last_error[pump] = f"{reason}: {error!r}"
         self.changed.notify()
+
+    def lose_replica(self, lost: Exception) -> None:
+        """A generator replica whose actor could not be replaced takes no more
+        work; the run goes on with the others (the watchdog speaks if none is left)."""
+        replica = getattr(lost, "replica", None)
+        self.last_error["rollout"] = str(lost)
+        if replica is not None and not self.replicas[replica].lost:
+            self.replicas[replica].lost = True
+            self.changed.notify()
+
+    def journal_logprob(self, keys: Sequence[str], stage: str, receivers_at_call: int) -> None:
+        """Journal a logprob stage's write. A frozen reference never changes
+        weights; a policy stage has the receivers' weights, known exactly
+        unless a push was in transit during the call: then they lie between
+        the version they had when it was asked for and the newest pushed since."""
+        if stage not in self.settings.policy_logprob_stages:
+            self.journal.logprob(keys, stage, logprob_field(frozen=True), None)
+            return
+        newest = max(self.receivers_version, self.receivers_incoming)
+        self.journal.logprob(keys, stage, logprob_field(frozen=False), (receivers_at_call, newest))
 
     def take_pending_clear(self) -> list[str]:
         keys, self.pending_clear = self.pending_clear, []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rldsl.runtime.control.errors import WorkerLost
 from rldsl.runtime.control.state import GeneratorReplica, RunState
 
 
@@ -37,7 +38,8 @@ class SyncPump:
             await self._push(target, behind)
 
     def _behind(self, target: int) -> list[GeneratorReplica]:
-        return [r for r in self.state.replicas if not r.asleep and not r.receiving and r.version < target]
+        return [r for r in self.state.replicas
+                if not r.lost and not r.asleep and not r.receiving and r.version < target]
 
     async def _push(self, target: int, replicas: list[GeneratorReplica]) -> None:
         state = self.state
@@ -45,9 +47,12 @@ class SyncPump:
         self.phase = f"pushing weights version {target} to generator replicas {names}"
         for replica in replicas:
             replica.receiving = True
+        state.receivers_incoming = max(state.receivers_incoming, target)  # from now on they may hold it
         try:
             with state.meter("sync").track():
                 await state.stages.push_weights(target, [r.index for r in replicas])
+        except WorkerLost as lost:  # that receiver is gone; the others got the version
+            state.lose_replica(lost)
         finally:
             for replica in replicas:
                 replica.receiving = False

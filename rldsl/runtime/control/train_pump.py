@@ -11,7 +11,7 @@ import torch
 from rldsl.runtime.control import ledger as outcomes
 from rldsl.runtime.control.advantages import group_advantages
 from rldsl.runtime.control.buffer import Group, GroupState
-from rldsl.runtime.control.errors import StepFailed, StopRequested, TrainCallFailed
+from rldsl.runtime.control.errors import StepFailed, StopRequested, TrainCallFailed, TrainerLost, WorkerLost
 from rldsl.runtime.control.lanes import MicrobatchLanes
 from rldsl.runtime.control.state import RunState, resolve
 from rldsl.runtime.protocols import FIELD_ADVANTAGE, FIELD_REWARD, StepResult
@@ -136,7 +136,10 @@ class TrainPump:
             replica.asleep = True
         state.changed.notify()
         self.activity = "colocated: putting the generators on the trainer's GPUs to sleep"
-        await state.stages.sleep_generators([r.index for r in sleepers])
+        try:
+            await state.stages.sleep_generators([r.index for r in sleepers])
+        except WorkerLost as lost:  # a replica that is gone holds no GPU memory either
+            state.lose_replica(lost)
         self.activity = None
 
     async def _wake_generators(self) -> None:
@@ -145,7 +148,10 @@ class TrainPump:
         asleep = [r for r in state.replicas if r.asleep]
         if asleep:
             self.activity = f"colocated: waking the generators, refreshed to version {state.exported_version}"
-            await state.stages.wake_generators([r.index for r in asleep], state.exported_version)
+            try:
+                await state.stages.wake_generators([r.index for r in asleep], state.exported_version)
+            except WorkerLost as lost:
+                state.lose_replica(lost)
             for replica in asleep:
                 replica.asleep = False
                 replica.version = max(replica.version, state.exported_version)
@@ -214,7 +220,7 @@ class TrainPump:
         lags: Counter[int] = Counter()
         for group in step.groups:
             lag = group.lag_at(step.version)
-            state.ledger.trained(group.keys, lag)
+            state.ledger.trained(group.keys, lag, step=state.finished_steps + 1, version=step.version)
             lags[lag] += len(group.keys)
         state.trainer_version = int(result.version)
         state.finished_steps += 1
@@ -241,6 +247,10 @@ class TrainPump:
         await self._drop_open_step(step, outcomes.STEP_ABORTED)
         self.aborted_steps += 1
         self._aborted_in_row += 1
+        if isinstance(failure.error, WorkerLost):  # a trainer rank died: no later step can succeed
+            lost = failure.error
+            raise TrainerLost(f"trainer rank {lost.rank} of `{lost.stage}` died during {failure.call} ({lost.detail}); "
+                              "its optimizer state is gone: resume from the run's last checkpoint") from lost
         if self._aborted_in_row >= self.state.settings.max_aborted_steps:
             message = f"{self._aborted_in_row} consecutive train steps aborted; last: {failure}"
             raise StepFailed(message) from failure.error

@@ -1,8 +1,10 @@
 """The single controller as a CPU-only Ray actor.
 
 It owns the control plane's pumps (rldsl.runtime.control), answers progress
-queries from the driver while they run (an async actor serves both), and
-writes the controller's half of each checkpoint (checkpoint.py).
+queries from the driver while they run (an async actor serves both), writes
+the controller's half of each checkpoint (checkpoint.py), and appends the
+run's journal to RUN_DIR/journal.jsonl (the controller flushes it after every
+step and however the run ends).
 """
 
 from __future__ import annotations
@@ -12,16 +14,18 @@ import time
 from pathlib import Path
 
 from rldsl.plan import PipelinePlan
+from rldsl.runtime.control.journal import JOURNAL_FILE, Journal, JournalFile
 from rldsl.runtime.control.prompts import prompt_stream
 from rldsl.runtime.control.settings import RunSettings
 
 
 class ControllerActor:
-    def __init__(self, settings: RunSettings, pipe: PipelinePlan, workers: dict, dataplane_spec: dict,
+    def __init__(self, settings: RunSettings, pipe: PipelinePlan, workers: dict, specs: dict, dataplane_spec: dict,
                  checkpoint: dict | None = None, resume: dict | None = None, observers: list | None = None):
         from rldsl.runtime.dataplane import connect_dataplane
         from rldsl.runtime.ray_lowering.checkpoint import expand_indices
-        from rldsl.runtime.ray_lowering.stage_handles import ray_stage_handles
+        from rldsl.runtime.ray_lowering.stage_handles import ray_stage_handles, reward_calls_per_worker
+        from rldsl.runtime.ray_lowering.supervision import Supervisor
         from rldsl.runtime.ray_lowering.trace import Tracer
 
         self.settings, self.pipe = settings, pipe
@@ -32,12 +36,18 @@ class ControllerActor:
         train = pipe.stage(pipe.batch.train_stage)
         replicas = {s.name: _replicas(s) for s in pipe.stages if s.kind in ("train", "logprob")}
         receiver_stages = {e.dst for e in pipe.edges if e.kind == "weights"}
-        self.handles = ray_stage_handles(workers, kinds, receiver_stages, settings.sync_bucket_bytes, train.name,
-                                         replicas, observers, tracer=self.tracers[1])
+        self.supervisor = Supervisor(specs, workers)  # replaces dead generator, reward and logprob actors
+        self.handles = ray_stage_handles(self.supervisor, kinds, receiver_stages, settings.sync_bucket_bytes,
+                                         train.name, replicas, observers, tracer=self.tracers[1],
+                                         reward_calls={s.name: reward_calls_per_worker(s) for s in pipe.stages
+                                                       if s.kind == "reward"})
         self.dataplane = _TracedDataPlane(connect_dataplane(dataplane_spec), self.tracers[0])
         self.checkpoint = checkpoint or {}
         resume = resume or {}
         self.step_offset = resume.get("steps_done", 0)
+        run_dir = self.checkpoint.get("run_dir")
+        self.journal = Journal(JournalFile(Path(run_dir) / JOURNAL_FILE) if run_dir else None,
+                               {"steps_done": self.step_offset, "version": resume["version"]} if resume else None)
         below, above = expand_indices(resume.get("trained_prompts", {"below": 0, "above": []}))
         self.trained_before = (below, frozenset(above))
         self.trained = TrainedPrompts(below, above)
@@ -54,11 +64,21 @@ class ControllerActor:
         from rldsl.runtime.control.controller import Controller
 
         prompts = prompt_stream(self.pipe, self.settings.seed, *self.trained_before)
-        self.controller = Controller(self.settings, self.handles, self.dataplane, prompts, on_step=self._on_step)
+        self.controller = Controller(self.settings, self.handles, self.dataplane, prompts, on_step=self._on_step,
+                                     journal=self.journal)
         if self.stop_requested:
             self.controller.request_stop()
-        summary = await self.controller.run()
+        await self.controller.run()
+        return self.summary()
+
+    def summary(self) -> dict | None:
+        """The run's summary so far, with how it ended (also after a failure:
+        the driver writes summary.json on every exit path); None before it started."""
+        if self.controller is None:
+            return None
+        summary = self.controller.summary()
         summary["steps"] += self.step_offset
+        summary["recoveries"] = [vars(r) for r in self.supervisor.recoveries]
         return summary
 
     def request_stop(self) -> None:
@@ -106,10 +126,17 @@ class ControllerActor:
     async def progress(self, since: int) -> dict:
         """Step records after ``since``, what each pump is waiting on and the
         calls in flight per stage, now."""
+        recoveries = self._recoveries()
         if self.controller is None:
-            return {"steps": [], "waits": "starting", "pumps": {}, "active": {}}
+            return {"steps": [], "waits": "starting", "pumps": {}, "active": {}, **recoveries}
         return {"steps": self.steps[since:], "waits": self.controller.describe_waits(),
-                "pumps": self.controller.pump_waits(), "active": self.controller.state.active_calls()}
+                "pumps": self.controller.pump_waits(), "active": self.controller.state.active_calls(), **recoveries}
+
+    def _recoveries(self) -> dict:
+        """Every replaced actor so far (the driver shows the new ones) and the
+        new handles, so the driver drains the replacements' traces."""
+        return {"recoveries": [vars(r) for r in self.supervisor.recoveries],
+                "replaced": dict(self.supervisor.replaced_handles)}
 
     def trace(self) -> list[dict]:
         return [tracer.drain() for tracer in self.tracers]

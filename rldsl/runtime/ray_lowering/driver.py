@@ -156,9 +156,15 @@ class Driver:
                 try:
                     pipeline.complete()
                 except ray.exceptions.RayError as err:  # the controller's PipelineStalled / StepFailed, as Ray wraps it
+                    pipeline.write_summary(error=err)
                     failures.append(err)
         except KeyboardInterrupt:
             return self._stop(running)
+        except Exception as err:  # an actor or Ray itself lost: each summary.json still says how its pipeline ended
+            for pipeline in running:
+                if pipeline.summary is None:
+                    pipeline.write_summary(error=err)
+            raise
         finally:
             for pipeline in running:
                 pipeline.close_trace()
@@ -171,7 +177,10 @@ class Driver:
         for pipeline in running:
             pipeline.request_stop()
         for pipeline in running:
-            pipeline.checkpoint_on_interrupt(f"rldsl run --resume {self.run_dir}")
+            try:
+                pipeline.checkpoint_on_interrupt(f"rldsl run --resume {self.run_dir}")
+            finally:
+                pipeline.write_summary()
         return 130
 
 

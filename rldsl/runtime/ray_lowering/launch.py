@@ -109,10 +109,22 @@ def run_plan(plan: ExecutionPlan, args) -> int:
         original = getattr(err, "cause", None) or err  # Ray wraps the controller's error with its remote traceback
         print(f"error: the run stopped: {original}", file=sys.stderr)
         print(f"  = note: metrics so far are in {run_dir}", file=sys.stderr)
+        _say_how_to_resume(run_dir)
         return EXIT_FAILED
     except StageStartError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _say_how_to_resume(run_dir: Path) -> None:
+    from rldsl.runtime.ray_lowering.checkpoint import latest_complete
+
+    found = latest_complete(run_dir)
+    if found is not None:
+        print(f"  = help: `rldsl run --resume {run_dir}` continues from {found.name}", file=sys.stderr)
+    else:
+        print("  = help: no checkpoint was written; set `run { checkpoint_every = N }` to make long runs resumable",
+              file=sys.stderr)
 
 
 def _dry_run(plan: ExecutionPlan, settings: dict, run_dir: Path, address: str | None) -> int:

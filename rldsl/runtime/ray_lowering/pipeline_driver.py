@@ -14,6 +14,8 @@ from rldsl.plan import PipelinePlan
 from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.ray_lowering.cluster import ACTOR_NUM_CPUS
 from rldsl.runtime.ray_lowering.progress import Progress
+from rldsl.runtime.ray_lowering.stage_handles import reward_calls_per_worker
+from rldsl.runtime.ray_lowering.supervision import ActorSpec
 from rldsl.runtime.ray_lowering.trace import TraceCollector
 
 
@@ -38,8 +40,11 @@ class PipelineDriver:
         self.resume = _resume_point(self.run_dir) if resume else None
         self.checkpoint = {"run_dir": str(self.run_dir), "every": pipe.run.checkpoint_every}
         self.handles: dict[str, list] = {}
+        self.specs: dict[str, list[ActorSpec]] = {}  # how each actor was made, for the controller to remake it
         self.controller = self.result_ref = self.progress = self.traces = None
         self._seen = 0
+        self.summary: dict | None = None  # what summary.json says, once written
+        self._recoveries_shown = 0
 
     def actor_count(self) -> int:
         return sum(len(s.ranks) for s in self.pipe.stages) + 1 + self.pipe.evaluates  # + controller, evaluator
@@ -75,7 +80,7 @@ class PipelineDriver:
             if stage.kind == "sync":
                 continue
             actor_class = ray.remote(classes[stage.kind])
-            self.handles[stage.name] = []
+            self.handles[stage.name], self.specs[stage.name] = [], []
             for rank in stage.ranks:
                 args = [self.pipe, stage, rank.index, spec]
                 if stage.kind in ("train", "logprob"):  # each stage is its own process group
@@ -86,7 +91,11 @@ class PipelineDriver:
                 options = self.actor_options(stage.name, rank.index, bool(rank.gpus), reservation)
                 if stage.kind == "generate":  # one thread per group in flight, plus pushes and control calls
                     options["max_concurrency"] = self._generator_concurrency() + 4
+                if stage.kind == "reward":  # a call per reward process, so one hung sample holds up only its own
+                    options["max_concurrency"] = reward_calls_per_worker(stage) + 2
                 self.handles[stage.name].append(actor_class.options(**options).remote(*args))
+                self.specs[stage.name].append(ActorSpec(stage.name, stage.kind, rank.index, classes[stage.kind],
+                                                        tuple(args), options, _replaceable(stage)))
         self._create_evaluator()
         self._create_controller(spec)
 
@@ -170,7 +179,7 @@ class PipelineDriver:
             return
         self.controller = ray.remote(ControllerActor).options(
             num_cpus=ACTOR_NUM_CPUS, name=f"{self.prefix}controller").remote(
-            self._remaining_settings(), self.pipe, self.handles, dataplane_spec, self.checkpoint,
+            self._remaining_settings(), self.pipe, self.handles, self.specs, dataplane_spec, self.checkpoint,
             self.resume_info(), self._observers())
 
     def begin(self, live: bool = True) -> bool:
@@ -215,8 +224,19 @@ class PipelineDriver:
         if self.evaluations:
             self._show_evaluations()
         self.progress.waits(report)
+        self._show_recoveries(report)
         self.traces.poll()
         return bool(done)
+
+    def _show_recoveries(self, report: dict) -> None:
+        """Each actor replaced since the last poll, said once; its trace is drained from now on."""
+        for name, actor in report.get("replaced", {}).items():
+            self.traces.replace(name, actor)
+        recoveries = report.get("recoveries", [])
+        for recovery in recoveries[self._recoveries_shown:]:
+            self.say(f"recovered: {recovery['stage']}-{recovery['rank']} died ({recovery['cause']}); "
+                     f"a new actor took its place in {recovery['seconds']:.1f}s and the work it held was redone")
+        self._recoveries_shown = len(recoveries)
 
     def complete(self) -> int:
         """The controller's summary (its error raised as PipelineStalled /
@@ -234,8 +254,7 @@ class PipelineDriver:
             summary["evals"] = evals
         summary["wall_clock_s"] = time.monotonic() - self.started
         summary["train_loop_s"] = time.monotonic() - self.progress.started
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        self.progress.final_table(summary, self.run_dir)
+        self.progress.final_table(self.write_summary(summary), self.run_dir)
         return 0
 
     def request_stop(self) -> None:
@@ -261,6 +280,29 @@ class PipelineDriver:
             self.say(f"interrupted: checkpoint saved at version {version}; continue with `{resume_command}`")
         else:
             self.say("interrupted before a step finished in this run: nothing new to checkpoint")
+
+    def write_summary(self, summary: dict | None = None, error: BaseException | None = None) -> dict:
+        """summary.json, on every exit path: ``summary`` or else the
+        controller's (it answers after a failure too), how the run ended
+        (``error``: what ended it on the driver's side) and the whole run's
+        accounting from the journal, resumes included."""
+        from rldsl.runtime.ray_lowering.run_summary import write_summary
+
+        summary = summary if summary is not None else self._controller_summary()
+        if summary is not None:
+            summary.setdefault("wall_clock_s", time.monotonic() - self.started)
+        self.summary = write_summary(self.run_dir, summary, self.pipe.name, root_cause(error) if error else None)
+        return self.summary
+
+    def _controller_summary(self) -> dict | None:
+        import ray
+
+        if self.controller is None:
+            return None
+        try:
+            return ray.get(self.controller.summary.remote(), timeout=30)
+        except ray.exceptions.RayError:  # its actor died, or Ray is going down
+            return None
 
     def resume_info(self) -> dict | None:
         return None if not self.resume else {k: v for k, v in self.resume.items() if k != "dir"}
@@ -300,6 +342,14 @@ def _previous_evals(run_dir: Path) -> list[dict]:
         return []
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [{"step": r["step"], "accuracy": r["accuracy"]} for r in records if r.get("eval")]
+
+
+def _replaceable(stage) -> bool:
+    """A stage rank whose actor can be started afresh mid-run: it holds no
+    training state and belongs to no process group a new rank could not join."""
+    if stage.kind == "train":
+        return False
+    return stage.kind != "logprob" or len(stage.ranks) == 1
 
 
 def root_cause(err: BaseException) -> str:

@@ -3,12 +3,15 @@
 Generator replicas are threaded actors that batch the groups sent to them;
 each call of a reward or logprob stage takes a free worker (a reward rank,
 or a logprob replica whose tp ranks all compute and whose first writes),
-and the controller merges the groups that wait for one; the trainer's ranks all take part in
-begin / finish / abort / export while each microbatch goes to one
-data-parallel replica. Weights travel through the host bucket cache: the
-trainer puts each bucket into the object store once per step (its export),
-and every push or refresh hands the same object references to the
-receivers, so the trainer is never asked for a bucket while it trains.
+and the controller merges the groups that wait for one; the trainer's
+ranks all take part in begin / finish / abort / export while each
+microbatch goes to one data-parallel replica. Weights travel through the
+host bucket cache: the trainer puts each bucket into the object store once
+per step (its export), and every push or refresh hands the same object
+references to the receivers, so the trainer is never asked for a bucket
+while it trains. Every call goes through the supervisor (supervision.py):
+a dead generator, reward or logprob actor is replaced, brought to the
+cached weights, and the call made again.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import asyncio
 import contextlib
 from typing import Sequence
 
+from rldsl.runtime.control.errors import WorkerLost
 from rldsl.runtime.control.handles import StageHandles
+from rldsl.runtime.ray_lowering.supervision import ActorSpec, Supervisor
 
 
 class HostBucketCache:
@@ -31,100 +36,145 @@ class HostBucketCache:
         return self.version == version
 
 
-def ray_stage_handles(workers: dict[str, list], kinds: dict[str, str], receiver_stages: set[str],
+def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_stages: set[str],
                       bucket_bytes: int, train_stage: str, replicas: dict[str, list[list[int]]],
-                      observers: list | None = None, tracer=None) -> StageHandles:
-    """``workers``: stage name -> actor handles (one per rank; one per replica
-    for generate stages); ``kinds``: stage name -> stage kind;
-    ``receiver_stages``: the stages on sync edges; ``replicas``: for the
-    trainer and each logprob stage, the rank indices of each data-parallel
-    replica (the tp x pp ranks that must all see the same rows);
-    ``observers``: weight receivers the push does not wait for (the
+                      observers: list | None = None, tracer=None,
+                      reward_calls: dict[str, int] | None = None) -> StageHandles:
+    """``supervisor``: every stage's actors by rank (one per replica for
+    generate stages), replaced when they die; ``kinds``: stage name -> stage
+    kind; ``receiver_stages``: the stages on sync edges; ``replicas``: for
+    the trainer and each logprob stage, the rank indices of each
+    data-parallel replica (the tp x pp ranks that must all see the same
+    rows); ``observers``: weight receivers the push does not wait for (the
     evaluator: it must never hold up generation); ``tracer``: records each
-    weight push as a span."""
-    generator_stages = [name for name in workers if kinds[name] == "generate"]
-    generators = [a for name in generator_stages for a in workers[name]]
-    syncs_generator = [name in receiver_stages for name in generator_stages for _ in workers[name]]
-    other_receivers = [a for name in sorted(receiver_stages) if kinds[name] != "generate" for a in workers[name]]
-    free = {name: _FreeWorkers([[actor] for actor in actors]) for name, actors in workers.items()
-            if kinds[name] == "reward"}
-    free.update({name: _FreeWorkers([[workers[name][i] for i in ranks] for ranks in groups])
-                 for name, groups in replicas.items() if kinds[name] == "logprob"})
-    train_replicas = [[workers[train_stage][i] for i in ranks] for ranks in replicas[train_stage]]
-    trainers = workers[train_stage]
+    weight push as a span; ``reward_calls``: reward stage -> calls one of its
+    workers serves at once (one per reward process)."""
+    reward_calls = reward_calls or {}
+    actors = supervisor.actors
+    generators = [(name, rank) for name in actors if kinds[name] == "generate" for rank in range(len(actors[name]))]
+    syncs_generator = [name in receiver_stages for name, _ in generators]
+    other_receivers = [(name, rank) for name in sorted(receiver_stages) if kinds[name] != "generate"
+                       for rank in range(len(actors[name]))]
+    free = {name: _FreeWorkers([[rank] for rank in range(len(ranks)) for _ in range(reward_calls.get(name, 1))])
+            for name, ranks in actors.items() if kinds[name] == "reward"}
+    free.update({name: _FreeWorkers(groups) for name, groups in replicas.items() if kinds[name] == "logprob"})
+    train_replicas = replicas[train_stage]
+    trainer_ranks = range(len(actors[train_stage]))
     cache = HostBucketCache()
+    asleep: set[int] = set()  # generator replicas the controller has put to sleep
+
+    def call(stage: str, rank: int, method: str, *args):
+        return supervisor.call(stage, rank, method, *args)
+
+    async def on_generator(replica: int, method: str, *args):
+        try:
+            return await call(*generators[replica], method, *args)
+        except WorkerLost as lost:
+            lost.replica = replica  # the controller stops using that replica
+            raise
+
+    async def on_generators(replicas: Sequence[int], method: str, *args) -> None:
+        """Every replica's call runs to its end; then the first loss, if any, is raised."""
+        results = await asyncio.gather(*(on_generator(i, method, *args) for i in replicas), return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            raise failure
+
+    def on_every_trainer(method: str, *args, **gather):
+        return asyncio.gather(*(call(train_stage, r, method, *args) for r in trainer_ranks), **gather)
 
     async def generate(replica: int, prompts: Sequence, keys: Sequence[str], samples_per_prompt: int, seed: int):
-        return await generators[replica].generate.remote(list(prompts), list(keys), samples_per_prompt, seed)
+        return await on_generator(replica, "generate", list(prompts), list(keys), samples_per_prompt, seed)
 
     async def reward(stage: str, keys: Sequence[str]):
-        async with free[stage].borrow() as (worker,):
-            return await worker.reward.remote(list(keys))
+        async with free[stage].borrow() as (rank,):
+            return await call(stage, rank, "reward", list(keys))
 
     async def logprob(stage: str, keys: Sequence[str]) -> None:
-        async with free[stage].borrow() as replica:
-            await asyncio.gather(*(a.logprob.remote(list(keys)) for a in replica))
+        async with free[stage].borrow() as ranks:
+            await asyncio.gather(*(call(stage, rank, "logprob", list(keys)) for rank in ranks))
 
     async def begin_train_step(step: int) -> None:
-        await asyncio.gather(*(t.begin_train_step.remote(step) for t in trainers))
+        await on_every_trainer("begin_train_step", step)
 
     async def train_microbatch(step: int, keys: Sequence[str], replica: int):
-        results = await asyncio.gather(*(t.train_microbatch.remote(step, list(keys)) for t in train_replicas[replica]))
+        results = await asyncio.gather(*(call(train_stage, r, "train_microbatch", step, list(keys))
+                                         for r in train_replicas[replica]))
         return next((r for r in results if r), results[0])  # pipeline stages without the loss report nothing
 
     async def finish_train_step(step: int):
-        results = await asyncio.gather(*(t.finish_train_step.remote(step) for t in trainers))
-        return results[0]
+        return (await on_every_trainer("finish_train_step", step))[0]
 
     async def abort_train_step(step: int) -> None:
-        await asyncio.gather(*(t.abort_train_step.remote(step) for t in trainers), return_exceptions=True)
+        await on_every_trainer("abort_train_step", step, return_exceptions=True)
 
     async def export_weights(version: int) -> None:
         # every rank takes part (gathering TP/PP shards is a collective); rank 0 returns the references
-        refs = (await asyncio.gather(*(t.export_buckets.remote(bucket_bytes) for t in trainers)))[0]
+        refs = (await on_every_trainer("export_buckets", bucket_bytes))[0]
         cache.version, cache.refs = version, refs
 
     async def push_weights(version: int, replicas_to_push: Sequence[int]) -> None:
         if not cache.holds(version):
             raise RuntimeError(f"push of weights version {version}, but the host bucket cache holds {cache.version}")
-        targets = [generators[i] for i in replicas_to_push if syncs_generator[i]] + other_receivers
-        span = tracer.span("weight push", version=version, receivers=len(targets)) if tracer else None
+        pushed = [i for i in replicas_to_push if syncs_generator[i]]
+        span = tracer.span("weight push", version=version, receivers=len(pushed) + len(other_receivers)) \
+            if tracer else None
         with span or contextlib.nullcontext():
             refs = list(cache.refs)
             for observer in observers or ():  # not awaited; in order per caller, so its buckets arrive in sequence
                 for index, ref in enumerate(refs):
                     observer.update_weights.remote(ref, version, index == len(refs) - 1)
-            await asyncio.gather(*(target.receive_weights.remote(refs, version) for target in targets))
+            await asyncio.gather(on_generators(pushed, "receive_weights", refs, version),
+                                 *(call(*target, "receive_weights", refs, version) for target in other_receivers))
 
     async def generator_version() -> int:
-        return await generators[0].version.remote()
+        return await call(*generators[0], "version")
 
     async def sleep_generators(indices: Sequence[int]) -> None:
         """The train phase: these replicas release the GPUs, an offloaded trainer takes them back."""
-        await asyncio.gather(*(generators[i].sleep.remote() for i in indices))
-        if indices:
-            await asyncio.gather(*(t.wake.remote() for t in trainers))
+        asleep.update(indices)
+        try:
+            await on_generators(indices, "sleep")
+        finally:
+            if indices:
+                await on_every_trainer("wake")
 
     async def wake_generators(indices: Sequence[int], version: int) -> None:
         """The generation phase: the trainer offloads (if it does), the replicas
         wake and, if they missed versions, load the newest from the host cache."""
         if indices:
-            await asyncio.gather(*(t.sleep.remote() for t in trainers))
-        await asyncio.gather(*(generators[i].wake.remote() for i in indices))
+            await on_every_trainer("sleep")
+        asleep.difference_update(indices)
+        await on_generators(indices, "wake")
         if cache.holds(version):
-            await asyncio.gather(*(generators[i].refresh.remote(list(cache.refs), version)
-                                   for i in indices if syncs_generator[i]))
+            await on_generators([i for i in indices if syncs_generator[i]], "refresh", list(cache.refs), version)
 
+    async def bring_up_to_date(spec: ActorSpec, actor) -> None:
+        """A replacement actor: the newest exported weights if it receives
+        them, and asleep if its replica is."""
+        if cache.version is not None and spec.stage in receiver_stages:
+            method = "refresh" if spec.kind == "generate" else "receive_weights"
+            await getattr(actor, method).remote(list(cache.refs), cache.version)
+        if spec.kind == "generate" and generators.index((spec.stage, spec.rank)) in asleep:
+            await actor.sleep.remote()
+
+    supervisor.on_replaced = bring_up_to_date
     return StageHandles(generate, reward, logprob, begin_train_step, train_microbatch, finish_train_step,
                         abort_train_step, export_weights, push_weights, generator_version, sleep_generators,
                         wake_generators, generator_replicas=len(generators), train_replicas=len(train_replicas),
                         stage_slots={name: pool.size for name, pool in free.items()})
 
 
-class _FreeWorkers:
-    """The idle workers of one stage; a call borrows one and gives it back."""
+def reward_calls_per_worker(stage) -> int:
+    """Calls a reward worker serves at once: one per reward process it owns."""
+    return int(stage.settings.get("processes", 1))
 
-    def __init__(self, workers: list[list]) -> None:
+
+class _FreeWorkers:
+    """The idle workers of one stage (each a list of rank indices); a call
+    borrows one and gives it back."""
+
+    def __init__(self, workers: list[list[int]]) -> None:
         self.size = len(workers)
         self._idle: asyncio.Queue = asyncio.Queue()
         for worker in workers:

@@ -85,6 +85,10 @@ class TraceCollector:
         self._pending: dict[object, str] = {}  # drain ref -> actor name
         self._last = 0.0
 
+    def replace(self, name: str, actor) -> None:
+        """A dead actor's replacement: drained under the same name from now on."""
+        self.actors[name] = actor
+
     def poll(self) -> None:
         import ray
 

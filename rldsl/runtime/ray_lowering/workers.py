@@ -121,35 +121,41 @@ class GeneratorWorker(_Worker):
 
 
 class RewardWorker(_Worker):
-    """Scores responses with the stage's `module:function`. A reward that
-    raises or overruns its timeout drops that sample only (None)."""
+    """Scores responses with the stage's `module:function`, run in the
+    worker's reward processes (rldsl.runtime.reward_pool): a reward that
+    raises, overruns its timeout, crashes or returns a non-number drops
+    that sample only, as a ``RewardFailure`` with the reason."""
 
     def __init__(self, pipe, stage, rank, dataplane_spec):
-        from rldsl.rewards import load_reward
+        from rldsl.runtime.reward_pool import DEFAULT_PROCESSES, RewardPool
 
         super().__init__(pipe, stage, rank, dataplane_spec)
-        self.fn = load_reward(stage.settings["fn"])
-        self.timeout = stage.settings.get("timeout")
+        # the processes start now, in the background, while the rest of the run starts
+        self.pool = RewardPool(stage.settings["fn"], stage.settings.get("processes", DEFAULT_PROCESSES),
+                               stage.settings.get("timeout"))
         self.tokenizer = _tokenizer_for(pipe)
 
-    def reward(self, keys: Sequence[str]) -> list[float | None]:
+    def ready(self) -> bool:
+        """Once the reward processes have imported the function (a function
+        that does not import fails here, at start, not on every sample)."""
+        self.pool.wait_ready()
+        return True
+
+    def reward(self, keys: Sequence[str]) -> list[float | p.RewardFailure]:
         with self.tracer.span("reward", groups=prompt_groups(keys)):
             return self._score(keys)
 
-    def _score(self, keys: Sequence[str]) -> list[float | None]:
-        from rldsl.rewards import safe_reward
-
+    def _score(self, keys: Sequence[str]) -> list[float | p.RewardFailure]:
         fields = self._get(keys, [p.FIELD_RESPONSE_IDS, p.FIELD_PROMPT_IDS, ANSWER_IDS])
-        values = []
-        for row in range(len(keys)):
-            response = self._decode(fields[p.FIELD_RESPONSE_IDS][row])
-            answer = self._decode(fields[ANSWER_IDS][row])
-            prompt = self._decode(fields[p.FIELD_PROMPT_IDS][row])
-            value, reason = safe_reward(self.fn, response, answer, prompt, self.timeout)
-            if reason:
-                log.warning("reward %s dropped %s: %s", self.stage.name, keys[row], reason)
-            values.append(value)  # None drops the sample as reward_failed
-        return values
+        samples = [(self._decode(fields[p.FIELD_RESPONSE_IDS][row]), self._decode(fields[ANSWER_IDS][row]),
+                    self._decode(fields[p.FIELD_PROMPT_IDS][row])) for row in range(len(keys))]
+        results = self.pool.score(samples)
+        failures = [(key, r) for key, r in zip(keys, results) if isinstance(r, p.RewardFailure)]
+        if failures:
+            key, first = failures[0]
+            log.warning("reward %s dropped %d of %d samples; %s: %s (%s)", self.stage.name, len(failures),
+                        len(keys), key, first.detail, first.reason)
+        return results
 
     def _decode(self, ids) -> str:
         if self.tokenizer is None:
@@ -179,7 +185,7 @@ class LogprobWorker(_Worker):
         if dist and dist["world_size"] > 1 and stage.engine.name == "megatron":
             _join(dist)  # megatron builds its tp / dp groups from the default group
         self.engine = build_logprob(stage, pipe, seed=pipe.run.seed + 2000 + rank)
-        self.field = p.FIELD_REF_LOGPROBS if stage.settings.get("frozen") else p.FIELD_BEHAVIOUR_LOGPROBS
+        self.field = p.logprob_field(bool(stage.settings.get("frozen")))
         self.writes = stage.ranks[rank].tp_rank == 0
 
     def logprob(self, keys: Sequence[str]) -> None:

@@ -1,0 +1,157 @@
+"""A sim pipeline that loses actors while it runs, and what that cost.
+
+    python bench/chaos.py [--steps 300] [--every 20] [--seed 0]
+
+A local multi-actor Ray cluster (ray.cluster_utils) runs a sim pipeline
+(two generator replicas, two reward workers, a frozen reference, one
+trainer) through `rldsl run --address`; every ``--every`` seconds a random
+generator, reward or reference actor is killed with ``ray.kill``. Then the
+trainer is killed once in a second run that writes checkpoints, and that
+run is resumed. Prints, per phase: exit code, steps, samples generated /
+trained / lost (dropped as ``worker_died``), each recovery's time, and the
+resumed run's totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMESPACE = "rldsl-chaos"
+VICTIM_STAGES = ("rollout", "score", "reference")
+
+PIPELINE = """
+pipeline chaos
+cluster {{ nodes = 1  gpus_per_node = 3 }}
+model policy {{ source = "builtin:tiny-lm" }}
+dataset prompts {{ source = "builtin:arith" }}
+stage generate rollout {{
+  model = policy  engine = sim(latency = 40ms)  gpus = [0, 1]  samples_per_prompt = 4
+}}
+stage reward score {{ fn = "rldsl.rewards:exact_match"  workers = 2 }}
+stage logprob reference {{ model = policy  frozen  engine = sim(latency = 5ms)  colocate = actor }}
+stage train actor {{
+  model = policy  engine = sim(latency = 20ms)  gpus = [2]  prompts_per_step = 4  micro_batch = 4
+}}
+stage sync weights {{ from = actor  to = rollout }}
+flow prompts -> rollout -> score -> reference -> actor
+staleness {{ max_lag = 1 }}
+run {{ steps = {steps}  watchdog = 120s  eval_every = 0  checkpoint_every = {checkpoint_every} }}
+"""
+
+
+def start(address: str, source: Path, run_dir: Path, resume: bool = False) -> subprocess.Popen:
+    target = ["--resume", str(run_dir)] if resume else [str(source), "--run-dir", str(run_dir)]
+    return subprocess.Popen([sys.executable, "-m", "rldsl", "run", *target, "--address", address],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+
+
+def living_victims(ray) -> list[str]:
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+    return sorted(n for n in names if n.split("-")[0] in VICTIM_STAGES)
+
+
+def steps_done(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return sum(1 for line in metrics.read_text().splitlines() if '"step"' in line) if metrics.exists() else 0
+
+
+def kill_until_done(ray, process: subprocess.Popen, run_dir: Path, every_s: float, rng: random.Random) -> list[str]:
+    """Kills start once the run trains: a stage that dies while starting fails the run by design."""
+    while process.poll() is None and steps_done(run_dir) < 1:
+        time.sleep(0.2)
+    killed, next_kill = [], time.monotonic() + every_s
+    while process.poll() is None:
+        time.sleep(0.5)
+        if time.monotonic() >= next_kill:
+            victims = living_victims(ray)
+            if victims:
+                victim = rng.choice(victims)
+                try:
+                    ray.kill(ray.get_actor(victim, namespace=NAMESPACE))
+                    killed.append(victim)
+                    print(f"  t={time.strftime('%H:%M:%S')} killed {victim}", flush=True)
+                except ValueError:  # it died or was replaced between the listing and the kill
+                    pass
+            next_kill = time.monotonic() + every_s
+    return killed
+
+
+def report(name: str, process: subprocess.Popen, run_dir: Path, seconds: float) -> dict:
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    ledger = summary.get("ledger", {})
+    recoveries = summary.get("recoveries", [])
+    print(f"{name}: exit {process.returncode} after {seconds:.0f}s; steps {summary.get('steps', steps_done(run_dir))}; "
+          f"generated {ledger.get('generated', '?')}, trained {ledger.get('trained', '?')}, "
+          f"lost (worker_died) {ledger.get('dropped', {}).get('worker_died', 0)}, "
+          f"dropped {sum(ledger.get('dropped', {}).values()) if ledger else '?'}")
+    if recoveries:
+        times = sorted(r["seconds"] for r in recoveries)
+        print(f"  {len(recoveries)} recoveries, replacement time min {times[0]:.1f}s / median "
+              f"{times[len(times) // 2]:.1f}s / max {times[-1]:.1f}s")
+    errors = [line for line in process.stderr.read().splitlines() if line.startswith(("error", "  = "))]
+    for line in errors:
+        print(f"  {line}")
+    audit = subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], capture_output=True, text=True,
+                           cwd=ROOT)
+    verdict = "passes" if audit.returncode == 0 else f"FAILS (exit {audit.returncode})"
+    print(f"  rldsl audit {verdict}: " + " | ".join(audit.stdout.strip().splitlines()[:3]))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--every", type=float, default=20.0, help="seconds between kills")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    rng = random.Random(args.seed)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 12, "num_gpus": 3})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="chaos-bench")
+    work = Path(tempfile.mkdtemp(prefix="rldsl-chaos-"))
+    try:
+        source = work / "chaos.rlp"
+        source.write_text(PIPELINE.format(steps=args.steps, checkpoint_every=0))
+        print(f"phase 1: {args.steps} steps, a random {'/'.join(VICTIM_STAGES)} actor killed every {args.every:.0f}s")
+        started = time.monotonic()
+        process = start(cluster.address, source, work / "survive")
+        kill_until_done(ray, process, work / "survive", args.every, rng)
+        report("phase 1", process, work / "survive", time.monotonic() - started)
+
+        steps = max(20, args.steps // 10)
+        source.write_text(PIPELINE.format(steps=steps, checkpoint_every=5))
+        print(f"phase 2: {steps} steps, checkpoint every 5; the trainer killed after step 12, then --resume")
+        started = time.monotonic()
+        process = start(cluster.address, source, work / "trainer")
+        while process.poll() is None and steps_done(work / "trainer") < 12:
+            time.sleep(0.2)
+        ray.kill(ray.get_actor("actor-0", namespace=NAMESPACE))
+        process.wait()
+        report("phase 2, trainer killed", process, work / "trainer", time.monotonic() - started)
+        started = time.monotonic()
+        process = start(cluster.address, source, work / "trainer", resume=True)
+        process.wait()
+        report("phase 2, resumed", process, work / "trainer", time.monotonic() - started)
+        print(f"run directories: {work}")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()

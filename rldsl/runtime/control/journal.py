@@ -1,0 +1,126 @@
+"""The per-sample journal: what happened to every sample, one JSON line per
+group-level event, so a run can be audited from its journal alone
+(`rldsl audit`, rldsl/audit.py).
+
+The control plane records events here as they happen (the ledger its
+outcomes, the pumps the versions they know); the buffer is handed to a
+writer on ``flush``, which the controller calls after every step and when
+the run ends however it ends. The lowering chooses the writer: usually a
+``JournalFile`` appending to ``RUN_DIR/journal.jsonl``. The format is
+described in docs/runtime.md (Run directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+JOURNAL_FILE = "journal.jsonl"
+
+# Event kinds, the "e" of every line.
+RUN = "run"  # a start or a resume: the header of a segment
+DISPATCHED = "dispatched"
+GENERATED = "generated"
+LOGPROB = "logprob"
+TRAINED = "trained"
+DROPPED = "dropped"
+END = "end"  # how the segment ended
+
+# How a segment ends (the "exit" of an end event).
+FINISHED = "finished"  # every step done, the ledger balanced
+STOPPED = "stopped"  # a requested stop (Ctrl-C), the ledger balanced
+FAILED = "failed"  # an error ended it; samples may be left open
+INTERRUPTED = "interrupted"  # cancelled or killed from outside the control plane
+
+Writer = Callable[[list[dict]], None]
+
+
+class Journal:
+    """The events of one segment of a run (a start or a resume), buffered
+    until ``flush`` hands them to ``write`` (kept when there is none).
+
+    ``resume`` is where a resumed segment starts (``steps_done``,
+    ``version``): steps are numbered from there, as in metrics.jsonl."""
+
+    def __init__(self, write: Writer | None = None, resume: dict | None = None) -> None:
+        self._write = write
+        self._events: list[dict] = []
+        self.resume = resume
+        self.step_offset = resume["steps_done"] if resume else 0
+
+    def run_started(self, pipeline: str, max_lag: int, steps: int) -> None:
+        self._record(RUN, pipeline=pipeline, max_lag=max_lag, steps=steps + self.step_offset,
+                     resume=self.resume, time=round(time.time(), 3))
+
+    def dispatched(self, keys: Iterable[str], prompt: int | None, replica: int | None) -> None:
+        self._record(DISPATCHED, keys, prompt=prompt, replica=replica)
+
+    def generated(self, keys: Iterable[str], version: int, field: str) -> None:
+        """Generation writes the behaviour logprobs (``field``) with the sample."""
+        self._record(GENERATED, keys, version=version, field=field)
+
+    def logprob(self, keys: Iterable[str], stage: str, field: str, versions: tuple[int, int] | None) -> None:
+        """``versions``: the lowest and highest weight version the stage can
+        have computed with (equal when known exactly); None: frozen weights."""
+        if versions is None:
+            self._record(LOGPROB, keys, stage=stage, field=field, version=None, frozen=True)
+        elif versions[0] == versions[1]:
+            self._record(LOGPROB, keys, stage=stage, field=field, version=versions[0])
+        else:
+            self._record(LOGPROB, keys, stage=stage, field=field, version=None, between=list(versions))
+
+    def trained(self, keys: Iterable[str], step: int | None, version: int | None, lag: int) -> None:
+        """``step`` counts this segment's steps from 1 (as the train pump does)."""
+        step = None if step is None else step + self.step_offset
+        self._record(TRAINED, keys, step=step, version=version, lag=lag)
+
+    def dropped(self, keys: Iterable[str], reason: str) -> None:
+        self._record(DROPPED, keys, reason=reason)
+
+    def ended(self, exit: str, error: BaseException | str | None = None) -> None:
+        if isinstance(error, BaseException):
+            error = describe_error(error)
+        self._record(END, exit=exit, error=error, time=round(time.time(), 3))
+
+    def drain(self) -> list[dict]:
+        events, self._events = self._events, []
+        return events
+
+    def flush(self) -> None:
+        """Hand the buffered events to the writer; a writer that raises keeps them."""
+        if self._write is not None and self._events:
+            self._write(self._events)
+            self._events = []
+
+    def _record(self, event: str, keys: Iterable[str] | None = None, **fields) -> None:
+        record = {"e": event}
+        if keys is not None:
+            record["keys"] = list(keys)
+            if not record["keys"]:  # a group whose samples were all dropped earlier: nothing happened
+                return
+        record.update(fields)
+        self._events.append(record)
+
+
+def describe_error(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+class JournalFile:
+    """A writer appending events to a JSON-lines file, one write per flush
+    and synced, so a crash loses at most the events not yet flushed (and
+    leaves at worst a torn last line, which readers skip)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def __call__(self, events: list[dict]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        text = "".join(json.dumps(event, separators=(",", ":")) + "\n" for event in events)
+        with open(self.path, "a") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,0 +1,142 @@
+"""Calls into stage actors that survive the actor's death.
+
+Generator, reward and logprob actors hold nothing that cannot be rebuilt:
+their engine comes from the plan and their weights from the host bucket
+cache. When a call finds its actor dead, the supervisor starts a new actor
+from the same spec (class, arguments, placement bundle), waits until it is
+ready, lets the lowering bring it to the current weights, and makes the
+call again once. Concurrent callers of the same dead actor share one
+replacement. A trainer rank is not replaced: its optimizer state died with
+it, so its death ends the step (the control plane names it).
+
+A call that still fails, or an actor that cannot be replaced, raises
+``WorkerLost``: the control plane drops the affected samples as
+``worker_died`` and the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from rldsl.runtime.control.errors import WorkerLost
+
+REPLACE_TIMEOUT_S = 300.0  # a new actor imports torch and builds its engine; on a loaded node that takes a while
+
+
+@dataclass
+class ActorSpec:
+    """How one stage rank's actor was made, to make it again."""
+
+    stage: str
+    kind: str  # generate | reward | logprob | train
+    rank: int
+    actor_class: type  # the worker class (workers.py), made remote when started
+    args: tuple
+    options: dict
+    replaceable: bool = True
+    replacements: int = 0
+
+
+@dataclass
+class Recovery:
+    """One replaced actor: what died, how long the replacement took."""
+
+    stage: str
+    rank: int
+    cause: str
+    seconds: float
+    at: float = field(default_factory=time.time)
+
+    def describe(self) -> str:
+        return f"{self.stage}-{self.rank} died ({self.cause}); replaced in {self.seconds:.1f}s"
+
+
+def _is_actor_death(error: BaseException) -> bool:
+    import ray
+
+    return isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+
+
+class Supervisor:
+    """The current actor of every stage rank, replaced when it dies.
+
+    ``on_replaced(spec, actor)`` runs after a replacement is ready and before
+    any call reaches it (weights from the host cache); ``recoveries`` lists
+    every replacement, for the run's messages and summary."""
+
+    def __init__(self, specs: dict[str, list[ActorSpec]], actors: dict[str, list]) -> None:
+        self.specs = specs
+        self.actors = {name: list(handles) for name, handles in actors.items()}
+        self.on_replaced: Callable[[ActorSpec, Any], Awaitable[None]] | None = None
+        self.recoveries: list[Recovery] = []
+        self.replaced_handles: dict[str, Any] = {}  # actor name -> its newest handle, for the driver
+        self._replacing: dict[tuple[str, int], asyncio.Task] = {}
+
+    def actor(self, stage: str, rank: int):
+        return self.actors[stage][rank]
+
+    async def call(self, stage: str, rank: int, method: str, *args: Any) -> Any:
+        """``actor.method.remote(*args)`` on the rank's current actor; once
+        more on a replacement if it died."""
+        actor = self.actor(stage, rank)
+        try:
+            return await getattr(actor, method).remote(*args)
+        except Exception as error:
+            if not _is_actor_death(error):
+                raise
+            replacement = await self.replace(stage, rank, actor, error)
+        try:
+            return await getattr(replacement, method).remote(*args)
+        except Exception as error:
+            if _is_actor_death(error):
+                raise WorkerLost(stage, rank, f"its replacement died too: {_short(error)}") from None
+            raise
+
+    async def replace(self, stage: str, rank: int, dead: Any, cause: BaseException) -> Any:
+        """The rank's new actor; one replacement however many callers saw the death."""
+        if self.actor(stage, rank) is not dead:
+            return self.actor(stage, rank)  # another caller already replaced it
+        spec = self.specs[stage][rank]
+        if not spec.replaceable:
+            raise WorkerLost(stage, rank, _short(cause))
+        key = (stage, rank)
+        if key not in self._replacing:
+            self._replacing[key] = asyncio.ensure_future(self._start_replacement(spec, cause))
+        try:
+            return await asyncio.shield(self._replacing[key])
+        finally:
+            if self._replacing.get(key) is not None and self._replacing[key].done():
+                self._replacing.pop(key, None)
+
+    async def _start_replacement(self, spec: ActorSpec, cause: BaseException) -> Any:
+        started = time.monotonic()
+        spec.replacements += 1
+        options = dict(spec.options)
+        name = f"{options.get('name', spec.stage)}~{spec.replacements}"
+        options["name"] = name  # the dead actor's name may not be free yet
+        try:
+            import ray
+
+            actor = ray.remote(spec.actor_class).options(**options).remote(*spec.args)
+            await asyncio.wait_for(_ready(actor), REPLACE_TIMEOUT_S)
+            if self.on_replaced is not None:
+                await self.on_replaced(spec, actor)
+        except Exception as error:  # noqa: BLE001 - any failure to rebuild is the same loss
+            raise WorkerLost(spec.stage, spec.rank, f"{_short(cause)}; no replacement: {_short(error)}") from None
+        self.actors[spec.stage][spec.rank] = actor
+        self.replaced_handles[spec.options.get("name", name)] = actor
+        self.recoveries.append(Recovery(spec.stage, spec.rank, _short(cause), time.monotonic() - started))
+        return actor
+
+
+async def _ready(actor) -> None:
+    await actor.ready.remote()
+
+
+def _short(error: BaseException) -> str:
+    """The first line of an error: Ray's death messages run to a page."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]

@@ -107,6 +107,7 @@ class RunPlan:
     eval_every: int
     checkpoint_every: int
     watchdog_s: float
+    restarts: int = 2  # the language's default: a lost trainer restarts from the last checkpoint this often
 
 
 @dataclass(frozen=True)

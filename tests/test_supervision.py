@@ -21,7 +21,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 STEPS = 10
-PIPELINE = f"""
+PIPELINE = """
 pipeline chaos
 cluster {{ nodes = 1  gpus_per_node = 3 }}
 model policy {{ source = "builtin:tiny-lm" }}
@@ -37,7 +37,7 @@ stage train actor {{
 stage sync weights {{ from = actor  to = rollout }}
 flow prompts -> rollout -> score -> reference -> actor
 staleness {{ max_lag = 1 }}
-run {{ steps = {STEPS}  watchdog = 120s  eval_every = 0 }}
+run {{ steps = {steps}  watchdog = 120s  eval_every = 0  checkpoint_every = {checkpoint_every} }}
 """
 
 
@@ -52,10 +52,11 @@ def cluster():
     cluster.shutdown()
 
 
-def run_and_kill(cluster, tmp_path: Path, victim: str) -> tuple[subprocess.CompletedProcess, Path]:
+def run_and_kill(cluster, tmp_path: Path, victim: str, checkpoint_every: int = 0
+                 ) -> tuple[subprocess.CompletedProcess, Path]:
     """`rldsl run` on the cluster; ``victim`` (an actor name) killed once two steps are done."""
     source, run_dir = tmp_path / "chaos.rlp", tmp_path / "run"
-    source.write_text(PIPELINE)
+    source.write_text(PIPELINE.format(steps=STEPS, checkpoint_every=checkpoint_every))
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     process = subprocess.Popen([sys.executable, "-m", "rldsl", "run", str(source), "--address", cluster.address,
                                 "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -102,7 +103,7 @@ def test_a_killed_stateless_actor_is_replaced_and_the_run_finishes(cluster, tmp_
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_killed_trainer_rank_ends_the_run_with_a_named_error(cluster, tmp_path):
+def test_a_killed_trainer_rank_without_a_checkpoint_ends_the_run_with_a_named_error(cluster, tmp_path):
     result, run_dir = run_and_kill(cluster, tmp_path, "actor-0")
     assert result.returncode == 3, result.stderr[-3000:]
     assert "trainer rank 0 of `actor` died" in result.stderr
@@ -112,6 +113,19 @@ def test_a_killed_trainer_rank_ends_the_run_with_a_named_error(cluster, tmp_path
     audit = subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], capture_output=True, text=True,
                            cwd=ROOT)
     assert audit.returncode == 0, audit.stdout + audit.stderr  # what did happen is consistent, if unfinished
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_killed_trainer_rank_restarts_the_run_from_its_last_checkpoint(cluster, tmp_path):
+    result, run_dir = run_and_kill(cluster, tmp_path, "actor-0", checkpoint_every=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "restarting every actor from v" in result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["exit"] == "finished"
+    audit = subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], capture_output=True, text=True,
+                           cwd=ROOT)
+    assert audit.returncode == 0, audit.stdout + audit.stderr  # nothing trained twice across the restart
 
 
 # ---------------------------------------------------------------- the control plane's side, in process

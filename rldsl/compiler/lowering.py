@@ -49,7 +49,8 @@ def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None],
         staleness=StalenessPlan(staleness["max_lag"], staleness["order"], staleness["too_stale"]),
         batch=BatchPlan(sizing.train_stage, sizing.prompts_per_step, sizing.samples_per_prompt, sizing.global_batch,
                         sizing.micro_batch, sizing.capacity, sizing.max_inflight),
-        run=RunPlan(run["steps"], run["seed"], run["eval_every"], run["checkpoint_every"], run["watchdog"]),
+        run=RunPlan(run["steps"], run["seed"], run["eval_every"], run["checkpoint_every"], run["watchdog"],
+                    run["restarts"]),
     )
 
 

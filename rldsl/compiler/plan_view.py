@@ -152,7 +152,8 @@ def _staleness(pipe: PipelinePlan) -> list[str]:
                "generated it")
     out = [f"staleness: max_lag = {lag} ({meaning}); order {st.order}; too-stale samples: {st.too_stale}"]
     out += [f"  = {system}: {text.format(L=lag, L1=lag + 1)}" for system, text in STALENESS_MAPPING]
-    out.append(f"run: {pipe.run.steps} steps, seed {pipe.run.seed}, watchdog {format_duration(pipe.run.watchdog_s)}")
+    out.append(f"run: {pipe.run.steps} steps, seed {pipe.run.seed}, watchdog {format_duration(pipe.run.watchdog_s)}, "
+               f"restarts {pipe.run.restarts}")
     return out
 
 

@@ -13,7 +13,7 @@ from rldsl.compiler.types import (
     COUNT, DURATION, SIZE, Bool, CallOf, EngineSpec, Enum, Float, Fraction, GpuRequest, GroupItem, Gpus, Int,
     ListOf, LossSpec, RefTo, SleepLevel, Str,
 )
-from rldsl.plan import StalenessPlan
+from rldsl.plan import RunPlan, StalenessPlan
 
 REQUIRED = object()  # a key without a default
 DERIVED = object()  # a default computed from other settings by a later pass
@@ -184,6 +184,8 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "eval_every": Key(Int(low=0), 0, "held-out evaluation every N steps (0: start and end only)"),
         "checkpoint_every": Key(Int(low=0), 0, "checkpoint every N steps (0: only on stop)"),
         "watchdog": Key(DURATION, 120.0, "stop with a report when no pump progresses this long"),
+        "restarts": Key(Int(low=0), RunPlan.restarts, "times a lost trainer rank is restarted, with every actor, "
+                                                      "from the last checkpoint before the run gives up"),
     },
 }
 

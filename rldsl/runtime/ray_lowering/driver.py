@@ -52,6 +52,7 @@ class Driver:
             reservation = self._reserve(session)
             for pipeline in self.pipelines:
                 pipeline.create_actors(dataplane.spec, reservation)
+                session.add_cleanup(pipeline.end_actors)  # a restart on the same cluster reuses their names
             _wait_ready({call: stage for p in self.pipelines for call, stage in p.ready_calls().items()})
             self._check_placement(reservation)
             for pipeline in self.pipelines:

@@ -67,6 +67,8 @@ def _has_cuda() -> bool:
 
 def run_plan(plan: ExecutionPlan, args) -> int:
     from rldsl.runtime.control.controller import PipelineStalled, StepFailed
+    from rldsl.runtime.control.errors import TrainerLost
+    from rldsl.runtime.ray_lowering.checkpoint import latest_complete
     from rldsl.runtime.ray_lowering.cluster import ClusterError
 
     started = time.monotonic()
@@ -100,20 +102,29 @@ def run_plan(plan: ExecutionPlan, args) -> int:
     from rldsl.runtime.ray_lowering.bundles import LayoutError
     from rldsl.runtime.ray_lowering.driver import Driver, ResumeError, StageStartError
 
-    try:
-        return Driver(plan, settings, run_dir, address=args.address, resume=resume, started=started).run()
-    except (ClusterError, LayoutError, ResumeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    except (PipelineStalled, StepFailed) as err:
-        original = getattr(err, "cause", None) or err  # Ray wraps the controller's error with its remote traceback
-        print(f"error: the run stopped: {original}", file=sys.stderr)
-        print(f"  = note: metrics so far are in {run_dir}", file=sys.stderr)
-        _say_how_to_resume(run_dir)
-        return EXIT_FAILED
-    except StageStartError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_FAILED
+    restarts = min(p.run.restarts for p in plan.pipelines)
+    for attempt in range(restarts + 1):
+        try:
+            return Driver(plan, settings, run_dir, address=args.address, resume=resume, started=started).run()
+        except (ClusterError, LayoutError, ResumeError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        except (PipelineStalled, StepFailed) as err:
+            original = getattr(err, "cause", None) or err  # Ray wraps the controller's error with its remote traceback
+            checkpoint = latest_complete(run_dir)
+            if isinstance(err, TrainerLost) and checkpoint is not None and attempt < restarts:
+                print(f"{original}\nrestarting every actor from {checkpoint.name} (restart {attempt + 1} of "
+                      f"{restarts}, `run {{ restarts }}`)", file=sys.stderr)
+                resume = True
+                continue
+            print(f"error: the run stopped: {original}", file=sys.stderr)
+            print(f"  = note: metrics so far are in {run_dir}", file=sys.stderr)
+            _say_how_to_resume(run_dir)
+            return EXIT_FAILED
+        except StageStartError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_FAILED
+    raise AssertionError("unreachable: the last attempt returns")
 
 
 def _say_how_to_resume(run_dir: Path) -> None:

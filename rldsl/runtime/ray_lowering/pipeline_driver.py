@@ -4,6 +4,7 @@ actor, followed, evaluated, and its run directory written."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -281,6 +282,26 @@ class PipelineDriver:
         else:
             self.say("interrupted before a step finished in this run: nothing new to checkpoint")
 
+    def end_actors(self, timeout_s: float = 15.0) -> None:
+        """Kill this pipeline's actors (the controller's replacements die with
+        it) and wait until their names are free, so that a restart on the
+        same cluster can create them again."""
+        import ray
+
+        actors = {self.actor_name(name, rank): actor for name, handles in self.handles.items()
+                  for rank, actor in enumerate(handles)}
+        if self.controller is not None:
+            actors[f"{self.prefix}controller"] = self.controller
+        if self.evaluations:
+            actors[f"{self.prefix}evaluator"] = self.evaluations.actor
+        for actor in actors.values():
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        deadline = time.monotonic() + timeout_s
+        for name in actors:
+            while time.monotonic() < deadline and _name_taken(name):
+                time.sleep(0.1)
+
     def write_summary(self, summary: dict | None = None, error: BaseException | None = None) -> dict:
         """summary.json, on every exit path: ``summary`` or else the
         controller's (it answers after a failure too), how the run ended
@@ -342,6 +363,16 @@ def _previous_evals(run_dir: Path) -> list[dict]:
         return []
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [{"step": r["step"], "accuracy": r["accuracy"]} for r in records if r.get("eval")]
+
+
+def _name_taken(name: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _replaceable(stage) -> bool:

@@ -12,6 +12,7 @@ store opens no socket at all.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -21,11 +22,17 @@ from pathlib import Path
 BOARD_NAME = "rendezvous"
 TIMEOUT_ENV = "RLDSL_RENDEZVOUS_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
+COLLECTIVE_TIMEOUT_ENV = "RLDSL_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # a step's slowest collective on a big model, with room
 _POLL_S = 0.05
 
 
 class RendezvousTimeout(RuntimeError):
     """A process group did not form in time."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective of a formed group did not complete in time: a rank hangs or died."""
 
 
 class RendezvousBoard:
@@ -88,7 +95,36 @@ def join_process_group(group: str, rank: int, world_size: int, store_dir: str | 
                                 timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
     except (RuntimeError, ValueError) as err:  # torch raises DistStoreError (a RuntimeError) on timeout
         raise RendezvousTimeout(_missing(board, group, world_size, limit, address, err)) from None
+    _set_collective_timeout(dist)
     return dist.group.WORLD
+
+
+def collective_timeout_s() -> float:
+    return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S))
+
+
+def _set_collective_timeout(dist) -> None:
+    """The group formed within what was left of the rendezvous deadline, and
+    torch keeps that as every collective's timeout: give collectives their
+    own. torch has no public setter; without it the rendezvous value stays."""
+    from torch.distributed import distributed_c10d
+
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timedelta(seconds=collective_timeout_s()), dist.group.WORLD)
+
+
+@contextlib.contextmanager
+def collectives_named(group: str, rank: int, world_size: int):
+    """A collective that times out says which group, which rank and how long."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "timed out" not in str(err).lower() and "timeout" not in type(err).__name__.lower():
+            raise
+        raise CollectiveTimeout(f"a collective of process group `{group}` timed out on rank {rank} of {world_size} "
+                                f"after {collective_timeout_s():g}s ({RuntimeError.__str__(err).splitlines()[0]}); "
+                                f"another rank hangs or died ({COLLECTIVE_TIMEOUT_ENV} sets the limit)") from None
 
 
 def _wait_for_address(board, group: str, world_size: int, deadline: float, limit: float) -> str:

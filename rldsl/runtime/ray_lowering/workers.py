@@ -215,21 +215,23 @@ class TrainerWorker(_Worker):
         self.checkpoint = checkpoint or {}  # {"run_dir": ..., "every": N}
         group = _join(dist) if dist and dist["world_size"] > 1 else None
         self.engine = build_trainer(stage, pipe, seed=pipe.run.seed, process_group=group)
+        self._collectives = _named_collectives(dist if group is not None else None)
         self.needs = [p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK,
                       p.FIELD_ADVANTAGE, p.FIELD_VERSION]
         consumed = {f for e in pipe.edges if e.kind == "data" for f in e.fields}
         self.needs += [f for f in (p.FIELD_BEHAVIOUR_LOGPROBS, p.FIELD_REF_LOGPROBS) if f in consumed]
 
     def begin_train_step(self, step: int) -> None:
-        with self.tracer.span("begin_train_step", step=step, version=self.engine.version):
+        with self.tracer.span("begin_train_step", step=step, version=self.engine.version), self._collectives():
             self.engine.begin_train_step(step)
 
     def train_microbatch(self, step: int, keys: Sequence[str]) -> dict:
-        with self.tracer.span("train_microbatch", step=step, version=self.engine.version, groups=prompt_groups(keys)):
+        with self.tracer.span("train_microbatch", step=step, version=self.engine.version, groups=prompt_groups(keys)), \
+                self._collectives():
             return self.engine.train_microbatch(step, self._get(keys, self.needs))
 
     def finish_train_step(self, step: int) -> p.StepResult:
-        with self.tracer.span("finish_train_step", step=step, version=self.engine.version):
+        with self.tracer.span("finish_train_step", step=step, version=self.engine.version), self._collectives():
             result = self.engine.finish_train_step(step)
         every = self.checkpoint.get("every")
         if every and result.version % every == 0 and self.can_checkpoint():
@@ -306,6 +308,15 @@ class TrainerWorker(_Worker):
 
         with self.tracer.span("checkpoint load"):
             return self.engine.load_checkpoint(Path(directory) / TRAINER_DIR)
+
+
+def _named_collectives(dist: dict | None):
+    """A context for the trainer's calls: collective timeouts name the group."""
+    if dist is None:
+        return contextlib.nullcontext
+    from rldsl.runtime.ray_lowering.rendezvous import collectives_named
+
+    return lambda: collectives_named(dist["group"], dist["rank"], dist["world_size"])
 
 
 def _join(dist: dict):

@@ -4,11 +4,12 @@
 
 A local multi-actor Ray cluster (ray.cluster_utils) runs a sim pipeline
 (two generator replicas, two reward workers, a frozen reference, one
-trainer) through `rldsl run --address`; once it trains, every ``--every``
-seconds a generator, reward or reference actor is killed with ``ray.kill``
-(the roles in turn, a random rank of each). Then the trainer is killed
-once in a second run that writes checkpoints; the run restarts itself.
-Prints, per phase: exit code, steps, samples generated / trained / lost
+trainer; a checkpoint every 25 steps) through `rldsl run --address`; once
+it trains, every ``--every`` seconds a generator, reward or reference actor
+is killed with ``ray.kill`` (the roles in turn, a random rank of each), and
+the trainer once, after the fourth kill: the run restarts itself from its
+last checkpoint and the kills go on.
+Prints: exit code, steps, samples generated / trained / lost
 (dropped as ``worker_died``), the recoveries' times, and whether `rldsl
 audit` passes on the run directory.
 """
@@ -29,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "rldsl-chaos"
 VICTIM_STAGES = ("rollout", "score", "reference")
+CHECKPOINT_EVERY = 25
+TRAINER_AFTER = 4  # stateless kills before the trainer's; then the run restarts from its last checkpoint
 
 PIPELINE = """
 pipeline chaos
@@ -61,7 +64,7 @@ def start(address: str, source: Path, run_dir: Path) -> subprocess.Popen:
 
 def living_victims(ray) -> list[str]:
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
-    return sorted(n for n in names if n.split("-")[0] in VICTIM_STAGES)
+    return sorted(n for n in names if n.split("-")[0] in (*VICTIM_STAGES, "actor"))
 
 
 def steps_done(run_dir: Path) -> int:
@@ -78,7 +81,7 @@ def kill_until_done(ray, process: subprocess.Popen, run_dir: Path, every_s: floa
     while process.poll() is None:
         time.sleep(0.5)
         if time.monotonic() >= next_kill:
-            role = next(roles)
+            role = "actor" if len(killed) == TRAINER_AFTER else next(roles)
             victims = [name for name in living_victims(ray) if name.split("-")[0] == role]
             if victims:
                 victim = rng.choice(victims)
@@ -88,8 +91,20 @@ def kill_until_done(ray, process: subprocess.Popen, run_dir: Path, every_s: floa
                     print(f"  t={time.strftime('%H:%M:%S')} killed {victim}", flush=True)
                 except ValueError:  # it died or was replaced between the listing and the kill
                     pass
+                if role == "actor":
+                    wait_for_restart(process, run_dir)
             next_kill = time.monotonic() + every_s
     return killed
+
+
+def wait_for_restart(process: subprocess.Popen, run_dir: Path) -> None:
+    """Until the restarted run trains again: an actor killed while it starts fails the run by design."""
+    log = run_dir.with_suffix(".log")
+    while process.poll() is None and "restarting" not in log.read_text():
+        time.sleep(0.2)
+    restarted_at = steps_done(run_dir)
+    while process.poll() is None and steps_done(run_dir) <= restarted_at:
+        time.sleep(0.2)
 
 
 def report(name: str, process: subprocess.Popen, run_dir: Path, seconds: float) -> dict:
@@ -131,26 +146,15 @@ def main() -> None:
     ray.init(address=cluster.address, namespace="chaos-bench")
     work = Path(tempfile.mkdtemp(prefix="rldsl-chaos-"))
     try:
-        source = work / "chaos.rlp"
-        source.write_text(PIPELINE.format(steps=args.steps, checkpoint_every=0))
-        print(f"phase 1: {args.steps} steps, a random {'/'.join(VICTIM_STAGES)} actor killed every {args.every:.0f}s")
+        source, run_dir = work / "chaos.rlp", work / "run"
+        source.write_text(PIPELINE.format(steps=args.steps, checkpoint_every=CHECKPOINT_EVERY))
+        print(f"{args.steps} steps, checkpoint every {CHECKPOINT_EVERY}; a {'/'.join(VICTIM_STAGES)} actor killed "
+              f"every {args.every:.0f}s, and the trainer once after the {TRAINER_AFTER}th kill")
         started = time.monotonic()
-        process = start(cluster.address, source, work / "survive")
-        kill_until_done(ray, process, work / "survive", args.every, rng)
-        report("phase 1", process, work / "survive", time.monotonic() - started)
-
-        steps = max(20, args.steps // 10)
-        source.write_text(PIPELINE.format(steps=steps, checkpoint_every=5))
-        print(f"phase 2: {steps} steps, checkpoint every 5; the trainer killed after step 12 (the run restarts "
-              "itself from its last checkpoint: `run { restarts = 2 }` by default)")
-        started = time.monotonic()
-        process = start(cluster.address, source, work / "trainer")
-        while process.poll() is None and steps_done(work / "trainer") < 12:
-            time.sleep(0.2)
-        ray.kill(ray.get_actor("actor-0", namespace=NAMESPACE))
-        process.wait()
-        report("phase 2, trainer killed", process, work / "trainer", time.monotonic() - started)
-        print(f"run directories: {work}")
+        process = start(cluster.address, source, run_dir)
+        kill_until_done(ray, process, run_dir, args.every, rng)
+        report("chaos run", process, run_dir, time.monotonic() - started)
+        print(f"run directory: {run_dir}")
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -100,6 +100,14 @@ class BatchPlan:
     max_inflight: int
 
 
+def receives_weights(kind: str, frozen: bool = False) -> bool:
+    """The one rule for which stages take the trainer's weights: generators
+    and policy (not frozen) logprob stages. The compiler requires a sync to
+    each such stage of a trained model (RLP205) and refuses one to any other
+    (RLP206); the runtime pushes along exactly those syncs."""
+    return kind == "generate" or (kind == "logprob" and not frozen)
+
+
 @dataclass(frozen=True)
 class RunPlan:
     steps: int
@@ -127,6 +135,12 @@ class PipelinePlan:
 
     def stages_of(self, kind: str) -> list[StagePlan]:
         return [s for s in self.stages if s.kind == kind]
+
+    def weight_receivers(self) -> set[str]:
+        """The stages the trainer's weights are pushed to: the targets of its
+        syncs (which the compiler made exactly the ``receives_weights`` stages
+        of the trained model)."""
+        return {e.dst for e in self.edges if e.kind == "weights"}
 
     @property
     def eval_size(self) -> int:

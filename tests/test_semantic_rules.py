@@ -114,3 +114,13 @@ def test_vllm_sleeps_at_the_plans_level():
         assert calls[-1] == level
         assert ve.VLLMOptions(sleep=plan_value).llm_kwargs("/m", seed=0)["enable_sleep_mode"] is True
     assert ve.VLLMOptions(sleep=0).llm_kwargs("/m", seed=0)["enable_sleep_mode"] is False
+
+
+def test_a_policy_logprob_stage_on_the_trainers_gpus_still_needs_a_sync():
+    """It is a process of its own: without a sync it scores with the initial weights forever."""
+    text = BASE.replace("stage sync weights", "stage logprob behaviour { model = policy  colocate = actor }\n"
+                                              "stage sync weights") \
+        .replace("flow prompts -> rollout -> score -> actor", "flow prompts -> rollout -> score -> behaviour -> actor")
+    assert codes(text) == ["RLP205"]
+    synced = text.replace("to = rollout }", "to = [rollout, behaviour] }")
+    assert "RLP205" not in codes(synced)

@@ -45,6 +45,12 @@ def logprob_field(frozen: bool) -> str:
     return FIELD_REF_LOGPROBS if frozen else FIELD_BEHAVIOUR_LOGPROBS
 
 
+def version_field(field: str) -> str:
+    """Beside a field a stage wrote with weights that change (a policy logprob
+    stage's ``behaviour_logprobs``): the weight version of each row."""
+    return f"{field}_version"
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One dataset row as the controller hands it to a generator."""

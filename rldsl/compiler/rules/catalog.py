@@ -101,11 +101,13 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "logprobs) and each upstream producer's `logprobs` or `frozen`: a field whose producer is unknown is not "
        "checked."),
     _r("RLP205", ERROR, "trained model's generator receives no sync",
-       "A generate stage of a model that a train stage updates must receive the new weights through a `sync` "
-       "stage; otherwise it samples from the initial weights forever and the lag grows without bound.",
+       "A generate stage, or a policy (not `frozen`) logprob stage, of a model that a train stage updates must "
+       "receive the new weights through a `sync` stage; otherwise it samples (or scores) with the initial "
+       "weights forever and the lag grows without bound. A policy logprob stage on the trainer's own GPUs is no "
+       "exception: it holds its own copy of the weights.",
        "stage train actor { model = policy ... }   # and no `stage sync ... { from = actor to = rollout }`",
-       "every sync's `from` and `to`, the trainer's and the stage's `model`, a logprob stage's `frozen` "
-       "and `colocate`, the placement `groups`; every declaration kept (a dropped block may be the sync)."),
+       "every sync's `from` and `to`, the trainer's and the stage's `model`, a logprob stage's `frozen`; "
+       "every declaration kept (a dropped block may be the sync)."),
     _r("RLP206", ERROR, "invalid sync",
        "A sync goes from a train stage to generate (or policy logprob) stages of the same model.",
        "stage sync weights { from = rollout  to = actor }",

@@ -7,6 +7,7 @@ from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, Diagnostic
 from rldsl.compiler.rules.advice import free_name
+from rldsl.plan import receives_weights
 
 
 def _model(stage: Decl) -> str | None:
@@ -14,7 +15,7 @@ def _model(stage: Decl) -> str | None:
 
 
 def _receives_weights(stage: Decl) -> bool:
-    return stage.stage_kind == "generate" or (stage.stage_kind == "logprob" and not stage.get("frozen"))
+    return receives_weights(stage.stage_kind, bool(stage.get("frozen")))
 
 
 def _weights_known(stage: Decl) -> bool:
@@ -74,7 +75,11 @@ def _synced(ctx: Context) -> set[tuple[str, str]] | None:
 
 
 def check_missing_syncs(ctx: Context) -> list[Diagnostic]:
-    """RLP205: every generator (and policy logprob stage) of a trained model receives a sync."""
+    """RLP205: every generator and policy logprob stage of a trained model receives a sync.
+
+    A policy logprob stage on the trainer's own GPUs is no exception: it is
+    a process of its own with its own copy of the weights, which only a sync
+    brings up to date (rldsl.plan.receives_weights is the runtime's side)."""
     pipe = ctx.pipe
     synced = _synced(ctx)
     if synced is None or not pipe.declarations_known:  # a dropped block may be the sync
@@ -85,23 +90,11 @@ def check_missing_syncs(ctx: Context) -> list[Diagnostic]:
         for stage in pipe.stages.values():
             if model is None or not _weights_known(stage) or not _receives_weights(stage) or _model(stage) != model:
                 continue
-            if stage.stage_kind == "logprob" and _exempt(ctx, stage, train) is not False:
-                continue  # colocated with its trainer (or unknown whether it is)
             if (train.name, stage.name) not in synced:
                 out.append(Diagnostic("RLP205", ERROR, f"{ctx.label(stage.name)} runs model `{model}`, which "
                                       f"{ctx.label(train.name)} trains, but receives no weight sync",
                                       stage.name_span, help=_sync_help(ctx, train, stage)))
     return out
-
-
-def _exempt(ctx: Context, stage: Decl, train: Decl) -> bool | None:
-    """A policy logprob stage on its trainer's GPUs (by `colocate` or a placement group) needs no sync."""
-    placement = ctx.pipe.block("placement")
-    if not stage.valid("colocate") or not placement.valid("groups"):
-        return None
-    colocated = stage.get("colocate") is not None and stage["colocate"].name == train.name
-    groups = placement.get("groups") or ()
-    return colocated or any({stage.name, train.name} <= {ref.name for ref in group} for group in groups)
 
 
 def _sync_help(ctx: Context, train: Decl, stage: Decl) -> str:

@@ -41,6 +41,7 @@ class Group:
     rewards: tuple[float, ...] = ()
     tokens: int = 0  # response tokens, for balancing data-parallel ranks
     replica: int = -1  # the generator replica it was dispatched to
+    refused: frozenset[str] = frozenset()  # keys the trainer fenced out (stale behaviour logprobs)
 
     def lag_at(self, trainer_version: int) -> int:
         return trainer_version - self.version

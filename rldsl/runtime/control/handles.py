@@ -34,13 +34,18 @@ class StageHandles:
       per key; a ``RewardFailure`` says why a sample has none (its reason is
       the ledger's drop reason), ``None`` that it failed without a reason, a
       non-finite value is ``reward_invalid``. An exception fails all.
-    - ``logprob(stage, keys)``: compute and store the stage's logprob field.
+    - ``logprob(stage, keys) -> [int] | None``: compute and store the
+      stage's logprob field; a policy stage may report, per key, the weight
+      version it scored with (the journal records it).
     - ``begin_train_step(step)``, ``train_microbatch(step, keys, replica) ->
       metrics``, ``finish_train_step(step) -> StepResult``,
       ``abort_train_step(step)``: the split-step trainer. Begin, finish and
       abort involve every rank; a microbatch goes to one data-parallel
       replica (its tp x pp ranks). The controller sends one replica at most
       one microbatch at a time and awaits them all before finish or abort.
+      A microbatch's metrics may name ``refused_keys``: rows the trainer's
+      fence kept out of the loss (stale behaviour logprobs), which the
+      controller then drops as ``stale_logprobs`` instead of trained.
       Microbatches read their fields (``advantage`` included) from the data
       plane.
     - ``export_weights(version)``: snapshot the trainer's weights, once per
@@ -64,7 +69,7 @@ class StageHandles:
 
     generate: Callable[[int, Sequence[Prompt], Sequence[str], int, int], Awaitable[Generated]]
     reward: Callable[[str, Sequence[str]], Awaitable[Sequence[float | RewardFailure | None]]]
-    logprob: Callable[[str, Sequence[str]], Awaitable[None]]
+    logprob: Callable[[str, Sequence[str]], Awaitable[Sequence[int] | None]]
     begin_train_step: Callable[[int], Awaitable[None]]
     train_microbatch: Callable[[int, Sequence[str], int], Awaitable[dict]]
     finish_train_step: Callable[[int], Awaitable[StepResult]]

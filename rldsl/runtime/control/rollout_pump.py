@@ -199,11 +199,11 @@ class RolloutPump:
         for stage in state.settings.logprob_stages:
             receivers_at_call = state.receivers_version
             try:
-                await self._logprob_calls[stage](list(group.keys))
+                versions = await self._logprob_calls[stage](list(group.keys))
             except Exception as error:
                 state.drop(group, _failure_reason(error, outcomes.LOGPROB_FAILED), error)
                 return False
-            state.journal_logprob(group.keys, stage, receivers_at_call)
+            state.journal_logprob(group.keys, stage, receivers_at_call, versions[0] if versions else None)
         return True
 
 

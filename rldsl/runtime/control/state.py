@@ -176,13 +176,19 @@ class RunState:
             self.replicas[replica].lost = True
             self.changed.notify()
 
-    def journal_logprob(self, keys: Sequence[str], stage: str, receivers_at_call: int) -> None:
+    def journal_logprob(self, keys: Sequence[str], stage: str, receivers_at_call: int,
+                        reported: int | None = None) -> None:
         """Journal a logprob stage's write. A frozen reference never changes
-        weights; a policy stage has the receivers' weights, known exactly
-        unless a push was in transit during the call: then they lie between
-        the version they had when it was asked for and the newest pushed since."""
+        weights; a policy stage scored with the version it ``reported``
+        (the Ray workers do), or else with the receivers' weights, known
+        exactly unless a push was in transit during the call: then they lie
+        between the version they had when it was asked for and the newest
+        pushed since."""
         if stage not in self.settings.policy_logprob_stages:
             self.journal.logprob(keys, stage, logprob_field(frozen=True), None)
+            return
+        if reported is not None:
+            self.journal.logprob(keys, stage, logprob_field(frozen=False), (reported, reported))
             return
         newest = max(self.receivers_version, self.receivers_incoming)
         self.journal.logprob(keys, stage, logprob_field(frozen=False), (receivers_at_call, newest))

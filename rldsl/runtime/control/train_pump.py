@@ -200,9 +200,12 @@ class TrainPump:
             raise TrainCallFailed("the data-plane put of advantages", error) from error
         try:
             with state.meter("train").track():
-                await state.stages.train_microbatch(step.batch_index, list(group.keys), replica)
+                result = await state.stages.train_microbatch(step.batch_index, list(group.keys), replica)
         except Exception as error:
             raise TrainCallFailed("train_microbatch", error) from error
+        refused = (result or {}).get("refused_keys") if isinstance(result, dict) else None
+        if refused:
+            group.refused = frozenset(refused) & frozenset(group.keys)
         state.progress()
 
     async def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -220,8 +223,11 @@ class TrainPump:
         lags: Counter[int] = Counter()
         for group in step.groups:
             lag = group.lag_at(step.version)
-            state.ledger.trained(group.keys, lag, step=state.finished_steps + 1, version=step.version)
-            lags[lag] += len(group.keys)
+            trained = [key for key in group.keys if key not in group.refused]
+            state.ledger.trained(trained, lag, step=state.finished_steps + 1, version=step.version)
+            if group.refused:  # the trainer's fence masked them out of the loss
+                state.ledger.dropped(sorted(group.refused), outcomes.STALE_LOGPROBS)
+            lags[lag] += len(trained)
         state.trainer_version = int(result.version)
         state.finished_steps += 1
         state.batch_index += 1

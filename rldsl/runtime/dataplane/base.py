@@ -27,6 +27,8 @@ from rldsl.runtime.protocols import (
     FIELD_PROMPT_MASK,
     FIELD_REF_LOGPROBS,
     FIELD_RESPONSE_MASK,
+    FIELD_VERSION,
+    version_field,
 )
 
 DEFAULT_LEFT_PADDED_FIELDS = frozenset({FIELD_PROMPT_IDS, FIELD_PROMPT_MASK})
@@ -183,3 +185,23 @@ def align_to_responses(fields: dict) -> dict:
 
             fields[name] = torch.nn.functional.pad(value, (0, width - value.shape[1]))
     return fields
+
+
+def refuse_stale_logprobs(fields: dict) -> list[int]:
+    """The fence before a row reaches the loss: a row whose behaviour logprobs
+    were computed with other weights than generated it (a policy logprob
+    stage that had moved on) would give a wrong importance ratio. Such rows
+    are masked out of the loss (their response mask zeroed: they count as no
+    token and no sequence) and their indices returned, for the controller to
+    drop them. Rows whose behaviour logprobs came with the sample (written by
+    the generator, no version field) are current by construction."""
+    written_at = fields.get(version_field(FIELD_BEHAVIOUR_LOGPROBS))
+    generated_at = fields.get(FIELD_VERSION)
+    if written_at is None or generated_at is None:
+        return []
+    stale = (written_at.reshape(-1) != generated_at.reshape(-1)).nonzero().reshape(-1).tolist()
+    if stale:
+        mask = fields[FIELD_RESPONSE_MASK].clone()
+        mask[stale] = 0
+        fields[FIELD_RESPONSE_MASK] = mask
+    return stale

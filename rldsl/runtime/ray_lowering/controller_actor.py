@@ -35,7 +35,7 @@ class ControllerActor:
         kinds = {s.name: s.kind for s in pipe.stages}
         train = pipe.stage(pipe.batch.train_stage)
         replicas = {s.name: _replicas(s) for s in pipe.stages if s.kind in ("train", "logprob")}
-        receiver_stages = {e.dst for e in pipe.edges if e.kind == "weights"}
+        receiver_stages = pipe.weight_receivers()
         self.supervisor = Supervisor(specs, workers)  # replaces dead generator, reward and logprob actors
         self.handles = ray_stage_handles(self.supervisor, kinds, receiver_stages, settings.sync_bucket_bytes,
                                          train.name, replicas, observers, tracer=self.tracers[1],

@@ -103,13 +103,15 @@ class EvaluationSchedule:
         self.actor, self.every, self.total_steps = actor, every, total_steps
         self.pending: list[tuple[int, object]] = []  # (step, ObjectRef)
         self.done: list[dict] = list(previous or [])
+        self.lost: str | None = None  # why evaluation stopped: its actor died (it is not replaced)
 
     def due(self, step: int) -> bool:
         """Every ``eval_every`` steps; the first and the last are asked for separately."""
         return bool(self.every) and step % self.every == 0 and step < self.total_steps
 
     def request(self, step: int, version: int) -> None:
-        self.pending.append((step, self.actor.evaluate.remote(min_version=version)))
+        if self.lost is None:
+            self.pending.append((step, self.actor.evaluate.remote(min_version=version)))
 
     def collect(self, wait: bool = False) -> list[dict]:
         """Results that are in (all of them with ``wait``), oldest first."""
@@ -121,6 +123,9 @@ class EvaluationSchedule:
             if not wait and not ray.wait([ref], timeout=0)[0]:
                 break
             self.pending.pop(0)
-            finished.append({"step": step, **ray.get(ref)})
+            try:
+                finished.append({"step": step, **ray.get(ref)})
+            except ray.exceptions.RayActorError as error:  # evaluation stops; training goes on
+                self.lost, self.pending = f"{type(error).__name__}: {str(error).splitlines()[0]}", []
         self.done += finished
         return finished

@@ -9,6 +9,7 @@ directory: run.json, metrics.jsonl, summary.json.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -99,8 +100,11 @@ def run_plan(plan: ExecutionPlan, args) -> int:
         (run_dir / "plan.json").write_text(plan.to_json() + "\n")
         (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file,
                                                        "pipelines": [p.name for p in plan.pipelines]}) + "\n")
+    import ray
+
     from rldsl.runtime.ray_lowering.bundles import LayoutError
     from rldsl.runtime.ray_lowering.driver import Driver, ResumeError, StageStartError
+    from rldsl.runtime.ray_lowering.pipeline_driver import root_cause
 
     restarts = min(p.run.restarts for p in plan.pipelines)
     for attempt in range(restarts + 1):
@@ -123,6 +127,14 @@ def run_plan(plan: ExecutionPlan, args) -> int:
             return EXIT_FAILED
         except StageStartError as err:
             print(f"error: {err}", file=sys.stderr)
+            return EXIT_FAILED
+        except ray.exceptions.RayError as err:  # anything else a stage or the controller raised: named, no traceback
+            print(f"error: the run failed: {root_cause(err)}", file=sys.stderr)
+            print(f"  = note: metrics, the journal and summary.json so far are in {run_dir}; RLDSL_DEBUG=1 shows "
+                  "the remote traceback", file=sys.stderr)
+            if os.environ.get("RLDSL_DEBUG"):
+                print(str(err), file=sys.stderr)
+            _say_how_to_resume(run_dir)
             return EXIT_FAILED
     raise AssertionError("unreachable: the last attempt returns")
 

@@ -329,7 +329,7 @@ class PipelineDriver:
         return None if not self.resume else {k: v for k, v in self.resume.items() if k != "dir"}
 
     def _receivers(self) -> list:
-        targets = {e.dst for e in self.pipe.edges if e.kind == "weights"}
+        targets = self.pipe.weight_receivers()
         return [a for name in sorted(targets) for a in self.handles[name]]
 
     def _observers(self) -> list:
@@ -337,7 +337,11 @@ class PipelineDriver:
         return [self.evaluations.actor] if self.evaluations else []
 
     def _show_evaluations(self, wait: bool = False) -> None:
-        for result in self.evaluations.collect(wait):
+        was_lost = self.evaluations.lost
+        results = self.evaluations.collect(wait)
+        if self.evaluations.lost and not was_lost:
+            self.say(f"held-out evaluation stopped: the evaluator died ({self.evaluations.lost}); the run goes on")
+        for result in results:
             self.progress.eval(result["step"], result["accuracy"])
             text = (f"eval @ step {result['step']}: held-out accuracy {result['accuracy']:.3f} "
                     f"({result['prompts']} prompts, greedy, weights v{result['version']})")

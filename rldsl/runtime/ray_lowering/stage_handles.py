@@ -90,9 +90,10 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
         async with free[stage].borrow() as (rank,):
             return await call(stage, rank, "reward", list(keys))
 
-    async def logprob(stage: str, keys: Sequence[str]) -> None:
+    async def logprob(stage: str, keys: Sequence[str]):
         async with free[stage].borrow() as ranks:
-            await asyncio.gather(*(call(stage, rank, "logprob", list(keys)) for rank in ranks))
+            reported = await asyncio.gather(*(call(stage, rank, "logprob", list(keys)) for rank in ranks))
+        return next((versions for versions in reported if versions), None)  # the scoring version, per key
 
     async def begin_train_step(step: int) -> None:
         await on_every_trainer("begin_train_step", step)

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from rldsl.plan import PipelinePlan, StagePlan
 from rldsl.runtime import protocols as p
-from rldsl.runtime.dataplane.base import align_to_responses
+from rldsl.runtime.dataplane.base import align_to_responses, refuse_stale_logprobs
 from rldsl.runtime.ray_lowering.actor_process import setup_worker_process, where
 from rldsl.runtime.ray_lowering.trace import Tracer, prompt_groups
 
@@ -185,14 +185,23 @@ class LogprobWorker(_Worker):
         if dist and dist["world_size"] > 1 and stage.engine.name == "megatron":
             _join(dist)  # megatron builds its tp / dp groups from the default group
         self.engine = build_logprob(stage, pipe, seed=pipe.run.seed + 2000 + rank)
-        self.field = p.logprob_field(bool(stage.settings.get("frozen")))
+        self.frozen = bool(stage.settings.get("frozen"))
+        self.field = p.logprob_field(self.frozen)
         self.writes = stage.ranks[rank].tp_rank == 0
+        self.version = 0  # the weights it scores with; the trainer's fence compares it to each row's
 
-    def logprob(self, keys: Sequence[str]) -> None:
-        with self.tracer.span("logprob", groups=prompt_groups(keys)):
+    def logprob(self, keys: Sequence[str]) -> list[int] | None:
+        """Scores and writes; a policy stage reports the version it scored with, per key."""
+        import torch
+
+        with self.tracer.span("logprob", groups=prompt_groups(keys), version=self.version):
             logprobs = self.engine.logprobs(self._get(keys, GENERATED_FIELDS))
             if self.writes:
-                self._put(keys, {self.field: logprobs})
+                fields = {self.field: logprobs}
+                if not self.frozen:
+                    fields[p.version_field(self.field)] = torch.full((len(keys),), self.version, dtype=torch.long)
+                self._put(keys, fields)
+        return None if self.frozen else [self.version] * len(keys)
 
     def receive_weights(self, bucket_refs: list, version: int) -> None:
         """A push: applied in place between two logprob calls (the actor runs one call at a time)."""
@@ -202,6 +211,7 @@ class LogprobWorker(_Worker):
             buckets = ray.get(bucket_refs)
             for index, bucket in enumerate(buckets):
                 self.engine.update_weights(bucket, version, index == len(buckets) - 1)
+            self.version = version
 
 
 class TrainerWorker(_Worker):
@@ -220,6 +230,9 @@ class TrainerWorker(_Worker):
                       p.FIELD_ADVANTAGE, p.FIELD_VERSION]
         consumed = {f for e in pipe.edges if e.kind == "data" for f in e.fields}
         self.needs += [f for f in (p.FIELD_BEHAVIOUR_LOGPROBS, p.FIELD_REF_LOGPROBS) if f in consumed]
+        if p.FIELD_BEHAVIOUR_LOGPROBS in consumed and any(
+                s.kind == "logprob" and not s.settings.get("frozen") for s in pipe.stages):
+            self.needs.append(p.version_field(p.FIELD_BEHAVIOUR_LOGPROBS))  # the fence reads it
 
     def begin_train_step(self, step: int) -> None:
         with self.tracer.span("begin_train_step", step=step, version=self.engine.version), self._collectives():
@@ -228,7 +241,12 @@ class TrainerWorker(_Worker):
     def train_microbatch(self, step: int, keys: Sequence[str]) -> dict:
         with self.tracer.span("train_microbatch", step=step, version=self.engine.version, groups=prompt_groups(keys)), \
                 self._collectives():
-            return self.engine.train_microbatch(step, self._get(keys, self.needs))
+            fields = self._get(keys, self.needs)
+            stale = refuse_stale_logprobs(fields)
+            result = self.engine.train_microbatch(step, fields)
+            if stale:  # the controller drops them; here they were masked out of the loss
+                result = {**result, "refused_keys": [keys[i] for i in stale]}
+            return result
 
     def finish_train_step(self, step: int) -> p.StepResult:
         with self.tracer.span("finish_train_step", step=step, version=self.engine.version), self._collectives():

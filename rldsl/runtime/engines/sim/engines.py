@@ -162,6 +162,11 @@ class SimLogprob(Timed):
         await self._hold(self._draw())
         return self._values(batch)
 
+    def update_weights(self, bucket: dict, version: int, last: bool) -> None:
+        """A policy logprob stage's push: the sim has no weights, only the version."""
+        if last:
+            self.version = version
+
     def _values(self, batch: p.Batch) -> torch.Tensor:
         return _fake_logprobs(batch[p.FIELD_RESPONSE_MASK], torch.Generator().manual_seed(self._rng.getrandbits(31)))
 

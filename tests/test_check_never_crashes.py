@@ -25,9 +25,14 @@ def check(tmp_path: Path, text: str, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60, cwd=ROOT)
 
 
+def _wrapped(char: str, count: int) -> str:
+    """``count`` brackets, a hundred per line: deep, yet every line short."""
+    return "\n".join(char * min(100, count - start) for start in range(0, count, 100))
+
+
 @pytest.mark.parametrize("depth", [33, 300, 20_000])
 def test_deep_nesting_is_a_finding_not_a_traceback(tmp_path, depth):
-    text = BASE.replace("}\n", "  extra = " + "[" * depth + "]" * depth + "\n}\n", 1)
+    text = BASE.replace("}\n", "  extra = " + _wrapped("[", depth) + _wrapped("]", depth) + "\n}\n", 1)
     proc = check(tmp_path, text, "--format", "json")
     assert proc.returncode == 1, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
@@ -49,7 +54,7 @@ def test_the_snippet_shows_the_line_the_position_names(separator):
 
 
 def test_a_long_line_is_shown_as_a_window_around_the_caret(tmp_path):
-    text = BASE.replace("samples_per_prompt = 4", "samples_per_prompt = 4" + " " * 5_000_000 + "bogus = 1")
+    text = BASE.replace("samples_per_prompt = 4", "samples_per_prompt = 4" + " " * 15_000 + "bogus = 1")
     proc = check(tmp_path, text)
     assert proc.returncode == 1
     assert len(proc.stderr) < 2_000
@@ -57,6 +62,14 @@ def test_a_long_line_is_shown_as_a_window_around_the_caret(tmp_path):
     snippet = next(line for line in lines if "| " in line and "bogus = 1" in line)
     caret = lines[lines.index(snippet) + 1]
     assert snippet[caret.index("^"):].startswith("bogus")
+
+
+def test_a_megabyte_line_is_refused_at_once_and_shown_as_a_window(tmp_path):
+    text = BASE.replace("samples_per_prompt = 4", "samples_per_prompt = 4" + " " * 5_000_000 + "bogus = 1")
+    proc = check(tmp_path, text, "--format", "json")
+    assert proc.returncode == 1
+    assert [d["code"] for d in json.loads(proc.stdout)["diagnostics"]] == ["RLP003"]
+    assert len(check(tmp_path, text).stderr) < 2_000
 
 
 def test_an_internal_error_is_exit_2_and_says_so(monkeypatch, capsys, tmp_path):

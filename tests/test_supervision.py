@@ -52,11 +52,11 @@ def cluster():
     cluster.shutdown()
 
 
-def run_and_kill(cluster, tmp_path: Path, victim: str, checkpoint_every: int = 0
+def run_and_kill(cluster, tmp_path: Path, victim: str, checkpoint_every: int = 0, text: str | None = None
                  ) -> tuple[subprocess.CompletedProcess, Path]:
     """`rldsl run` on the cluster; ``victim`` (an actor name) killed once two steps are done."""
     source, run_dir = tmp_path / "chaos.rlp", tmp_path / "run"
-    source.write_text(PIPELINE.format(steps=STEPS, checkpoint_every=checkpoint_every))
+    source.write_text(text or PIPELINE.format(steps=STEPS, checkpoint_every=checkpoint_every))
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     process = subprocess.Popen([sys.executable, "-m", "rldsl", "run", str(source), "--address", cluster.address,
                                 "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -157,3 +157,28 @@ def test_a_generator_replica_that_cannot_be_replaced_is_retired_and_the_run_goes
     ledger = summary["ledger"]
     assert ledger["open"] == 0 and ledger["dropped"].get("worker_died", 0) == 2  # the one group sent to it
     assert calls_after_loss == [1]  # retired after its loss: nothing more is sent to it
+
+
+TORCH_WITH_EVALUATION = """
+pipeline chaos
+cluster { nodes = 1  gpus_per_node = 2 }
+model policy { source = "builtin:tiny-lm" }
+dataset prompts { source = "builtin:arith"  eval_size = 16 }
+stage generate rollout { model = policy  engine = torch  gpus = 1  samples_per_prompt = 4  max_new_tokens = 8 }
+stage reward score { fn = "rldsl.rewards:exact_match" }
+stage train actor { model = policy  engine = torch  gpus = 1  prompts_per_step = 4  micro_batch = 4 }
+stage sync weights { from = actor  to = rollout }
+flow prompts -> rollout -> score -> actor
+staleness { max_lag = 1 }
+run { steps = 8  eval_every = 2  watchdog = 120s }
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_killed_evaluator_is_replaced_and_evaluation_goes_on(cluster, tmp_path):
+    result, run_dir = run_and_kill(cluster, tmp_path, "evaluator", text=TORCH_WITH_EVALUATION)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "recovered: the evaluator died" in result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["evals"][-1]["step"] == 8  # the final evaluation still ran

@@ -47,10 +47,14 @@ class ParseFailure(Exception):
 
 
 MAX_NESTING = 32  # brackets inside brackets; far beyond any pipeline, far below Python's recursion limit
+MAX_LINE_CHARS = 20_000  # a list of a thousand GPU ids fits; lark's lexer takes seconds on megabyte lines
 
 
 def parse(text: str) -> tuple[ast.SourceFile | None, list[Diagnostic]]:
     """Parse a whole file. Returns the tree or the syntax diagnostics."""
+    too_long = _line_length_diagnostic(text)
+    if too_long is not None:  # refuse before the lexer walks it
+        return None, [too_long]
     too_deep = _nesting_diagnostic(text)
     if too_deep is not None:  # the tree builders recurse per level: refuse before they do
         return None, [too_deep]
@@ -72,6 +76,25 @@ def parse(text: str) -> tuple[ast.SourceFile | None, list[Diagnostic]]:
 _OPENING = "([{"
 _SIGNIFICANT = re.compile(r'[\[\](){}"#\n]')
 _STRING = re.compile(r'"([^"\\\n]|\\.)*"')  # the grammar's STRING
+
+
+def _line_length_diagnostic(text: str) -> Diagnostic | None:
+    """RLP003 on the first line longer than MAX_LINE_CHARS (lines end at
+    `\\n` only, as positions count them), or None."""
+    if len(text) <= MAX_LINE_CHARS:
+        return None  # every file written by hand
+    start, line = 0, 1
+    while True:
+        end = text.find("\n", start)
+        stop = len(text) if end < 0 else end
+        if stop - start > MAX_LINE_CHARS:
+            column = MAX_LINE_CHARS + 1
+            return Diagnostic("RLP003", ERROR, f"a line of {stop - start:,} characters (at most {MAX_LINE_CHARS:,})",
+                              Span(line, column, line, column + 1),
+                              help="break it: values may span lines, so wrap a long list after any comma")
+        if end < 0:
+            return None
+        start, line = end + 1, line + 1
 
 
 def _nesting_diagnostic(text: str) -> Diagnostic | None:

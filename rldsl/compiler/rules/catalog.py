@@ -42,6 +42,12 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "recursing without end on a damaged or generated file.",
        "stage train actor { model = policy  prompts_per_step = " + "[" * 33 + "1" + "]" * 33 + " }",
        _TEXT),
+    _r("RLP003", ERROR, "line too long",
+       "A line holds at most 20,000 characters. No pipeline needs more (a list of a thousand GPU ids fits); "
+       "the bound keeps `check` fast on a damaged or generated file, whose megabyte-long line the lexer "
+       "would walk for seconds.",
+       "stage train actor { model = policy  gpus = [0, 1, 2, ...] }   # 20,001 characters on one line",
+       _TEXT),
     _r("RLP101", ERROR, "unknown name",
        "A reference (a model, a stage, a dataset in a flow) names nothing declared in this pipeline. "
        "The help suggests the closest declared name.",
@@ -254,7 +260,7 @@ So the rule families depend on each other only through these inputs:
 
 | family | rules | reads |
 |---|---|---|
-| syntax | RLP001, RLP002 | the text |
+| syntax | RLP001, RLP002, RLP003 | the text |
 | declarations | RLP101-RLP107 | the syntax tree |
 | engines | RLP108 | each stage's engine |
 | dataflow | RLP201-RLP204, RLP207, RLP208 | the flows and the declarations |

@@ -24,7 +24,7 @@ class ControllerActor:
                  checkpoint: dict | None = None, resume: dict | None = None, observers: list | None = None):
         from rldsl.runtime.dataplane import connect_dataplane
         from rldsl.runtime.ray_lowering.checkpoint import expand_indices
-        from rldsl.runtime.ray_lowering.stage_handles import ray_stage_handles, reward_calls_per_worker
+        from rldsl.runtime.ray_lowering.stage_handles import HostBucketCache, ray_stage_handles, reward_calls_per_worker
         from rldsl.runtime.ray_lowering.supervision import Supervisor
         from rldsl.runtime.ray_lowering.trace import Tracer
 
@@ -37,8 +37,11 @@ class ControllerActor:
         replicas = {s.name: _replicas(s) for s in pipe.stages if s.kind in ("train", "logprob")}
         receiver_stages = pipe.weight_receivers()
         self.supervisor = Supervisor(specs, workers)  # replaces dead generator, reward and logprob actors
+        self.observers = list(observers or [])  # the evaluator; replaced in place (adopt_observer)
+        self.cache = HostBucketCache()
         self.handles = ray_stage_handles(self.supervisor, kinds, receiver_stages, settings.sync_bucket_bytes,
-                                         train.name, replicas, observers, tracer=self.tracers[1],
+                                         train.name, replicas, self.observers, tracer=self.tracers[1],
+                                         cache=self.cache,
                                          reward_calls={s.name: reward_calls_per_worker(s) for s in pipe.stages
                                                        if s.kind == "reward"})
         self.dataplane = _TracedDataPlane(connect_dataplane(dataplane_spec), self.tracers[0])
@@ -59,6 +62,15 @@ class ControllerActor:
 
     def ready(self) -> bool:
         return True
+
+    def adopt_observer(self, actor) -> int | None:
+        """A replacement evaluator: it gets every later push, and the newest
+        exported weights now. Returns that version (None before the first export)."""
+        self.observers[:] = [actor]
+        refs = list(self.cache.refs)
+        for index, ref in enumerate(refs):
+            actor.update_weights.remote(ref, self.cache.version, index == len(refs) - 1)
+        return self.cache.version
 
     async def run(self) -> dict:
         from rldsl.runtime.control.controller import Controller

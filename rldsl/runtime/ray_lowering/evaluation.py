@@ -101,9 +101,10 @@ class EvaluationSchedule:
 
     def __init__(self, actor, every: int, total_steps: int, previous: list[dict] | None = None):
         self.actor, self.every, self.total_steps = actor, every, total_steps
-        self.pending: list[tuple[int, object]] = []  # (step, ObjectRef)
+        self.pending: list[tuple[int, int, object]] = []  # (step, min version, ObjectRef)
         self.done: list[dict] = list(previous or [])
-        self.lost: str | None = None  # why evaluation stopped: its actor died (it is not replaced)
+        self.lost: str | None = None  # why the evaluator is gone: it died and no replacement took over yet
+        self._unanswered: list[tuple[int, int]] = []  # requests its death left, for a replacement
 
     def due(self, step: int) -> bool:
         """Every ``eval_every`` steps; the first and the last are asked for separately."""
@@ -111,7 +112,16 @@ class EvaluationSchedule:
 
     def request(self, step: int, version: int) -> None:
         if self.lost is None:
-            self.pending.append((step, self.actor.evaluate.remote(min_version=version)))
+            self.pending.append((step, version, self.actor.evaluate.remote(min_version=version)))
+        else:
+            self._unanswered.append((step, version))
+
+    def adopt(self, actor) -> None:
+        """A replacement evaluator: it answers what its predecessor left."""
+        self.actor, self.lost = actor, None
+        unanswered, self._unanswered = self._unanswered, []
+        for step, version in unanswered:
+            self.request(step, version)
 
     def collect(self, wait: bool = False) -> list[dict]:
         """Results that are in (all of them with ``wait``), oldest first."""
@@ -119,13 +129,15 @@ class EvaluationSchedule:
 
         finished = []
         while self.pending:
-            step, ref = self.pending[0]
+            step, version, ref = self.pending[0]
             if not wait and not ray.wait([ref], timeout=0)[0]:
                 break
             self.pending.pop(0)
             try:
                 finished.append({"step": step, **ray.get(ref)})
-            except ray.exceptions.RayActorError as error:  # evaluation stops; training goes on
-                self.lost, self.pending = f"{type(error).__name__}: {str(error).splitlines()[0]}", []
+            except ray.exceptions.RayActorError as error:  # the driver replaces it; training goes on
+                self.lost = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+                self._unanswered += [(step, version)] + [(s, v) for s, v, _ in self.pending]
+                self.pending = []
         self.done += finished
         return finished

@@ -45,6 +45,7 @@ class PipelineDriver:
         self.controller = self.result_ref = self.progress = self.traces = None
         self._seen = 0
         self.summary: dict | None = None  # what summary.json says, once written
+        self._evaluator_given_up = False
         self._recoveries_shown = 0
 
     def actor_count(self) -> int:
@@ -117,17 +118,21 @@ class PipelineDriver:
 
     def _create_evaluator(self) -> None:
         """The held-out evaluator: one more weight receiver, on the CPU."""
-        import ray
-
-        from rldsl.runtime.ray_lowering.evaluation import EvaluationSchedule, Evaluator
+        from rldsl.runtime.ray_lowering.evaluation import EvaluationSchedule
 
         if not self.pipe.evaluates:
             return
-        # threads to spare: evaluations waiting for a version must never starve the push that brings it
-        actor = ray.remote(Evaluator).options(num_cpus=ACTOR_NUM_CPUS, max_concurrency=4,
-                                              name=f"{self.prefix}evaluator")
-        self.evaluations = EvaluationSchedule(actor.remote(self.pipe), self.pipe.run.eval_every, self.settings.steps,
+        self.evaluations = EvaluationSchedule(self._evaluator_actor(), self.pipe.run.eval_every, self.settings.steps,
                                               self.previous_evals)
+
+    def _evaluator_actor(self, suffix: str = ""):
+        import ray
+
+        from rldsl.runtime.ray_lowering.evaluation import Evaluator
+
+        # threads to spare: evaluations waiting for a version must never starve the push that brings it
+        return ray.remote(Evaluator).options(num_cpus=ACTOR_NUM_CPUS, max_concurrency=4,
+                                             name=f"{self.prefix}evaluator{suffix}").remote(self.pipe)
 
     def ready_calls(self) -> dict:
         """``ready`` calls of every actor -> the stage it belongs to."""
@@ -332,15 +337,37 @@ class PipelineDriver:
         targets = self.pipe.weight_receivers()
         return [a for name in sorted(targets) for a in self.handles[name]]
 
+    def _replace_evaluator(self) -> None:
+        """A new evaluator, handed the newest weights by the controller, takes
+        over the evaluations its predecessor left; if none starts, evaluation
+        stops and the run goes on."""
+        import ray
+
+        cause, started = self.evaluations.lost, time.monotonic()
+        try:
+            actor = self._evaluator_actor(f"~{len(self.evaluations.done) + 1}")
+            ray.get(actor.ready.remote(), timeout=300)
+            ray.get(self.controller.adopt_observer.remote(actor), timeout=60)
+        except Exception as error:  # noqa: BLE001 - any failure to rebuild ends evaluation only
+            self._evaluator_given_up = True
+            self.say(f"held-out evaluation stopped: the evaluator died ({cause}) and no replacement started "
+                     f"({root_cause(error)}); the run goes on")
+            return
+        self.evaluations.adopt(actor)
+        self.traces.replace(f"{self.prefix}evaluator", actor)
+        self.say(f"recovered: the evaluator died ({cause}); a new one took its place in "
+                 f"{time.monotonic() - started:.1f}s and the evaluations it held were asked again")
+
     def _observers(self) -> list:
         """Weight receivers outside the sync edges: the evaluator."""
         return [self.evaluations.actor] if self.evaluations else []
 
     def _show_evaluations(self, wait: bool = False) -> None:
-        was_lost = self.evaluations.lost
         results = self.evaluations.collect(wait)
-        if self.evaluations.lost and not was_lost:
-            self.say(f"held-out evaluation stopped: the evaluator died ({self.evaluations.lost}); the run goes on")
+        if self.evaluations.lost and not self._evaluator_given_up:
+            self._replace_evaluator()
+            if wait and not self.evaluations.lost:
+                results += self.evaluations.collect(wait)
         for result in results:
             self.progress.eval(result["step"], result["accuracy"])
             text = (f"eval @ step {result['step']}: held-out accuracy {result['accuracy']:.3f} "

@@ -39,7 +39,8 @@ class HostBucketCache:
 def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_stages: set[str],
                       bucket_bytes: int, train_stage: str, replicas: dict[str, list[list[int]]],
                       observers: list | None = None, tracer=None,
-                      reward_calls: dict[str, int] | None = None) -> StageHandles:
+                      reward_calls: dict[str, int] | None = None, cache: HostBucketCache | None = None
+                      ) -> StageHandles:
     """``supervisor``: every stage's actors by rank (one per replica for
     generate stages), replaced when they die; ``kinds``: stage name -> stage
     kind; ``receiver_stages``: the stages on sync edges; ``replicas``: for
@@ -48,7 +49,8 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
     rows); ``observers``: weight receivers the push does not wait for (the
     evaluator: it must never hold up generation); ``tracer``: records each
     weight push as a span; ``reward_calls``: reward stage -> calls one of its
-    workers serves at once (one per reward process)."""
+    workers serves at once (one per reward process); ``cache``: the host
+    bucket cache, when the caller keeps it too."""
     reward_calls = reward_calls or {}
     actors = supervisor.actors
     generators = [(name, rank) for name in actors if kinds[name] == "generate" for rank in range(len(actors[name]))]
@@ -60,7 +62,7 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
     free.update({name: _FreeWorkers(groups) for name, groups in replicas.items() if kinds[name] == "logprob"})
     train_replicas = replicas[train_stage]
     trainer_ranks = range(len(actors[train_stage]))
-    cache = HostBucketCache()
+    cache = cache if cache is not None else HostBucketCache()
     asleep: set[int] = set()  # generator replicas the controller has put to sleep
 
     def call(stage: str, rank: int, method: str, *args):

@@ -30,27 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "rldsl-chaos"
 VICTIM_STAGES = ("rollout", "score", "reference")
-CHECKPOINT_EVERY = 25
+PIPELINE = ROOT / "pipelines" / "sim_chaos.rlp"  # its checkpoint every 25 steps lets the trainer restart
 TRAINER_AFTER = 4  # stateless kills before the trainer's; then the run restarts from its last checkpoint
 
-PIPELINE = """
-pipeline chaos
-cluster {{ nodes = 1  gpus_per_node = 3 }}
-model policy {{ source = "builtin:tiny-lm" }}
-dataset prompts {{ source = "builtin:arith" }}
-stage generate rollout {{
-  model = policy  engine = sim(latency = 40ms)  gpus = [0, 1]  samples_per_prompt = 4
-}}
-stage reward score {{ fn = "rldsl.rewards:exact_match"  workers = 2 }}
-stage logprob reference {{ model = policy  frozen  engine = sim(latency = 5ms)  colocate = actor }}
-stage train actor {{
-  model = policy  engine = sim(latency = 20ms)  gpus = [2]  prompts_per_step = 4  micro_batch = 4
-}}
-stage sync weights {{ from = actor  to = rollout }}
-flow prompts -> rollout -> score -> reference -> actor
-staleness {{ max_lag = 1 }}
-run {{ steps = {steps}  watchdog = 120s  eval_every = 0  checkpoint_every = {checkpoint_every} }}
-"""
 
 
 def start(address: str, source: Path, run_dir: Path) -> subprocess.Popen:
@@ -147,8 +129,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rldsl-chaos-"))
     try:
         source, run_dir = work / "chaos.rlp", work / "run"
-        source.write_text(PIPELINE.format(steps=args.steps, checkpoint_every=CHECKPOINT_EVERY))
-        print(f"{args.steps} steps, checkpoint every {CHECKPOINT_EVERY}; a {'/'.join(VICTIM_STAGES)} actor killed "
+        source.write_text(PIPELINE.read_text().replace("steps = 600", f"steps = {args.steps}"))
+        print(f"{args.steps} steps, checkpoint every 25; a {'/'.join(VICTIM_STAGES)} actor killed "
               f"every {args.every:.0f}s, and the trainer once after the {TRAINER_AFTER}th kill")
         started = time.monotonic()
         process = start(cluster.address, source, run_dir)

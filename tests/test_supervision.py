@@ -21,24 +21,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 STEPS = 10
-PIPELINE = """
-pipeline chaos
-cluster {{ nodes = 1  gpus_per_node = 3 }}
-model policy {{ source = "builtin:tiny-lm" }}
-dataset prompts {{ source = "builtin:arith" }}
-stage generate rollout {{
-  model = policy  engine = sim(latency = 40ms)  gpus = [0, 1]  samples_per_prompt = 4
-}}
-stage reward score {{ fn = "rldsl.rewards:exact_match"  workers = 2 }}
-stage logprob reference {{ model = policy  frozen  engine = sim(latency = 5ms)  colocate = actor }}
-stage train actor {{
-  model = policy  engine = sim(latency = 20ms)  gpus = [2]  prompts_per_step = 4  micro_batch = 4
-}}
-stage sync weights {{ from = actor  to = rollout }}
-flow prompts -> rollout -> score -> reference -> actor
-staleness {{ max_lag = 1 }}
-run {{ steps = {steps}  watchdog = 120s  eval_every = 0  checkpoint_every = {checkpoint_every} }}
-"""
+CHAOS = (ROOT / "pipelines" / "sim_chaos.rlp").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +39,8 @@ def run_and_kill(cluster, tmp_path: Path, victim: str, checkpoint_every: int = 0
                  ) -> tuple[subprocess.CompletedProcess, Path]:
     """`rldsl run` on the cluster; ``victim`` (an actor name) killed once two steps are done."""
     source, run_dir = tmp_path / "chaos.rlp", tmp_path / "run"
-    source.write_text(text or PIPELINE.format(steps=STEPS, checkpoint_every=checkpoint_every))
+    source.write_text(text or CHAOS.replace("steps = 600", f"steps = {STEPS}")
+                      .replace("checkpoint_every = 25", f"checkpoint_every = {checkpoint_every}"))
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     process = subprocess.Popen([sys.executable, "-m", "rldsl", "run", str(source), "--address", cluster.address,
                                 "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rldsl.plan import PipelinePlan, StalenessPlan
+from rldsl.plan import PipelinePlan, StalenessPlan, receives_weights
 from rldsl.runtime.protocols import MIB
 
 Order = Literal["any", "in_order"]
@@ -146,7 +146,7 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None) -> RunSetti
         reward_stages=tuple(n for n in flow_order if n in stages and stages[n].kind == "reward"),
         logprob_stages=tuple(n for n in flow_order if n in stages and stages[n].kind == "logprob"),
         policy_logprob_stages=tuple(n for n in flow_order if n in stages and stages[n].kind == "logprob"
-                                    and not stages[n].settings.get("frozen")),
+                                    and receives_weights("logprob", bool(stages[n].settings.get("frozen")))),
         sync_bucket_bytes=int(sync.settings["bucket"]) if sync else 256 * MIB,
         watchdog_timeout_s=pipe.run.watchdog_s,
         seed=pipe.run.seed,

@@ -203,7 +203,7 @@ class TrainPump:
                 result = await state.stages.train_microbatch(step.batch_index, list(group.keys), replica)
         except Exception as error:
             raise TrainCallFailed("train_microbatch", error) from error
-        refused = (result or {}).get("refused_keys") if isinstance(result, dict) else None
+        refused = result.get("refused_keys") if isinstance(result, dict) else None
         if refused:
             group.refused = frozenset(refused) & frozenset(group.keys)
         state.progress()

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
-from rldsl.plan import PipelinePlan, StagePlan
+from rldsl.plan import PipelinePlan, StagePlan, receives_weights
 from rldsl.runtime import protocols as p
 from rldsl.runtime.dataplane.base import align_to_responses, refuse_stale_logprobs
 from rldsl.runtime.ray_lowering.actor_process import setup_worker_process, where
@@ -231,7 +231,7 @@ class TrainerWorker(_Worker):
         consumed = {f for e in pipe.edges if e.kind == "data" for f in e.fields}
         self.needs += [f for f in (p.FIELD_BEHAVIOUR_LOGPROBS, p.FIELD_REF_LOGPROBS) if f in consumed]
         if p.FIELD_BEHAVIOUR_LOGPROBS in consumed and any(
-                s.kind == "logprob" and not s.settings.get("frozen") for s in pipe.stages):
+                s.kind == "logprob" and receives_weights(s.kind, bool(s.settings.get("frozen"))) for s in pipe.stages):
             self.needs.append(p.version_field(p.FIELD_BEHAVIOUR_LOGPROBS))  # the fence reads it
 
     def begin_train_step(self, step: int) -> None:

@@ -50,9 +50,6 @@ class Recovery:
     seconds: float
     at: float = field(default_factory=time.time)
 
-    def describe(self) -> str:
-        return f"{self.stage}-{self.rank} died ({self.cause}); replaced in {self.seconds:.1f}s"
-
 
 def _is_actor_death(error: BaseException) -> bool:
     import ray

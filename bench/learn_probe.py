@@ -42,7 +42,8 @@ def parse_args():
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument("--kl", type=float, default=0.0, help="k3 KL coefficient to the frozen warm start")
-    parser.add_argument("--level", default="token", choices=["token", "sequence"])
+    parser.add_argument("--agg", default="token_mean",
+                        choices=["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
     parser.add_argument("--lag", type=int, default=1, help="steps between generation and training (max_lag)")
     parser.add_argument("--bucket-bytes", type=int, default=64 * 1024)
     parser.add_argument("--d-model", type=int, default=None)
@@ -80,7 +81,7 @@ class Probe:
         self.reference = TorchLogprob(model()) if args.kl > 0 else None
         self.trainer = TorchTrainer(
             policy,
-            loss={"clip": args.clip, "kl": args.kl, "level": args.level},
+            loss={"clip": args.clip, "kl": args.kl, "agg": args.agg},
             lr=args.lr,
             betas=(0.9, args.beta2),
             max_grad_norm=args.max_grad_norm or None,

@@ -292,7 +292,7 @@ stage logprob reference {{ model = policy  frozen  colocate = actor }}
 stage train actor {{
   model = policy  engine = torch  gpus = 1
   prompts_per_step = {PROMPTS_PER_STEP}  micro_batch = {SAMPLES_PER_PROMPT}
-  loss = grpo(clip = {CLIP}, kl = {KL}, level = token)
+  loss = grpo(clip = {CLIP}, kl = {KL}, agg = token_mean)
   lr = {LR}  weight_decay = 0.0  max_grad_norm = {MAX_GRAD_NORM}
 }}
 stage sync weights {{ from = actor  to = rollout  bucket = 64MiB }}

@@ -89,15 +89,37 @@ class StalenessPlan:
     too_stale: str = "wait"
 
 
+# Each advantage estimator and how it scales its advantages unless the file
+# says `normalize` (the language's default, which the compiler writes into
+# the plan; the runtime's advantages.py computes them).
+ADVANTAGE_NORMALISATION = {"grpo": "group", "dr_grpo": "none", "rloo": "none", "reinforce_pp": "batch",
+                           "reinforce_pp_baseline": "batch"}
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     train_stage: str
     prompts_per_step: int
     samples_per_prompt: int
-    global_batch: int
+    global_batch: int  # samples per optimizer step: a divisor of the rollout batch
     micro_batch: int
     buffer_capacity: int
     max_inflight: int
+    ppo_epochs: int = 1
+
+    @property
+    def rollout_batch(self) -> int:
+        """Samples generated and trained per step (one weight version)."""
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def minibatches(self) -> int:
+        """Optimizer steps per pass over a rollout batch."""
+        return max(1, self.rollout_batch // self.global_batch)
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        return self.minibatches * self.ppo_epochs
 
 
 def receives_weights(kind: str, frozen: bool = False) -> bool:
@@ -110,12 +132,26 @@ def receives_weights(kind: str, frozen: bool = False) -> bool:
 
 @dataclass(frozen=True)
 class RunPlan:
+    """``steps`` counts rollout batches (weight versions). A run written in
+    ``samples`` has its steps computed by the compiler; one written in
+    ``epochs`` has ``steps = 0`` until the runtime has read the dataset
+    (``resolved``)."""
+
     steps: int
     seed: int
     eval_every: int
     checkpoint_every: int
     watchdog_s: float
     restarts: int = 2  # the language's default: a lost trainer restarts from the last checkpoint this often
+    epochs: int = 0  # the run's length in passes over the training prompts, when written so
+    samples: int = 0  # ... in trained samples, when written so
+
+    def resolved(self, train_prompts: int, prompts_per_step: int) -> "RunPlan":
+        """Steps from epochs, once the number of training prompts is known
+        (whole steps: a last partial rollout batch is not trained)."""
+        if not self.epochs:
+            return self
+        return dataclasses.replace(self, steps=max(1, self.epochs * train_prompts // prompts_per_step))
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,17 @@
 """The evaluator as a weight receiver, in process (the e2e runs cover it on Ray)."""
 
+import dataclasses
+import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from rldsl.compiler.driver import compile_source
-from rldsl.runtime.ray_lowering.evaluation import EvaluationSchedule, Evaluator
+from rldsl.runtime.engines.torch.warmstart import greedy_accuracy
+from rldsl.runtime.protocols import Prompt
+from rldsl.runtime.ray_lowering.evaluation import EvaluationSchedule, Evaluator, held_out_prompts, score
+from rldsl.tasks import load_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -15,6 +21,11 @@ def small_plan():
     result = compile_source(text, str(ROOT / "pipelines" / "grpo_async.rlp"))
     assert result.ok, result.diagnostics
     return result.plan.pipeline()
+
+
+def with_dataset_options(pipe, **options):
+    (dataset,) = pipe.datasets
+    return dataclasses.replace(pipe, datasets=[dataclasses.replace(dataset, options={**dataset.options, **options})])
 
 
 def test_the_evaluator_scores_the_newest_complete_push_and_says_which():
@@ -45,3 +56,50 @@ def test_the_schedule_asks_every_eval_every_steps_but_not_for_the_last():
     schedule = EvaluationSchedule(actor=None, every=10, total_steps=30)
     assert [s for s in range(1, 31) if schedule.due(s)] == [10, 20]
     assert not EvaluationSchedule(actor=None, every=0, total_steps=30).due(10)
+
+
+def test_the_default_evaluation_prompts_are_the_first_sources_eval_split():
+    pipe = with_dataset_options(small_plan(), sources=["builtin:reverse", "builtin:arith"], weights=[1.0, 1.0])
+    pipe = dataclasses.replace(pipe, datasets=[dataclasses.replace(pipe.datasets[0], source="builtin:reverse")])
+    expected = load_dataset("builtin:reverse", "eval", seed=pipe.run.seed)[:8]
+    assert [p.text for p in held_out_prompts(pipe)] == [p.text for p in expected]
+
+
+def test_an_eval_source_replaces_the_held_out_split(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(12)]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pipe = with_dataset_options(small_plan(), eval_source=f"jsonl:{tmp_path}/{{split}}.jsonl")
+    assert [p.text for p in held_out_prompts(pipe)] == [r["prompt"] for r in rows[:8]]  # eval_size of them
+    builtin = with_dataset_options(small_plan(), eval_source="builtin:reverse")
+    assert all(p.text.startswith("reverse ") for p in held_out_prompts(builtin))
+
+
+def test_scores_average_every_response_and_count_prompts_with_one_right():
+    prompts = [Prompt(0, "1+1=", "2"), Prompt(1, "2+2=", "4")]
+    assert score([["2", "3", "2", "2"], ["5", "5", "5", "5"]], prompts) == {"accuracy": 3 / 8, "pass_at_k": 0.5}
+    assert score([["2"], ["4"]], prompts) == {"accuracy": 1.0, "pass_at_k": 1.0}
+
+
+def test_greedy_evaluation_is_todays_greedy_accuracy():
+    evaluator = Evaluator(small_plan(), background=False)
+    result = evaluator.evaluate()
+    assert result["samples"] == 1 and result["pass_at_k"] == result["accuracy"]
+    assert result["accuracy"] == greedy_accuracy(evaluator.decoder.model, evaluator.prompts,
+                                                 evaluator.decoder.max_new_tokens)
+
+
+def test_sampled_evaluation_is_reproducible_for_a_version():
+    pipe = with_dataset_options(small_plan(), eval_samples=4, eval_temperature=1.0, eval_top_p=0.9)
+    evaluator = Evaluator(pipe, background=False)
+    first, again = evaluator.evaluate(), evaluator.evaluate()
+    assert first == again  # seeded by the run's seed and the weight version
+    assert first["samples"] == 4 and first["prompts"] == 8
+    assert 0.0 <= first["accuracy"] <= first["pass_at_k"] <= 1.0
+    responses = evaluator.responses()
+    assert [len(r) for r in responses] == [4] * 8
+    assert len({text for group in responses for text in group}) > 8  # sampled, not argmax repeated
+
+
+def test_sampling_options_are_checked_when_the_evaluator_starts():
+    with pytest.raises(ValueError, match="top_p"):
+        Evaluator(with_dataset_options(small_plan(), eval_temperature=1.0, eval_top_p=1.5), background=False)

@@ -4,7 +4,7 @@
 - a converted model gives the Hugging Face model's logits and the torch
   engine's response logprobs (needs transformers);
 - the split step's gradient equals one full-batch backward of the
-  normalised loss, token and sequence level, on one process and on two
+  normalised loss, every aggregation, on one process and on two
   (data, tensor and pipeline parallel over gloo);
 - Megatron's sync hooks are nulled in a step and restored after an
   exception in a microbatch or in finish; abort is idempotent.
@@ -21,7 +21,7 @@ import json
 import pytest
 import torch
 
-from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, grpo_loss
+from rldsl.runtime.engines.policy_loss import AGGREGATIONS, PolicyLossConfig, policy_loss
 from rldsl.runtime.engines.megatron import hf_weights as hmw
 
 # megatron-core warns about missing Apex / Transformer Engine and its own deprecations on every build.
@@ -186,19 +186,19 @@ def reference_gradients(megatron, shape, weights, batch, config, device="cpu") -
     batch = {name: value.to(device) for name, value in batch.items()}
     packed = megatron.pack_rows(batch, device)
     logprobs = megatron.response_logprobs_from_logits(megatron.forward_logits(model, packed), packed)
-    out = grpo_loss(logprobs, batch["behaviour_logprobs"], batch["advantage"], batch["response_mask"], config,
+    out = policy_loss(logprobs, batch["behaviour_logprobs"], batch["advantage"], batch["response_mask"], config,
                     batch["ref_logprobs"])
     (out.loss_sum / out.count).backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_split_step_gradient_equals_full_batch_gradient(megatron, level):
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_split_step_gradient_equals_full_batch_gradient(megatron, agg):
     shape = SHAPES["llama"]
     weights = random_hf_weights(shape, seed=1)
     batch = make_batch(shape)
-    config = GRPOLossConfig(clip=0.2, kl=0.05, level=level)
+    config = PolicyLossConfig(clip=0.2, kl=0.05, agg=agg)
     expected = reference_gradients(megatron, shape, weights, batch, config)
     trainer = make_trainer(shape, weights, loss=config, rows_per_forward=2)  # lr 0: the weights stay put
     # Two steps: leaving no_sync_func in place breaks the SECOND step (seed 001).
@@ -213,6 +213,56 @@ def test_split_step_gradient_equals_full_batch_gradient(megatron, level):
     scale = max(float(g.abs().max()) for g in expected.values())
     worst = max(float((actual[n] - expected[n]).abs().max()) for n in expected) / scale
     assert worst < 1e-5
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("budget", [1, 20])  # 1: a row per forward; 20: rows packed up to 20 real tokens
+def test_split_step_with_a_token_budget_equals_full_batch_gradient(megatron, budget):
+    shape = SHAPES["llama"]
+    weights = random_hf_weights(shape, seed=1)
+    batch = make_batch(shape)
+    config = PolicyLossConfig(clip=0.2, kl=0.05, agg="seq_mean_token_mean")
+    expected = reference_gradients(megatron, shape, weights, batch, config)
+    trainer = make_trainer(shape, weights, loss=config, tokens_per_forward=budget)
+    trainer.begin_train_step(0)
+    for start, stop in [(0, 6), (6, 10)]:
+        trainer.train_microbatch(0, {name: value[start:stop] for name, value in batch.items()})
+    trainer.finish_train_step(0)
+    actual = {name: p.main_grad for name, p in trainer.model.module.named_parameters()}
+    scale = max(float(g.abs().max()) for g in expected.values())
+    assert max(float((actual[n] - expected[n]).abs().max()) for n in expected) / scale < 1e-5
+
+
+@pytest.mark.megatron
+def test_mini_batches_take_an_optimizer_and_scheduler_step_each_and_one_version(megatron):
+    from rldsl.runtime.engines.schedule import LRSchedule
+
+    shape = SHAPES["qwen2"]
+    weights, batch = random_hf_weights(shape, seed=1), make_batch(shape)
+    mini_batches = [(0, 3), (3, 7), (7, 10)]
+    schedule = LRSchedule("linear", warmup=1, total=4)
+    options = dict(lr=1e-2, max_grad_norm=1.0, lr_schedule=schedule)
+    mini, separate = make_trainer(shape, weights, **options), make_trainer(shape, weights, **options)
+    mini.begin_train_step(0)
+    taken = []
+    for index, (start, stop) in enumerate(mini_batches):
+        mini.train_microbatch(0, {name: value[start:stop] for name, value in batch.items()})
+        if index < len(mini_batches) - 1:
+            taken.append(mini.optimizer_step(0))
+            assert mini.version == 0
+    result = mini.finish_train_step(0)
+    expected = []
+    for step, (start, stop) in enumerate(mini_batches):
+        separate.begin_train_step(step)
+        separate.train_microbatch(step, {name: value[start:stop] for name, value in batch.items()})
+        expected.append(separate.finish_train_step(step).metrics)
+    assert result.version == 1 and separate.version == 3
+    assert mini.scheduler.num_steps == 3 and result.metrics["optimizer_steps"] == 3.0
+    assert [m["lr"] for m in taken] + [result.metrics["lr"]] == [schedule.lr_at(k, 1e-2) for k in range(3)]
+    assert [m["loss"] for m in taken] == [m["loss"] for m in expected[:2]]
+    assert result.metrics["loss"] == pytest.approx(sum(m["loss"] for m in expected) / 3)
+    for (name, mine), theirs in zip(mini.model.module.named_parameters(), separate.model.module.parameters()):
+        assert torch.equal(mine, theirs), name
 
 
 def hooks(trainer) -> dict:
@@ -366,13 +416,14 @@ def test_converted_model_gives_the_hf_logits(megatron, hf_checkpoint):
 
 
 @pytest.mark.megatron
-def test_megatron_logprobs_match_the_torch_engine_on_padded_rows(megatron, hf_checkpoint):
+@pytest.mark.parametrize("budget", [0, 20])  # by rows, or by a token budget with padding trimmed
+def test_megatron_logprobs_match_the_torch_engine_on_padded_rows(megatron, hf_checkpoint, budget):
     from rldsl.models.hf import HFCausalLM
     from rldsl.runtime.engines.megatron.logprob import MegatronLogprob
     from rldsl.runtime.engines.torch.common import response_logprobs
 
     path, hf_model = hf_checkpoint
-    engine = MegatronLogprob.from_pretrained(str(path), dtype="fp32", rows_per_forward=4)
+    engine = MegatronLogprob.from_pretrained(str(path), dtype="fp32", rows_per_forward=4, tokens_per_forward=budget)
     batch = make_batch(engine.shape)
     with torch.no_grad():
         expected = response_logprobs(HFCausalLM(hf_model, None, "hf:test", {}), batch)
@@ -426,7 +477,7 @@ def _parallel_worker(rank: int, port: int, results: dict):
         with megatron_on_cpu():
             for tp, pp, overlap in PARALLEL_LAYOUTS:
                 megatron_model.ensure_model_parallel(tp, pp, seed=0)
-                trainer = make_trainer(shape, weights, loss=GRPOLossConfig(kl=0.05), rows_per_forward=2, tp=tp, pp=pp,
+                trainer = make_trainer(shape, weights, loss=PolicyLossConfig(kl=0.05), rows_per_forward=2, tp=tp, pp=pp,
                                        overlap_grad_reduce=overlap)
                 dp_size = parallel_state.get_data_parallel_world_size()
                 rows = DP2_MICROBATCHES[parallel_state.get_data_parallel_rank()] if dp_size == 2 else [(0, 4), (4, 10)]
@@ -457,7 +508,7 @@ def test_data_tensor_and_pipeline_parallel_gradients_and_export_on_two_ranks(meg
         port = probe.getsockname()[1]
     shape = PARALLEL_SHAPE
     weights, batch = random_hf_weights(shape, seed=1), make_batch(shape)
-    expected = reference_gradients(megatron, shape, weights, batch, GRPOLossConfig(kl=0.05))
+    expected = reference_gradients(megatron, shape, weights, batch, PolicyLossConfig(kl=0.05))
     with mp.Manager() as manager:
         shared = manager.dict()
         mp.spawn(_parallel_worker, args=(port, shared), nprocs=2, join=True)

@@ -6,7 +6,8 @@ Skipped without CUDA (CI has none). On a GPU machine, one process, one GPU:
   of the normalised loss, as on CPU;
 - bf16 with the distributed optimizer: steps train, a checkpoint resumes
   the same next step, and offload really frees GPU memory and gives the
-  same next step after wake.
+  same next step after wake; a rollout batch in mini-batches with a token
+  budget takes the steps separate rollout batches take.
 
 bf16 comparisons use tolerances, not equality: some CUDA backward kernels
 (the embedding's) accumulate with atomics, so two runs may differ in the
@@ -18,13 +19,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rldsl.runtime.engines.grpo_loss import GRPOLossConfig
+from rldsl.runtime.engines.policy_loss import PolicyLossConfig
+from rldsl.runtime.engines.schedule import LRSchedule
 from tests.test_megatron_engine import SHAPES, make_batch, make_trainer, random_hf_weights, reference_gradients
 
 pytestmark = [pytest.mark.gpu, pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
-BF16 = dict(dtype="bf16", distributed_optimizer=True, lr=1e-3, max_grad_norm=1.0, lr_warmup_samples=40)
+BF16 = dict(dtype="bf16", distributed_optimizer=True, lr=1e-3, max_grad_norm=1.0,
+            lr_schedule=LRSchedule("constant", warmup=4))
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,7 @@ def test_split_step_gradient_equals_full_batch_gradient_on_cuda_fp32(megatron_gp
     shape = SHAPES["llama"]
     weights = random_hf_weights(shape, seed=1)
     batch = make_batch(shape)
-    config = GRPOLossConfig(clip=0.2, kl=0.05, level="token")
+    config = PolicyLossConfig(clip=0.2, kl=0.05, agg="token_mean")
     expected = reference_gradients(megatron_gpu, shape, weights, batch, config, device="cuda")
     trainer = make_trainer(shape, weights, loss=config, rows_per_forward=2)
     for step in range(2):  # the second step is the one a leftover no_sync hook breaks
@@ -118,3 +121,26 @@ def test_offload_frees_gpu_memory_and_wake_gives_the_same_next_step(megatron_gpu
     expected, actual = step_on(awake, shape, 1), step_on(sleeper, shape, 1)
     assert actual.version == expected.version == 2
     assert_close(weights_of(sleeper), weights_of(awake), rtol=1e-2)
+
+
+def test_bf16_mini_batches_with_a_token_budget_take_the_separate_steps(megatron_gpu):
+    shape = SHAPES["qwen2"]
+    batch = make_batch(shape)
+    options = dict(BF16, tokens_per_forward=24)
+    mini = make_trainer(shape, random_hf_weights(shape, seed=1), **options)
+    separate = make_trainer(shape, random_hf_weights(shape, seed=1), **options)
+    mini_batches = [(0, 4), (4, 7), (7, 10)]
+    mini.begin_train_step(0)
+    for index, (start, stop) in enumerate(mini_batches):
+        mini.train_microbatch(0, {name: value[start:stop] for name, value in batch.items()})
+        if index < len(mini_batches) - 1:
+            mini.optimizer_step(0)
+    result = mini.finish_train_step(0)
+    for step, (start, stop) in enumerate(mini_batches):
+        separate.begin_train_step(step)
+        separate.train_microbatch(step, {name: value[start:stop] for name, value in batch.items()})
+        separate.finish_train_step(step)
+    assert result.version == 1 and result.metrics["optimizer_steps"] == 3.0
+    assert mini.scheduler.num_steps == separate.scheduler.num_steps == 3
+    assert all(torch.isfinite(torch.tensor(v)) for v in result.metrics.values())
+    assert_close(weights_of(mini), weights_of(separate), rtol=1e-2)

@@ -143,7 +143,7 @@ stage generate rollout { model = policy  gpus = [0]  samples_per_prompt = 4  max
 stage reward score { fn = "rldsl.rewards:exact_match" }
 stage train actor {
   model = policy  gpus = [1, 4]  prompts_per_step = 4  micro_batch = 4
-  loss = grpo(clip = 0.2, kl = 0.0, level = token)
+  loss = grpo(clip = 0.2, kl = 0.0, agg = token_mean)
 }
 stage sync weights { from = actor  to = rollout }
 flow prompts -> rollout -> score -> actor

@@ -1,9 +1,11 @@
-"""Split-step training equals one full-batch backward, at dp=1, 2 and 4 (gloo).
+"""Split-step training equals one full-batch backward, at dp=1, 2 and 4 (gloo),
+under every loss aggregation.
 
 The reference is one backward over the whole global batch of
 ``loss_sum / N``; the trainer instead sees the rows as uneven microbatches
-(spread unevenly over ranks), backpropagates un-normalised sums, and divides
-by the all-reduced N at finish.
+(spread unevenly over ranks, and with a token budget split into forwards of
+its own choosing), backpropagates un-normalised sums, and divides by the
+all-reduced N at finish.
 """
 
 import copy
@@ -15,12 +17,12 @@ import torch
 import torch.multiprocessing as mp
 
 from rldsl.models.tiny import build_tiny_lm
-from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, grpo_loss
+from rldsl.runtime.engines.policy_loss import AGGREGATIONS, PolicyLossConfig, policy_loss
 from rldsl.runtime.engines.torch.common import response_logprobs
 from rldsl.runtime.engines.torch.train import TorchTrainer
 
 ROWS = 10
-LOSS_CONFIGS = [GRPOLossConfig(clip=0.2, kl=0.05, level="token"), GRPOLossConfig(clip=0.2, kl=0.05, level="sequence")]
+LOSS_CONFIGS = [PolicyLossConfig(clip=0.2, kl=0.05, agg=agg) for agg in AGGREGATIONS]
 
 
 def make_model():
@@ -59,15 +61,15 @@ def make_batch(model) -> dict:
 def full_batch_gradients(model, batch, config) -> list[torch.Tensor]:
     model = copy.deepcopy(model)
     logprobs = response_logprobs(model, batch)
-    out = grpo_loss(
+    out = policy_loss(
         logprobs, batch["behaviour_logprobs"], batch["advantage"], batch["response_mask"], config, batch["ref_logprobs"]
     )
     (out.loss_sum / out.count).backward()
     return [p.grad.clone() for p in model.module.parameters()]
 
 
-def split_step_gradients(model, batch, config, row_splits: list[tuple[int, int]]) -> list[torch.Tensor]:
-    trainer = TorchTrainer(copy.deepcopy(model), loss=config, lr=0.0, max_grad_norm=None)
+def split_step_gradients(model, batch, config, row_splits: list[tuple[int, int]], **options) -> list[torch.Tensor]:
+    trainer = TorchTrainer(copy.deepcopy(model), loss=config, lr=0.0, max_grad_norm=None, **options)
     trainer.begin_train_step(0)
     for start, stop in row_splits:
         trainer.train_microbatch(0, {name: value[start:stop] for name, value in batch.items()})
@@ -81,12 +83,22 @@ def max_relative_error(actual: list[torch.Tensor], expected: list[torch.Tensor])
     return max(float((a - e).abs().max()) for a, e in zip(actual, expected)) / scale
 
 
-@pytest.mark.parametrize("config", LOSS_CONFIGS, ids=lambda c: c.level)
+@pytest.mark.parametrize("config", LOSS_CONFIGS, ids=lambda c: c.agg)
 def test_split_step_equals_full_batch_dp1(config):
     model = make_model()
     batch = make_batch(model)
     expected = full_batch_gradients(model, batch, config)
     actual = split_step_gradients(model, batch, config, [(0, 3), (3, 4), (4, 9), (9, 10)])
+    assert max_relative_error(actual, expected) < 1e-5
+
+
+@pytest.mark.parametrize("config", LOSS_CONFIGS, ids=lambda c: c.agg)
+@pytest.mark.parametrize("budget", [1, 12, 25])  # 1: every row alone (each is longer); 25: several rows a forward
+def test_split_step_with_a_token_budget_equals_full_batch(config, budget):
+    model = make_model()
+    batch = make_batch(model)
+    expected = full_batch_gradients(model, batch, config)
+    actual = split_step_gradients(model, batch, config, [(0, 6), (6, 10)], tokens_per_forward=budget)
     assert max_relative_error(actual, expected) < 1e-5
 
 
@@ -127,7 +139,7 @@ def _dp_worker(rank: int, world_size: int, port: int, results: dict):
             expected = full_batch_gradients(model, batch, config)
             for name, layout in layouts.items():
                 actual = split_step_gradients(model, batch, config, layout[rank])
-                results[(rank, config.level, name)] = max_relative_error(actual, expected)
+                results[(rank, config.agg, name)] = max_relative_error(actual, expected)
     finally:
         torch.distributed.destroy_process_group()
 

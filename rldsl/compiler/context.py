@@ -27,6 +27,7 @@ class Sizing:
     max_lag: int
     capacity: int
     max_inflight: int
+    ppo_epochs: int = 1
 
 
 @dataclass
@@ -102,4 +103,5 @@ class Context:
             max_lag=max_lag,
             capacity=capacity,
             max_inflight=max_inflight,
+            ppo_epochs=train.get("ppo_epochs", 1),
         )

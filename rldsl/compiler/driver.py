@@ -24,9 +24,9 @@ from rldsl.compiler.ir import build_ir
 from rldsl.compiler.parser import parse
 from rldsl.compiler.placement import Placement, place
 from rldsl.compiler.resolve import resolve
-from rldsl.compiler.rules import batching, dataflow, engines, sharing, weights
+from rldsl.compiler.rules import batching, dataflow, engines, sharing, training, weights
 
-PIPELINE_PASSES = dataflow.PASSES + weights.PASSES + engines.PASSES
+PIPELINE_PASSES = dataflow.PASSES + weights.PASSES + engines.PASSES + training.PASSES
 PROGRAM_PLACED_PASSES = (sharing.check_sharing, sharing.check_pipeline_sharing)
 PLACED_PASSES = batching.PASSES + (sharing.check_on_policy_disjoint,)  # read the placement when there is one
 

@@ -10,8 +10,8 @@ from rldsl.compiler.ir import generations
 from rldsl.compiler.placement import Placement, StagePlacement
 from rldsl.compiler.types import EngineSpec, GpuRequest, LossSpec, Ref
 from rldsl.plan import (
-    BatchPlan, ClusterPlan, DatasetPlan, EdgePlan, EnginePlan, ExecutionPlan, ModelPlan, PipelinePlan, RankPlan,
-    RunPlan, StagePlan, StalenessPlan,
+    ADVANTAGE_NORMALISATION, BatchPlan, ClusterPlan, DatasetPlan, EdgePlan, EnginePlan, ExecutionPlan, ModelPlan,
+    PipelinePlan, RankPlan, RunPlan, StagePlan, StalenessPlan,
 )
 
 
@@ -40,18 +40,37 @@ def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None],
         name=pipe.name,
         models=[ModelPlan(m.name, _anchored(m["source"], base_dir), params.get(f"{pipe.name}/{m.name}"), m.get("dtype"))
                 for m in pipe.models.values()],
-        datasets=[DatasetPlan(d.name, _anchored(d["source"], base_dir), _settings(d, skip=("source",)))
-                  for d in pipe.datasets.values()],
+        datasets=[_dataset(d, base_dir) for d in pipe.datasets.values()],
         stages=[_stage(s, placement.of(pipe.name, s.name), placement, shares) for s in pipe.stages.values()],
         edges=[EdgePlan(u, v, d["kind"], list(d.get("fields", ())), d.get("sync"))
                for u, v, d in ctx.graph.edges(data=True)],
         generations=generations(ctx.graph),
         staleness=StalenessPlan(staleness["max_lag"], staleness["order"], staleness["too_stale"]),
         batch=BatchPlan(sizing.train_stage, sizing.prompts_per_step, sizing.samples_per_prompt, sizing.global_batch,
-                        sizing.micro_batch, sizing.capacity, sizing.max_inflight),
-        run=RunPlan(run["steps"], run["seed"], run["eval_every"], run["checkpoint_every"], run["watchdog"],
-                    run["restarts"]),
+                        sizing.micro_batch, sizing.capacity, sizing.max_inflight, sizing.ppo_epochs),
+        run=_run(run, sizing.prompts_per_step * sizing.samples_per_prompt),
     )
+
+
+def _run(run: Decl, rollout_batch: int) -> RunPlan:
+    """Steps as written, or from `samples` (whole steps, rounded up); a run
+    in `epochs` gets its steps when the runtime has read the dataset."""
+    epochs, samples = run.get("epochs", 0), int(run.get("samples", 0))
+    steps = -(-samples // rollout_batch) if samples else 0 if epochs else run["steps"]
+    return RunPlan(steps, run["seed"], run["eval_every"], run["checkpoint_every"], run["watchdog"], run["restarts"],
+                   epochs, samples)
+
+
+def _dataset(decl: Decl, base_dir: Path) -> DatasetPlan:
+    """`source` is the first of `sources` when a mixture is written; every
+    path is anchored to the .rlp file."""
+    options = _settings(decl, skip=("source",))
+    sources = [_anchored(s, base_dir) for s in decl.get("sources") or (decl["source"],)]
+    if decl.get("sources"):
+        options["sources"] = sources
+    if decl.get("eval_source"):
+        options["eval_source"] = _anchored(decl["eval_source"], base_dir)
+    return DatasetPlan(decl.name, sources[0], options)
 
 
 def _anchored(source: str, base_dir: Path) -> str:
@@ -80,11 +99,18 @@ def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement, shares:
         kind=stage.stage_kind,
         engine=EnginePlan(engine.name, dict(engine.args)) if engine else None,
         model=stage["model"].name if stage.get("model") else None,
-        settings=_settings(stage, skip=("engine", "model", "gpus", "colocate")),
+        settings=_derived(stage, _settings(stage, skip=("engine", "model", "gpus", "colocate"))),
         ranks=ranks,
         tp=sp.tp if sp else 1, pp=sp.pp if sp else 1, dp=sp.dp if sp else 1,
         colocated_with=_sharing(sp, placement) if sp else [],
     )
+
+
+def _derived(stage: Decl, settings: dict) -> dict:
+    """Defaults that depend on other keys, written out so the runtime reads no language rules."""
+    if stage.stage_kind == "train" and "normalize" not in settings:
+        settings["normalize"] = ADVANTAGE_NORMALISATION[settings["advantage"]]
+    return settings
 
 
 def _sharing(sp: StagePlacement, placement: Placement) -> list[str]:

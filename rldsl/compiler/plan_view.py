@@ -4,17 +4,10 @@ dataflow generations, the staleness vocabulary and a one-line summary."""
 from __future__ import annotations
 
 from rldsl.compiler.driver import CompileResult
+from rldsl.compiler.equivalents import batch_equivalents, staleness_equivalents
 from rldsl.compiler.units import format_bytes, format_duration
 from rldsl.plan import ExecutionPlan, PipelinePlan
 
-# How max_lag reads in other systems' vocabularies (docs/language.md#staleness).
-STALENESS_MAPPING = [
-    ("AReaL", "max_head_offpolicyness = {L}"),
-    ("NeMo RL", "max_trajectory_age_steps = {L}"),
-    ("verl (fully async)", "trains samples up to {L} version(s) old (its staleness_threshold, a share of stale samples, has no counterpart: max_lag is the one bound)"),
-    ("ROLL / async recipes", "generate_ahead_steps = {L1}"),
-    ("OpenRLHF", "a rollout queue {L} step(s) deep"),
-]
 
 
 def actor_count(plan: ExecutionPlan) -> int:
@@ -102,8 +95,13 @@ def _stages(pipe: PipelinePlan) -> list[str]:
         out.append(f"  {s.name:<12} {s.kind:<9} {engine:<8} {shape}{colo}")
         out += [f"  {'':<12} {line}" for line in _groups(s)]
     b = pipe.batch
-    out.append(f"batch: {b.prompts_per_step} prompts x {b.samples_per_prompt} samples = {b.global_batch} per step, "
-               f"micro_batch {b.micro_batch}; buffer {b.buffer_capacity} groups, {b.max_inflight} in flight")
+    steps = (f"{b.minibatches} optimizer steps of {b.global_batch}" if b.minibatches > 1
+             else "one optimizer step") + (f", {b.ppo_epochs} epochs" if b.ppo_epochs > 1 else "")
+    tokens = pipe.stage(b.train_stage).settings.get("micro_batch_tokens", 0)
+    forward = f"forwards of <= {tokens} tokens" if tokens else f"micro_batch {b.micro_batch}"
+    out.append(f"batch: {b.prompts_per_step} prompts x {b.samples_per_prompt} samples = {b.rollout_batch} per step "
+               f"({steps}), {forward}; buffer {b.buffer_capacity} groups, {b.max_inflight} in flight")
+    out += [f"  = {system}: {text}" for system, text in batch_equivalents(pipe)]
     return out
 
 
@@ -148,13 +146,21 @@ def _staleness(pipe: PipelinePlan) -> list[str]:
     st = pipe.staleness
     lag = st.max_lag
     meaning = ("on-policy: every sample is trained by the weights that generated it" if lag == 0 else
-               f"a sample is trained at most {lag} optimizer step{'s' * (lag != 1)} after the weights that "
-               "generated it")
+               f"a sample is trained at most {lag} version{'s' * (lag != 1)} (rollout batch{'es' * (lag != 1)}) after the weights "
+               "that generated it")
     out = [f"staleness: max_lag = {lag} ({meaning}); order {st.order}; too-stale samples: {st.too_stale}"]
-    out += [f"  = {system}: {text.format(L=lag, L1=lag + 1)}" for system, text in STALENESS_MAPPING]
-    out.append(f"run: {pipe.run.steps} steps, seed {pipe.run.seed}, watchdog {format_duration(pipe.run.watchdog_s)}, "
+    out += [f"  = {system}: {text}" for system, text in staleness_equivalents(pipe)]
+    out.append(f"run: {_run_length(pipe)}, seed {pipe.run.seed}, watchdog {format_duration(pipe.run.watchdog_s)}, "
                f"restarts {pipe.run.restarts}")
     return out
+
+
+def _run_length(pipe: PipelinePlan) -> str:
+    run, optimizer = pipe.run, pipe.batch.optimizer_steps_per_step
+    if run.epochs:
+        return f"{run.epochs} epoch{'s' * (run.epochs != 1)} (steps counted when the dataset is read)"
+    text = f"{run.steps} steps" + (f" ({run.samples} samples)" if run.samples else "")
+    return text + (f", {run.steps * optimizer} optimizer steps" if optimizer > 1 else "")
 
 
 def _graph_parts(plan: ExecutionPlan):

@@ -13,7 +13,7 @@ from rldsl.compiler.types import (
     COUNT, DURATION, SIZE, Bool, CallOf, EngineSpec, Enum, Float, Fraction, GpuRequest, GroupItem, Gpus, Int,
     ListOf, LossSpec, RefTo, SleepLevel, Str,
 )
-from rldsl.plan import RunPlan, StalenessPlan
+from rldsl.plan import ADVANTAGE_NORMALISATION, RunPlan, StalenessPlan
 
 REQUIRED = object()  # a key without a default
 DERIVED = object()  # a default computed from other settings by a later pass
@@ -81,9 +81,22 @@ def _loss(name: str, args: dict, span, arg_spans, name_span) -> LossSpec:
 
 
 ENGINE = CallOf("engine", {n: e.args for n, e in ENGINES.items()}, _engine)
-LOSSES = {"grpo": {"clip": Float(low=0), "kl": Float(low=0), "level": Enum(("token", "sequence"))}}
-LOSS_DEFAULTS = {"grpo": {"clip": 0.2, "kl": 0.0, "level": "token"}}
+# The clipped policy-gradient family (docs/language.md#the-loss); the engines
+# read the same names (rldsl.runtime.engines.policy_loss.PolicyLossConfig).
+AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+LOSSES = {"grpo": {
+    "clip": Fraction(), "clip_high": Fraction(), "dual_clip": Float(low=0), "kl": Float(low=0),
+    "kl_estimator": Enum(("k1", "k2", "k3")), "kl_in": Enum(("loss", "reward")), "agg": Enum(AGGREGATIONS),
+    "ratio": Enum(("token", "sequence")), "behaviour_cap": Float(low=0),
+}}
+LOSS_DEFAULTS = {"grpo": {"clip": 0.2, "dual_clip": 0.0, "kl": 0.0, "kl_estimator": "k3", "kl_in": "loss",
+                          "agg": "token_mean", "ratio": "token", "behaviour_cap": 0.0}}  # clip_high: clip's
+ADVANTAGES = tuple(ADVANTAGE_NORMALISATION)
+GROUP_BASELINES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # zero advantages with one sample
 LOSS = CallOf("loss", LOSSES, _loss)
+
+_DATA_SOURCE = Str(r"(builtin:[\w\-]+|jsonl:.+)", "a dataset source",
+                   'use "builtin:arith", "builtin:reverse" or "jsonl:path/to/file.jsonl"')
 
 _GPU_PLACEMENT = {
     "gpus": Key(Gpus(), GpuRequest(1, None, None), "GPU count (placed automatically) or GPU ids `0..3`"),
@@ -124,10 +137,25 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
         "engine": Key(ENGINE, EngineSpec("torch", dict(ENGINE_ARG_DEFAULTS["torch"]), None), "training engine"),
         **_GPU_PLACEMENT,
         "prompts_per_step": Key(Int(low=1), REQUIRED, "prompt groups per optimizer step"),
-        "global_batch": Key(Int(low=1), DERIVED, "samples per optimizer step (prompts_per_step x samples_per_prompt)"),
+        "global_batch": Key(Int(low=1), DERIVED, "samples per optimizer step (default: the rollout batch, "
+                                                  "prompts_per_step x samples_per_prompt; a divisor of it takes "
+                                                  "several optimizer steps per rollout batch)"),
+        "ppo_epochs": Key(Int(low=1), 1, "passes over each rollout batch"),
         "micro_batch": Key(Int(low=1), DERIVED, "samples per forward/backward on one rank (default: one group)"),
-        "loss": Key(LOSS, LossSpec("grpo", dict(LOSS_DEFAULTS["grpo"]), None), "`grpo(clip, kl, level)`"),
+        "micro_batch_tokens": Key(Int(low=0), 0, "token budget of one forward on one rank, rows packed up to it "
+                                                 "(0: `micro_batch` rows)"),
+        "loss": Key(LOSS, LossSpec("grpo", dict(LOSS_DEFAULTS["grpo"]), None),
+                    "`grpo(clip, clip_high, dual_clip, kl, kl_estimator, kl_in, agg, ratio, behaviour_cap)`"),
+        "advantage": Key(Enum(ADVANTAGES), "grpo", "advantage estimator"),
+        "normalize": Key(Enum(("group", "batch", "none")), DERIVED, "advantage scaling: by the group's std, "
+                                                                    "whitened over the rollout batch, or none "
+                                                                    "(default: the estimator's)"),
+        "dynamic_sampling": Key(Bool(), False, "drop prompt groups whose rewards are all equal and sample more "
+                                               "(DAPO)"),
         "lr": Key(Float(low=0), 1e-5, "AdamW learning rate"),
+        "lr_schedule": Key(Enum(("constant", "linear", "cosine")), "constant", "learning rate after warmup"),
+        "warmup": Key(Int(low=0), 0, "optimizer steps of linear warmup from 0"),
+        "min_lr": Key(Float(low=0), 0.0, "where `linear` and `cosine` decay to, at the run's last optimizer step"),
         "weight_decay": Key(Float(low=0), 0.0, "AdamW weight decay"),
         "max_grad_norm": Key(Float(low=0), 1.0, "gradient clipping (0 disables)"),
     },
@@ -153,13 +181,20 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "dtype": Key(_DTYPE, None, "weights dtype (default: the engine's)"),
     },
     "dataset": {
-        "source": Key(Str(r"(builtin:[\w\-]+|jsonl:.+)", "a dataset source",
-                          'use "builtin:arith", "builtin:reverse" or "jsonl:path/to/file.jsonl"'), REQUIRED,
-                      "`builtin:arith`, `builtin:reverse` or `jsonl:<path>`"),
+        "source": Key(_DATA_SOURCE, DERIVED, "`builtin:arith`, `builtin:reverse` or `jsonl:<path>` "
+                                             "(required unless `sources` is given)"),
         "prompt_field": Key(Str(), "prompt", "jsonl field holding the prompt"),
         "answer_field": Key(Str(), "answer", "jsonl field holding the reference answer"),
         "shuffle": Key(Bool(), True, "shuffle each epoch"),
+        "sources": Key(ListOf(_DATA_SOURCE), None, "a mixture: several sources, drawn by `weights` "
+                                                   "(then `source` may be left out)"),
+        "weights": Key(ListOf(Float(low=0)), None, "relative share of each of `sources` (default: equal)"),
         "eval_size": Key(Int(low=0), 64, "held-out prompts per evaluation (0: no evaluation)"),
+        "eval_source": Key(_DATA_SOURCE, None, "the evaluation prompts (default: the held-out split of the "
+                                               "first source)"),
+        "eval_samples": Key(Int(low=1), 1, "responses per evaluation prompt; accuracy is their mean"),
+        "eval_temperature": Key(Float(low=0), 0.0, "evaluation sampling temperature (0: greedy)"),
+        "eval_top_p": Key(Fraction(), 1.0, "evaluation nucleus sampling share"),
     },
     "staleness": {
         "max_lag": Key(Int(low=0), StalenessPlan.max_lag,
@@ -179,7 +214,9 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "share": Key(ListOf(RefTo(("pipeline",))), (), "other pipelines of the file whose GPUs this one may share"),
     },
     "run": {
-        "steps": Key(Int(low=1), 20, "training steps"),
+        "steps": Key(Int(low=1), 20, "training steps (rollout batches); or `epochs` or `samples`"),
+        "epochs": Key(Int(low=1), None, "run length in passes over the training prompts"),
+        "samples": Key(COUNT, None, "run length in trained samples (rounded up to whole steps)"),
         "seed": Key(Int(low=0), 0, "random seed"),
         "eval_every": Key(Int(low=0), 0, "held-out evaluation every N steps (0: start and end only)"),
         "checkpoint_every": Key(Int(low=0), 0, "checkpoint every N steps (0: only on stop)"),

@@ -96,6 +96,8 @@ class TinyLM(nn.Module):
         """Logits [B, T, V] and the new cache (one (k, v) per block).
 
         ``attention_mask`` is [B, T_cached + T]: 1 on keys that may be attended.
+        None (no cache): several sequences packed in a row, each starting
+        where ``position_ids`` restarts at 0; attention stays within each.
         """
         if int(position_ids.max()) >= self.config.max_positions:
             raise ValueError(
@@ -103,7 +105,10 @@ class TinyLM(nn.Module):
                 f"max_positions={self.config.max_positions}; shorten prompts or max_new_tokens"
             )
         x = self.token_embedding(input_ids) + self.position_embedding(position_ids)
-        score_bias = _score_bias(attention_mask, new_tokens=input_ids.shape[1], dtype=x.dtype)
+        if attention_mask is None:
+            score_bias = _packed_score_bias(position_ids, dtype=x.dtype)
+        else:
+            score_bias = _score_bias(attention_mask, new_tokens=input_ids.shape[1], dtype=x.dtype)
         new_cache = []
         for index, block in enumerate(self.blocks):
             x, kv = block(x, score_bias, None if cache is None else cache[index])
@@ -119,6 +124,18 @@ def _score_bias(key_mask, new_tokens: int, dtype):
     key_pos = torch.arange(total, device=key_mask.device)
     allowed = (key_pos[None, :] <= query_pos[:, None])[None] & key_mask[:, None, :].bool()
     bias = torch.zeros(allowed.shape, dtype=dtype, device=key_mask.device)
+    return bias.masked_fill_(~allowed, MASKED_SCORE)[:, None]
+
+
+def _packed_score_bias(position_ids, dtype):
+    """Additive attention bias [B, 1, T, T] for packed rows: causal, and a
+    query sees only the keys of its own sequence (a sequence starts where
+    the position restarts at 0)."""
+    segment = torch.cumsum((position_ids == 0).to(torch.int64), dim=1)
+    length = position_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = causal[None] & (segment[:, :, None] == segment[:, None, :])
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
     return bias.masked_fill_(~allowed, MASKED_SCORE)[:, None]
 
 

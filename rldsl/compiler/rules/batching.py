@@ -8,10 +8,11 @@ from __future__ import annotations
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
+from rldsl.compiler.schema import GROUP_BASELINES
 
 
 def check_batch_sizes(ctx: Context) -> list[Diagnostic]:
-    """RLP301 product, RLP302 divisibility, RLP303 GRPO group size."""
+    """RLP301 mini-batch shape, RLP302 divisibility, RLP303 group size of group estimators."""
     shape = ctx.step_shape()
     if shape is None:
         return []
@@ -20,22 +21,34 @@ def check_batch_sizes(ctx: Context) -> list[Diagnostic]:
     gb, mb = train.get("global_batch", pps * spp), train.get("micro_batch", spp)
     of = f" of {ctx.label(train.name)}" if ctx.program.multi else ""
     out = []
-    if train.explicit("global_batch") and gb != pps * spp:
-        out.append(Diagnostic("RLP301", ERROR, f"global_batch = {gb}{of}, but prompts_per_step x samples_per_prompt = "
-                              f"{pps} x {spp} = {pps * spp}", train.span_of("global_batch"),
-                              notes=(f"samples_per_prompt = {spp} comes from {ctx.label(gen.name)}",),
-                              help=f"set global_batch = {pps * spp}, or leave it out to derive it"))
+    if train.explicit("global_batch") and ((pps * spp) % gb or gb % spp):
+        out.append(_not_a_minibatch(ctx, train, gen, pps, spp, gb, of))
     dp = data_parallel_size(ctx, train)
     if dp is not None and gb % (mb * dp):
         out.append(_indivisible(ctx, train, spp, gb, mb, dp, of))
-    loss = train.get("loss") if train.valid("loss") else None
-    if loss is not None and loss.name == "grpo" and spp < 2:
+    estimator = train.get("advantage") if train.valid("advantage") else None
+    if estimator in GROUP_BASELINES and spp < 2:
         where = f" in {ctx.label(gen.name)}" if ctx.program.multi else ""
-        out.append(Diagnostic("RLP303", ERROR, f"GRPO with samples_per_prompt = {spp}{where}: every advantage is zero",
-                              gen.span_of("samples_per_prompt"), notes=("GRPO normalises rewards within each "
-                                                                        "prompt's group of samples",),
-                              help="sample at least 2 responses per prompt (4-16 is typical)"))
+        out.append(Diagnostic("RLP303", ERROR, f"advantage = {estimator} with samples_per_prompt = {spp}{where}: "
+                              "every advantage is zero", gen.span_of("samples_per_prompt"),
+                              notes=(f"{estimator} compares each sample with the others of its prompt's group",),
+                              help="sample at least 2 responses per prompt (4-16 is typical), or use "
+                                   "advantage = reinforce_pp, which needs no group"))
     return out
+
+
+def _not_a_minibatch(ctx: Context, train: Decl, gen: Decl, pps: int, spp: int, gb: int, of: str) -> Diagnostic:
+    rollout = pps * spp
+    fits = [g * spp for g in range(1, pps + 1) if pps % g == 0]
+    shown = ", ".join(map(str, fits[:8])) + (", ..." if len(fits) > 8 else "")
+    return Diagnostic("RLP301", ERROR, f"global_batch = {gb}{of} is not a whole number of prompt groups dividing the "
+                      f"rollout batch: prompts_per_step x samples_per_prompt = {pps} x {spp} = {rollout}",
+                      train.span_of("global_batch"),
+                      notes=(f"samples_per_prompt = {spp} comes from {ctx.label(gen.name)}",
+                             "each optimizer step trains global_batch samples of whole prompt groups, "
+                             f"{rollout} // global_batch steps per rollout batch"),
+                      help=f"global_batch values that work: {shown}; or leave it out (one optimizer step per "
+                           "rollout batch)")
 
 
 def data_parallel_size(ctx: Context, train: Decl) -> int | None:

@@ -135,9 +135,12 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "stage generate rollout { model = base ... }   stage train actor { model = policy ... }   # no sync",
        "the trainer's `model`, the generate stages upstream of it and their `model`, every sync's `from` "
        "and `to`; " + _GRAPH),
-    _r("RLP301", ERROR, "prompts_per_step x samples_per_prompt != global_batch",
-       "One optimizer step trains prompts_per_step groups of samples_per_prompt samples; global_batch must "
-       "equal that product (or be left out and derived).",
+    _r("RLP301", ERROR, "global_batch is not a mini-batch of the rollout batch",
+       "A step generates a rollout batch of prompts_per_step x samples_per_prompt samples and trains it in "
+       "optimizer steps of global_batch samples each (verl's ppo_mini_batch_size x n, NeMo RL's "
+       "train_global_batch_size, OpenRLHF's train_batch_size). global_batch must be whole prompt groups "
+       "(a multiple of samples_per_prompt) and divide the rollout batch; left out, it is the rollout batch: "
+       "one optimizer step.",
        "prompts_per_step = 8  global_batch = 60   # with samples_per_prompt = 8",
        _STEP + "."),
     _r("RLP302", ERROR, "global_batch not divisible by micro_batch x data-parallel size",
@@ -147,11 +150,11 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        _STEP + ", and the trainer's data-parallel size: its GPU count (its `gpus`, its colocation "
        "target's, or its group's share) and its engine's tp and pp. Where its GPUs lie does not matter: it runs "
        "when another stage could not be placed, not when the trainer's own count is unknown or RLP502 fired."),
-    _r("RLP303", ERROR, "GRPO with fewer than 2 samples per prompt",
-       "GRPO normalises rewards within a prompt group; with one sample every advantage is zero and nothing "
-       "is learned.",
+    _r("RLP303", ERROR, "a group estimator with fewer than 2 samples per prompt",
+       "grpo, dr_grpo, rloo and reinforce_pp_baseline compare each sample with the rest of its prompt's group; "
+       "with one sample every advantage is zero and nothing is learned. reinforce_pp needs no group.",
        "samples_per_prompt = 1",
-       _STEP + ", and the trainer's `loss`."),
+       _STEP + ", and the trainer's `advantage`."),
     _r("RLP304", ERROR, "buffer too small: the rollout pump deadlocks",
        "The trainer needs prompts_per_step ready groups before it can finish a step, and consumed groups stay "
        "stored until the step's single clear. A buffer holding fewer groups fills up, the rollout pump waits "
@@ -172,6 +175,43 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "buffer { capacity = 8 }   # with prompts_per_step = 8 and max_lag = 1",
        "the train stage (exactly one) and its `prompts_per_step`, the staleness `max_lag`, the buffer's "
        "`capacity` and `max_inflight`: nothing of the dataflow or the placement."),
+    _r("RLP307", ERROR, "decoupled loss with several optimizer steps per rollout batch",
+       "`behaviour_cap` turns on the decoupled objective (AReaL): the ratio is taken against the proximal "
+       "policy, the weights the rollout batch started with, and the behaviour policy only weights each token. "
+       "The trainer holds those weights only until its first optimizer step, so mini-batches "
+       "(global_batch below the rollout batch) or ppo_epochs > 1 would make the ratio meaningless.",
+       "global_batch = 16  loss = grpo(behaviour_cap = 5.0)   # rollout batch 32",
+       _STEP + ", its `ppo_epochs` and its `loss`."),
+    _r("RLP308", ERROR, "dynamic sampling that cannot refill a step",
+       "dynamic_sampling (DAPO) drops prompt groups whose rewards are all equal and samples more prompts in "
+       "their place, so each step stays full. An in-order step trains exactly its own prompts and cannot take "
+       "replacements; with one sample per prompt every group would be dropped.",
+       "dynamic_sampling = true   # with staleness { order = in_order }",
+       "the train stage's `dynamic_sampling`, the staleness `order` and the upstream generator's "
+       "`samples_per_prompt`, each finding on its own."),
+    _r("RLP309", ERROR, "run length written more than one way",
+       "A run lasts `steps` rollout batches, `epochs` passes over the training prompts, or `samples` trained "
+       "samples: one of the three.",
+       "run { steps = 100  epochs = 2 }",
+       "the run block's `steps`, `epochs` and `samples` as written."),
+    _r("RLP310", ERROR, "dataset without one source, or weights that do not match",
+       "A dataset has `source` or, for a mixture, `sources` with optional `weights` (one non-negative weight "
+       "per source, not all 0).",
+       "sources = [\"builtin:arith\", \"builtin:reverse\"]  weights = [0.7, 0.2, 0.1]",
+       "each dataset's `source`, `sources` and `weights`."),
+    _r("RLP311", WARNING, "warmup longer than the run",
+       "Warmup counts optimizer steps; when it is not shorter than the run's optimizer steps (rollout batches "
+       "x optimizer steps per rollout batch) the learning rate never reaches `lr`.",
+       "warmup = 50   # in a 20-step run with one optimizer step per rollout batch",
+       _STEP + ", its `warmup` and `ppo_epochs`, and the run's length (a run in epochs is skipped: its steps "
+       "are known only when the dataset is read)."),
+    _r("RLP312", ERROR, "loss or schedule argument outside its working range",
+       "`dual_clip` is 0 (off) or above 1: it caps a negative-advantage token's loss at dual_clip x |A|, "
+       "which must lie above the clipped loss. `behaviour_cap` is 0 (off) or at least 1: a cap below 1 would "
+       "drop the tokens the behaviour policy preferred. A `linear` or `cosine` schedule decays from `lr` to "
+       "`min_lr`, so `min_lr` must not exceed `lr`.",
+       "loss = grpo(dual_clip = 0.5)",
+       "the train stage's `loss`; for `min_lr`, its `lr`, `min_lr` and `lr_schedule`."),
     _r("RLP401", WARNING, "on-policy with disjoint generate and train GPUs",
        "With max_lag = 0 generation of step t+1 must wait for the weights of step t, so on separate GPUs each "
        "side idles while the other works. Allow max_lag = 1 or colocate the stages.",
@@ -266,6 +306,7 @@ So the rule families depend on each other only through these inputs:
 | dataflow | RLP201-RLP204, RLP207, RLP208 | the flows and the declarations |
 | weights | RLP205, RLP206, RLP209 | syncs, models, and the flows for RLP209 |
 | batch sizes | RLP301-RLP303 | trainer and generator sizes; RLP302 the trainer's GPU count |
+| training | RLP307-RLP312 | the trainer's loss, sampling and schedule keys, the run length, the datasets |
 | buffer | RLP304-RLP306 | the trainer's prompts_per_step, staleness and buffer |
 | placement | RLP501-RLP503, RLP507, RLP508 | cluster, `gpus`, `colocate`, placement groups, engines |
 | sharing | RLP401, RLP504, RLP505, RLP509 | placed stages |

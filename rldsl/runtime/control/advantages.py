@@ -1,34 +1,123 @@
-"""GRPO advantages: rewards normalised within each prompt group."""
+"""Advantage estimators: a baseline per sample, then a normalisation.
+
+Each estimator subtracts its baseline from the rewards of one prompt group:
+
+- ``grpo``, ``dr_grpo``, ``reinforce_pp_baseline``: the group's mean reward;
+- ``rloo``: the mean reward of the group's *other* samples (leave-one-out);
+- ``reinforce_pp``: nothing.
+
+Then ``normalize`` scales them:
+
+- ``group``: divided by the group's unbiased std + eps (GRPO);
+- ``batch``: whitened over every sample of the rollout batch (REINFORCE++);
+- ``none``: left as they are (Dr. GRPO, RLOO).
+
+Pure Python (no torch at import): the controller computes them.
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
+from rldsl.plan import ADVANTAGE_NORMALISATION
+
+ESTIMATORS = tuple(ADVANTAGE_NORMALISATION)
+NORMALISATIONS = ("group", "batch", "none")
+
+
+def default_normalisation(estimator: str) -> str:
+    """How ``estimator`` scales its advantages unless the pipeline says otherwise."""
+    _check(estimator, ESTIMATORS, "advantage estimator")
+    return ADVANTAGE_NORMALISATION[estimator]
+
+
+def needs_whole_batch(normalize: str) -> bool:
+    """Whether advantages depend on the whole rollout batch, not one group:
+    the controller then computes them once every group of the batch is in."""
+    _check(normalize, NORMALISATIONS, "normalisation")
+    return normalize == "batch"
+
+
+def compute_advantages(groups: list[list[float]], estimator: str, normalize: str,
+                       eps: float = 1e-6) -> list[list[float]]:
+    """The advantages of each prompt group's rewards, in the same shape.
+
+    With ``batch``, ``groups`` must be the whole rollout batch: the
+    whitening statistics are taken over every sample passed.
+    """
+    _check(estimator, ESTIMATORS, "advantage estimator")
+    _check(normalize, NORMALISATIONS, "normalisation")
+    centred = [_subtract_baseline(list(rewards), estimator) for rewards in groups]
+    if normalize == "group":
+        return [_scale_by_std(values, eps) for values in centred]
+    if normalize == "batch":
+        return _whiten_batch(centred, eps)
+    return centred
+
 
 def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
-    """(reward - mean) / (std + eps) over one prompt group.
+    """GRPO: (reward - mean) / (std + eps) over one prompt group.
 
     ``std`` is the unbiased (n - 1) estimate, as torch.std computes it. A
     group whose rewards are all equal (or that has a single sample) carries
     no learning signal and gets exact zeros, not noise divided by eps.
     """
-    n = len(rewards)
-    if n == 0:
-        return []
-    mean = math.fsum(rewards) / n
-    if n == 1 or all(r == rewards[0] for r in rewards):
-        return [0.0] * n
-    std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / (n - 1))
-    return [(r - mean) / (std + eps) for r in rewards]
+    return _scale_by_std(_subtract_baseline(list(rewards), "grpo"), eps)
 
 
-def batch_advantages(rewards, group_size: int, eps: float = 1e-6):
-    """``group_advantages`` over a float tensor of prompt-major rows, in
-    groups of ``group_size``; returns a float32 tensor of the same length."""
+def batch_advantages(rewards, group_size: int, eps: float = 1e-6, estimator: str = "grpo",
+                     normalize: str | None = None):
+    """``compute_advantages`` over a float tensor of prompt-major rows, in
+    groups of ``group_size`` (the whole tensor is the batch); returns a
+    float32 tensor of the same length. Defaults: GRPO, group-normalised."""
     import torch
 
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    values = rewards.double().view(-1, group_size).tolist()
-    return torch.tensor([a for group in values for a in group_advantages(group, eps)], dtype=torch.float32)
+    groups = rewards.double().view(-1, group_size).tolist()
+    advantages = compute_advantages(groups, estimator, normalize or default_normalisation(estimator), eps)
+    return torch.tensor([a for group in advantages for a in group], dtype=torch.float32)
+
+
+def _check(value: str, allowed: tuple[str, ...], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}: expected one of {', '.join(allowed)}")
+
+
+def _subtract_baseline(rewards: list[float], estimator: str) -> list[float]:
+    n = len(rewards)
+    if estimator == "reinforce_pp" or n == 0:
+        return [float(r) for r in rewards]
+    if estimator == "rloo":
+        if n == 1:  # no other sample to compare with: no signal
+            return [0.0]
+        total = math.fsum(rewards)
+        return [r - (total - r) / (n - 1) for r in rewards]
+    mean = math.fsum(rewards) / n
+    return [r - mean for r in rewards]
+
+
+def _unbiased_std(values: list[float]) -> float:
+    mean = math.fsum(values) / len(values)
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _constant(values: list[float]) -> bool:
+    """Too few or all-equal values: their std is no scale, so they become zeros."""
+    return len(values) < 2 or all(v == values[0] for v in values)
+
+
+def _scale_by_std(values: list[float], eps: float) -> list[float]:
+    if _constant(values):
+        return [0.0] * len(values)
+    std = _unbiased_std(values)
+    return [v / (std + eps) for v in values]
+
+
+def _whiten_batch(groups: list[list[float]], eps: float) -> list[list[float]]:
+    flat = [v for values in groups for v in values]
+    if _constant(flat):
+        return [[0.0] * len(values) for values in groups]
+    mean, std = math.fsum(flat) / len(flat), _unbiased_std(flat)
+    return [[(v - mean) / (std + eps) for v in values] for values in groups]

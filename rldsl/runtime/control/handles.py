@@ -82,3 +82,4 @@ class StageHandles:
     generator_replicas: int = 1
     train_replicas: int = 1
     stage_slots: Mapping[str, int] = field(default_factory=dict)
+    optimizer_step: Callable[[int], Awaitable[dict]] | None = None

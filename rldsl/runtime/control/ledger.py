@@ -27,6 +27,7 @@ LOGPROB_FAILED = "logprob_failed"
 GENERATION_FAILED = "generation_failed"
 STEP_ABORTED = "step_aborted"
 WORKER_DIED = "worker_died"  # its actor died and the work could not be redone
+ZERO_VARIANCE = "zero_variance"  # dynamic sampling: every sample of its group had the same reward
 STALE_LOGPROBS = "stale_logprobs"  # its behaviour logprobs came from other weights than generated it
 RUN_FINISHED = "run_finished"  # generated after the last step needed it
 RUN_STOPPED = "run_stopped"  # in the open step when the run was stopped (Ctrl-C)

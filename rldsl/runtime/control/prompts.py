@@ -1,7 +1,16 @@
-"""The training prompts of a pipeline, as the rollout pump consumes them."""
+"""The training prompts of a pipeline, as the rollout pump consumes them.
+
+A dataset is one source or a weighted mixture of several (its plan options
+``sources`` and ``weights``). Each next prompt comes from source i with
+probability weight_i / sum(weights); each source goes through its own rows
+epoch after epoch. Everything is drawn from RNGs seeded by the run's seed, so
+a resumed run walks the same stream and skips what it already trained.
+"""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
 from typing import Iterator
 
@@ -9,32 +18,107 @@ from rldsl.plan import PipelinePlan
 from rldsl.runtime.protocols import Prompt
 
 
-def dataset_options(pipe: PipelinePlan, seed: int) -> dict:
-    """The `load_dataset` options of the pipeline's dataset: builtin tasks
-    take the run's seed, jsonl files their field names."""
+def mixture(pipe: PipelinePlan) -> list[tuple[str, float]]:
+    """(source, weight) of every source of the pipeline's dataset; the
+    weights are relative. A plan without ``sources`` is its one ``source``."""
+    from rldsl.tasks import DatasetError
+
     dataset = pipe.datasets[0]
-    if dataset.source.startswith("builtin:"):
+    sources = list(dataset.options.get("sources") or [dataset.source])
+    weights = dataset.options.get("weights") or [1.0] * len(sources)
+    if len(weights) != len(sources):
+        raise DatasetError(f"dataset {dataset.name!r}: {len(weights)} weights for {len(sources)} sources")
+    if any(w < 0 for w in weights) or not any(w > 0 for w in weights):
+        raise DatasetError(f"dataset {dataset.name!r}: weights must be >= 0 and not all 0, got {list(weights)}")
+    return [(source, float(weight)) for source, weight in zip(sources, weights)]
+
+
+def source_options(pipe: PipelinePlan, source: str, seed: int) -> dict:
+    """The `load_dataset` options of one source: builtin tasks take the run's
+    seed, jsonl files the dataset's field names."""
+    if source.startswith("builtin:"):
         return {"seed": seed}
-    return {k: v for k, v in dataset.options.items() if k in ("prompt_field", "answer_field")}
+    options = pipe.datasets[0].options
+    return {k: v for k, v in options.items() if k in ("prompt_field", "answer_field")}
+
+
+def dataset_options(pipe: PipelinePlan, seed: int) -> dict:
+    """``source_options`` of the dataset's first source."""
+    return source_options(pipe, pipe.datasets[0].source, seed)
+
+
+def load_source(pipe: PipelinePlan, source: str, split: str, seed: int) -> list[Prompt]:
+    """The rows of one source of the pipeline's dataset; a source that cannot
+    be read raises DatasetError naming the dataset and the source."""
+    from rldsl.tasks import DatasetError, load_dataset
+
+    try:
+        return load_dataset(source, split, **source_options(pipe, source, seed))
+    except DatasetError as error:
+        detail = str(error) if source.split(":", 1)[-1] in str(error) else f"{source}: {error}"
+        raise DatasetError(f"dataset {pipe.datasets[0].name!r}: {detail}") from error
+
+
+def train_prompt_count(pipe: PipelinePlan, seed: int) -> int:
+    """Train rows over every source drawn from: one epoch of the mixture."""
+    return sum(len(load_source(pipe, source, "train", seed)) for source, weight in mixture(pipe) if weight > 0)
+
+
+class _SourceCursor:
+    """One source's rows, epoch after epoch, reshuffled each epoch when asked."""
+
+    def __init__(self, source: str, rows: list[Prompt], shuffle_seed):
+        self.source, self.rows, self.shuffle_seed = source, rows, shuffle_seed
+        self.epoch, self.remaining = 0, self._epoch_stack(0)
+
+    def _epoch_stack(self, epoch: int) -> list[int]:
+        """The epoch's order of rows, last first: ``pop()`` walks it front to back."""
+        order = list(range(len(self.rows)))
+        if self.shuffle_seed is not None:
+            random.Random(self.shuffle_seed(epoch)).shuffle(order)
+        return order[::-1]
+
+    def take(self) -> Prompt:
+        if not self.remaining:
+            self.epoch += 1
+            self.remaining = self._epoch_stack(self.epoch)
+        return self.rows[self.remaining.pop()]
+
+
+def _shuffle_seed(seed: int, position: int, shuffle: bool):
+    """The seed of each epoch's order of the source at ``position``. The first
+    source keeps the seed a single-source dataset has always had, so such a
+    stream is the same as before mixtures existed."""
+    if not shuffle:
+        return None
+    if position == 0:
+        return lambda epoch: seed + epoch
+    return lambda epoch: f"mixture-{seed}-source-{position}-epoch-{epoch}"
+
+
+def _source_choices(weights: list[float], seed: int) -> Iterator[int]:
+    """Which source each next prompt comes from: i with probability weight_i."""
+    drawn = [i for i, w in enumerate(weights) if w > 0]
+    if len(drawn) == 1:  # no draws at all: a single source streams as it always has
+        yield from itertools.repeat(drawn[0])
+        return
+    rng, bounds = random.Random(f"mixture-{seed}"), list(itertools.accumulate(weights))
+    while True:  # bisect_right never picks a zero-weight source: its bound equals the previous one
+        yield min(bisect.bisect_right(bounds, rng.random() * bounds[-1]), drawn[-1])
 
 
 def prompt_stream(pipe: PipelinePlan, seed: int, trained_below: int = 0,
                   trained_above: frozenset[int] = frozenset()) -> Iterator[Prompt]:
-    """The training prompts, epoch after epoch (reshuffled when the dataset
-    says so), each with a unique, increasing index. Indices already trained
+    """The training prompts of the mixture, each with a unique, increasing
+    index and its source in ``meta["source"]``. Indices already trained
     (below ``trained_below`` or in ``trained_above``) are skipped: a resumed
     run never trains a prompt twice."""
-    from rldsl.tasks import load_dataset
-
-    dataset = pipe.datasets[0]
-    rows = load_dataset(dataset.source, "train", **dataset_options(pipe, seed))
-    index, epoch = 0, 0
-    while True:
-        order = list(range(len(rows)))
-        if dataset.options.get("shuffle", True):
-            random.Random(seed + epoch).shuffle(order)
-        for i in order:
-            if index >= trained_below and index not in trained_above:
-                yield Prompt(index, rows[i].text, rows[i].answer, dict(rows[i].meta))
-            index += 1
-        epoch += 1
+    shuffle = pipe.datasets[0].options.get("shuffle", True)
+    sources = mixture(pipe)
+    cursors = [_SourceCursor(source, load_source(pipe, source, "train", seed), _shuffle_seed(seed, i, shuffle))
+               for i, (source, _) in enumerate(sources)]
+    for index, choice in enumerate(_source_choices([w for _, w in sources], seed)):
+        cursor = cursors[choice]
+        row = cursor.take()
+        if index >= trained_below and index not in trained_above:
+            yield Prompt(index, row.text, row.answer, {**row.meta, "source": cursor.source})

@@ -26,6 +26,7 @@ class RolloutPump:
         self.state = state
         self._prompts = iter(prompts)
         self.tasks: set[asyncio.Task] = set()
+        self.zero_variance_drops = 0  # dynamic sampling, for the watchdog's report
         self._reward_calls = {name: self._stage_calls(name, "reward") for name in state.settings.reward_stages}
         self._logprob_calls = {name: self._stage_calls(name, "logprob") for name in state.settings.logprob_stages}
 
@@ -137,7 +138,15 @@ class RolloutPump:
         group.tokens = generated.tokens
         state.journal.generated(group.keys, generated.version, FIELD_BEHAVIOUR_LOGPROBS)  # every engine records them
         rewards = await self._score(group)
-        if rewards is None or not await self._logprobs(group):
+        if rewards is None:
+            return
+        if state.settings.dynamic_sampling and len(set(rewards)) == 1:
+            state.drop(group, outcomes.ZERO_VARIANCE)  # no signal: its slot goes to another prompt
+            self.zero_variance_drops += 1
+            state.last_error["rollout"] = (f"dynamic sampling dropped {self.zero_variance_drops} groups whose "
+                                           f"rewards were all {rewards[0]}")
+            return
+        if not await self._logprobs(group):
             return
         state.buffer.commit(group.group_id, group.keys, rewards, generated.version)
         state.progress()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rldsl.plan import PipelinePlan, StalenessPlan, receives_weights
+from rldsl.runtime.control.advantages import ESTIMATORS, NORMALISATIONS
 from rldsl.runtime.protocols import MIB
 
 Order = Literal["any", "in_order"]
@@ -51,6 +52,15 @@ class RunSettings:
     - ``generate_concurrency``: prompt groups kept in flight on each
       generator replica (it decodes them in one batch); 0 derives it: a
       step's groups spread over the replicas.
+    - ``minibatch_groups`` / ``ppo_epochs``: a step (one rollout batch, one
+      weight version) takes an optimizer step after every
+      ``minibatch_groups`` prompt groups, over ``ppo_epochs`` passes; the
+      first pass streams groups as they arrive. 0 = the whole step.
+    - ``advantage`` / ``normalize``: the estimator and its scaling
+      (``advantages.compute_advantages``); ``"batch"`` waits for the whole
+      rollout batch before its first microbatch.
+    - ``dynamic_sampling``: a group whose rewards are all equal is dropped
+      (``zero_variance``) and another prompt is sampled in its place.
     - ``sleeping_replicas``: the generator replicas that share GPUs with the
       trainer. They sleep while a step trains and are refreshed when they
       wake; the others keep generating (partial overlap). All of them:
@@ -76,18 +86,28 @@ class RunSettings:
     max_aborted_steps: int = 3  # consecutive aborts before the run gives up
     generate_concurrency: int = 0  # 0 = derived per replica
     sleeping_replicas: tuple[int, ...] = ()
+    minibatch_groups: int = 0  # 0 = prompts_per_step: one optimizer step per pass
+    ppo_epochs: int = 1
+    advantage: str = "grpo"
+    normalize: str = "group"
+    dynamic_sampling: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(self.pipeline), "pipeline name must not be empty")
-        for name in ("prompts_per_step", "samples_per_prompt", "max_aborted_steps"):
+        for name in ("prompts_per_step", "samples_per_prompt", "max_aborted_steps", "ppo_epochs"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("steps", "max_lag", "buffer_capacity", "max_inflight", "seed", "generate_concurrency"):
+        for name in ("steps", "max_lag", "buffer_capacity", "max_inflight", "seed", "generate_concurrency",
+                     "minibatch_groups"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         _require(self.order in ("any", "in_order"), f"order must be 'any' or 'in_order', got {self.order!r}")
         _require(self.too_stale in ("drop", "wait"), f"too_stale must be 'drop' or 'wait', got {self.too_stale!r}")
         _require(self.sync_bucket_bytes >= 1, "sync_bucket_bytes must be >= 1")
         _require(self.watchdog_timeout_s > 0, "watchdog_timeout_s must be > 0")
         _require(self.advantage_eps >= 0, "advantage_eps must be >= 0")
+        _require(self.advantage in ESTIMATORS, f"advantage must be one of {', '.join(ESTIMATORS)}")
+        _require(self.normalize in NORMALISATIONS, f"normalize must be one of {', '.join(NORMALISATIONS)}")
+        if self.minibatch_groups == 0 or self.minibatch_groups > self.prompts_per_step:
+            object.__setattr__(self, "minibatch_groups", self.prompts_per_step)
         object.__setattr__(self, "reward_stages", tuple(self.reward_stages))
         object.__setattr__(self, "logprob_stages", tuple(self.logprob_stages))
         object.__setattr__(self, "policy_logprob_stages", tuple(self.policy_logprob_stages))
@@ -106,6 +126,10 @@ class RunSettings:
     @property
     def samples_per_step(self) -> int:
         return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def optimizer_steps_per_pass(self) -> int:
+        return -(-self.prompts_per_step // self.minibatch_groups)
 
     @property
     def colocated(self) -> bool:
@@ -131,7 +155,7 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None) -> RunSetti
     stages = {s.name: s for s in pipe.stages}
     flow_order = [name for generation in pipe.generations for name in generation]
     sync = next((s for s in pipe.stages if s.kind == "sync"), None)
-    train = pipe.batch.train_stage
+    train_settings = pipe.stage(pipe.batch.train_stage).settings
     generators = [s for s in pipe.stages if s.kind == "generate"]
     return RunSettings(
         pipeline=pipe.name,
@@ -152,6 +176,11 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None) -> RunSetti
         seed=pipe.run.seed,
         generate_concurrency=int(generators[0].settings.get("concurrency", 0)) if generators else 0,
         sleeping_replicas=sleeping_replicas(pipe),
+        minibatch_groups=pipe.batch.global_batch // pipe.batch.samples_per_prompt,
+        ppo_epochs=pipe.batch.ppo_epochs,
+        advantage=train_settings.get("advantage", "grpo"),
+        normalize=train_settings.get("normalize", "group"),
+        dynamic_sampling=bool(train_settings.get("dynamic_sampling", False)),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -9,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from rldsl.runtime.control import ledger as outcomes
-from rldsl.runtime.control.advantages import group_advantages
+from rldsl.runtime.control.advantages import compute_advantages, needs_whole_batch
 from rldsl.runtime.control.buffer import Group, GroupState
 from rldsl.runtime.control.errors import StepFailed, StopRequested, TrainCallFailed, TrainerLost, WorkerLost
 from rldsl.runtime.control.lanes import MicrobatchLanes
@@ -91,10 +92,15 @@ class TrainPump:
         return text
 
     async def _fill(self, step: StepBuild) -> None:
+        """Pass one streams: a group's microbatch starts as soon as it is
+        ready (unless its advantages need the whole rollout batch), with an
+        optimizer step after each mini-batch. Later passes replay the step's
+        groups, still in the data plane, in a seeded order."""
         state = self.state
         if state.settings.colocated:
             await self._generation_phase(step)
-        self.lanes.open_step(state.settings.prompts_per_step)
+        streaming = not needs_whole_batch(state.settings.normalize)
+        self.lanes.open_step(state.settings.minibatch_groups)
         while not self._step_complete(step) and self.lanes.failure is None:
             if state.stop_requested:
                 raise StopRequested
@@ -104,15 +110,72 @@ class TrainPump:
             group = state.sampler.select(state.buffer, state.trainer_version, step.batch_index, open_slots)
             if group is None:
                 await self._wait_unless_stopped()
-            else:
-                await self._start_group(step, group)
+                continue
+            await self._start_group(step, group, streaming)
+            if streaming and self._minibatch_ends(step):
+                await self._optimizer_step(step)
+                self.lanes.open_step(state.settings.minibatch_groups)
+        await self._drain()
+        if not streaming and step.groups:
+            await self._train_pass(step, step.groups, self._batch_advantages(step.groups))
+        for epoch in range(1, state.settings.ppo_epochs):
+            await self._optimizer_step(step)
+            await self._train_pass(step, self._epoch_order(step, epoch), None)
+
+    def _minibatch_ends(self, step: StepBuild) -> bool:
+        """Pass one has just queued a mini-batch's last group, and more groups follow in this step."""
+        per_step, taken = self.state.settings.prompts_per_step, len(step.groups)
+        return taken % self.state.settings.minibatch_groups == 0 and taken < per_step
+
+    async def _train_pass(self, step: StepBuild, groups: list[Group],
+                          advantages: dict[int, list[float]] | None) -> None:
+        """One pass over ``groups`` in mini-batches, an optimizer step between them."""
+        size = self.state.settings.minibatch_groups
+        for start in range(0, len(groups), size):
+            if start:
+                await self._optimizer_step(step)
+            chunk = groups[start:start + size]
+            self.lanes.open_step(len(chunk))
+            for group in chunk:
+                replica = self.lanes.assign(group.tokens)
+                own = None if advantages is None else advantages[group.group_id]
+                self.lanes.submit(replica, lambda g=group, r=replica, a=own: self._microbatch(step, g, r, a))
+            await self._drain()
+
+    def _epoch_order(self, step: StepBuild, epoch: int) -> list[Group]:
+        order = list(step.groups)
+        random.Random(f"{self.state.settings.seed}-{step.batch_index}-{epoch}").shuffle(order)
+        return order
+
+    def _batch_advantages(self, groups: list[Group]) -> dict[int, list[float]]:
+        settings = self.state.settings
+        values = compute_advantages([list(g.rewards) for g in groups], settings.advantage, settings.normalize,
+                                    settings.advantage_eps)
+        return {group.group_id: advantage for group, advantage in zip(groups, values)}
+
+    def _group_advantages(self, group: Group) -> list[float]:
+        settings = self.state.settings
+        return compute_advantages([list(group.rewards)], settings.advantage, settings.normalize,
+                                  settings.advantage_eps)[0]
+
+    async def _drain(self) -> None:
         self.activity = f"waiting for the step's last microbatches: {self.lanes.describe()}"
         failure = await self.lanes.drain()
         self.activity = None
         if failure is not None:
             raise failure
-        if state.stop_requested:
+        if self.state.stop_requested:
             raise StopRequested
+
+    async def _optimizer_step(self, step: StepBuild) -> None:
+        """A mini-batch's optimizer step inside the open step (no new weight
+        version), once none of its microbatches runs."""
+        await self._drain()
+        call = self.state.stages.optimizer_step
+        if call is None:
+            raise TrainCallFailed("optimizer_step", RuntimeError("these stages take one optimizer step per rollout "
+                                                                 "batch: leave global_batch and ppo_epochs out"))
+        await self._call("optimizer_step", call, step.batch_index)
 
     async def _generation_phase(self, step: StepBuild) -> None:
         """The step starts once all its groups are ready and the generator
@@ -173,9 +236,9 @@ class TrainPump:
             return batch_dispatched and state.buffer.unconsumed_for(step.batch_index) == 0
         return len(step.groups) >= per_step or (state.prompts_exhausted and state.buffer.outstanding == 0)
 
-    async def _start_group(self, step: StepBuild, group: Group) -> None:
-        """Take the group into the step and queue its microbatch; the pump
-        goes on selecting while it runs."""
+    async def _start_group(self, step: StepBuild, group: Group, stream: bool = True) -> None:
+        """Take the group into the step and (streaming) queue its microbatch;
+        the pump goes on selecting while it runs."""
         state = self.state
         state.buffer.consume(group.group_id)
         step.groups.append(group)
@@ -184,20 +247,24 @@ class TrainPump:
         if not step.begun:
             step.begun = True
             await self._call("begin_train_step", state.stages.begin_train_step, step.batch_index)
-        replica = self.lanes.assign(group.tokens)
-        self.lanes.submit(replica, lambda: self._microbatch(step, group, replica))
+        if stream:
+            replica = self.lanes.assign(group.tokens)
+            advantages = self._group_advantages(group)
+            self.lanes.submit(replica, lambda: self._microbatch(step, group, replica, advantages))
 
-    async def _microbatch(self, step: StepBuild, group: Group, replica: int) -> None:
+    async def _microbatch(self, step: StepBuild, group: Group, replica: int, advantages: list[float] | None) -> None:
+        """Train one group on ``replica``; its rewards and ``advantages`` go to
+        the data plane first (None: a later pass, they are there already)."""
         state = self.state
-        advantages = group_advantages(group.rewards, state.settings.advantage_eps)
-        fields = {
-            FIELD_REWARD: torch.tensor(group.rewards, dtype=torch.float32),
-            FIELD_ADVANTAGE: torch.tensor(advantages, dtype=torch.float32),
-        }
-        try:
-            await state.put(group.keys, fields)
-        except Exception as error:
-            raise TrainCallFailed("the data-plane put of advantages", error) from error
+        if advantages is not None:
+            fields = {
+                FIELD_REWARD: torch.tensor(group.rewards, dtype=torch.float32),
+                FIELD_ADVANTAGE: torch.tensor(advantages, dtype=torch.float32),
+            }
+            try:
+                await state.put(group.keys, fields)
+            except Exception as error:
+                raise TrainCallFailed("the data-plane put of advantages", error) from error
         try:
             with state.meter("train").track():
                 result = await state.stages.train_microbatch(step.batch_index, list(group.keys), replica)

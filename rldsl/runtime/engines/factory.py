@@ -71,7 +71,8 @@ def build_logprob(stage: StagePlan, pipe: PipelinePlan, seed: int):
         from rldsl.runtime.engines.torch.logprob import TorchLogprob
 
         model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
-        return TorchLogprob(model, rows_per_forward=stage.settings.get("micro_batch"))
+        return TorchLogprob(model, rows_per_forward=stage.settings.get("micro_batch"),
+                            tokens_per_forward=stage.settings.get("micro_batch_tokens", 0))
     if name == "vllm":
         from rldsl.runtime.engines.vllm import VLLMLogprob
 
@@ -80,7 +81,9 @@ def build_logprob(stage: StagePlan, pipe: PipelinePlan, seed: int):
         from rldsl.runtime.engines.megatron.logprob import MegatronLogprob
 
         return MegatronLogprob.from_pretrained(_hf_path(pipe, stage), **_megatron_parallelism(stage),
-                                               rows_per_forward=stage.settings.get("micro_batch"), seed=pipe.run.seed)
+                                               rows_per_forward=stage.settings.get("micro_batch"),
+                                               tokens_per_forward=stage.settings.get("micro_batch_tokens", 0),
+                                               seed=pipe.run.seed)
     raise _unavailable(stage)
 
 
@@ -89,31 +92,64 @@ def build_trainer(stage: StagePlan, pipe: PipelinePlan, seed: int, process_group
     if name == "sim":
         from rldsl.runtime.engines.sim import SimTrainer
 
-        return SimTrainer(_sim_latency(stage), seed=seed)
+        return SimTrainer(_sim_latency(stage), seed=seed, lr=stage.settings.get("lr", 0.0),
+                          lr_schedule=lr_schedule(stage, pipe))
     if name == "torch":
         from rldsl.runtime.engines.torch.train import TorchTrainer
 
-        loss = dict(stage.settings["loss"])
-        loss.pop("name", None)
         model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
-        return TorchTrainer(model, loss=loss, lr=stage.settings["lr"], weight_decay=stage.settings["weight_decay"],
-                            max_grad_norm=stage.settings["max_grad_norm"] or None,
-                            rows_per_forward=pipe.batch.micro_batch, process_group=process_group)
+        return TorchTrainer(model, **training_options(stage, pipe), process_group=process_group)
     if name == "megatron":
         from rldsl.runtime.engines.megatron.trainer import MegatronTrainer
 
-        loss = dict(stage.settings["loss"])
-        loss.pop("name", None)
         args = stage.engine.args
         # Megatron builds its groups from the default process group (the worker's, or a
         # one-process group it creates), so `process_group` is not passed on.
         return MegatronTrainer.from_pretrained(
             _hf_path(pipe, stage), **_megatron_parallelism(stage),
-            distributed_optimizer=args["distributed_optimizer"], offload=args["offload"], loss=loss,
-            lr=stage.settings["lr"], weight_decay=stage.settings["weight_decay"],
-            max_grad_norm=stage.settings["max_grad_norm"] or None, rows_per_forward=pipe.batch.micro_batch,
-            global_batch=pipe.batch.global_batch, seed=pipe.run.seed)
+            distributed_optimizer=args["distributed_optimizer"], offload=args["offload"],
+            **training_options(stage, pipe), seed=pipe.run.seed)
     raise _unavailable(stage)
+
+
+def training_options(stage: StagePlan, pipe: PipelinePlan) -> dict:
+    """The trainer arguments a train stage's settings give (``.get`` with the
+    language's defaults, so plans written before a key existed still build)."""
+    settings = stage.settings
+    return {
+        "loss": loss_options(settings.get("loss", {})),
+        "lr": settings["lr"],
+        "weight_decay": settings.get("weight_decay", 0.0),
+        "max_grad_norm": settings.get("max_grad_norm", 1.0) or None,
+        "rows_per_forward": settings.get("micro_batch") or pipe.batch.micro_batch,
+        "tokens_per_forward": settings.get("micro_batch_tokens", 0),
+        "lr_schedule": lr_schedule(stage, pipe),
+    }
+
+
+LEGACY_LOSS_LEVELS = {"token": "token_mean", "sequence": "seq_mean_token_mean"}
+
+
+def loss_options(loss: dict) -> dict:
+    """``PolicyLossConfig`` arguments from the plan's loss (its ``name`` is
+    the family, always the clipped policy gradient); an older plan's
+    ``level`` becomes the matching ``agg``."""
+    options = {key: value for key, value in loss.items() if key != "name"}
+    level = options.pop("level", None)
+    if level is not None:
+        options.setdefault("agg", LEGACY_LOSS_LEVELS[level])
+    return options
+
+
+def lr_schedule(stage: StagePlan, pipe: PipelinePlan):
+    """The schedule over the run's optimizer steps: steps x optimizer steps
+    per rollout batch (mini-batches x ppo_epochs)."""
+    from rldsl.runtime.engines.schedule import LRSchedule
+
+    settings = stage.settings
+    total = pipe.run.steps * pipe.batch.optimizer_steps_per_step
+    return LRSchedule(settings.get("lr_schedule", "constant"), settings.get("warmup", 0), total,
+                      settings.get("min_lr", 0.0))
 
 
 def _model(pipe: PipelinePlan, stage: StagePlan) -> ModelPlan:

@@ -17,6 +17,7 @@ from rldsl.runtime import protocols as p
 from rldsl.runtime.control.handles import StageHandles
 from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.control.state import resolve
+from rldsl.runtime.engines.schedule import LRSchedule
 from rldsl.runtime.engines.sim.engines import SimGenerator, SimLogprob, SimRewardWorker, SimTrainer, SplitStepError
 from rldsl.runtime.engines.sim.latency import Latency, Timed
 from rldsl.runtime.protocols import MIB
@@ -51,6 +52,8 @@ class SimConfig:
     vocab_size: int = 64
     prompt_len: int = 8
     max_new_tokens: int = 16
+    lr: float = 0.0  # the trainers report the LR their schedule gives each optimizer step
+    lr_schedule: LRSchedule = field(default_factory=LRSchedule)
 
 
 class SimStages:
@@ -79,7 +82,8 @@ class SimStages:
         ]
         self.logprob_engine = SimLogprob(c.logprob, seed + 2000)
         self.trainers = [
-            SimTrainer(c.microbatch, c.finish, c.trainer_fail_on, c.trainer_fail_prob, c.weight_bytes, seed + 3000 + r)
+            SimTrainer(c.microbatch, c.finish, c.trainer_fail_on, c.trainer_fail_prob, c.weight_bytes, seed + 3000 + r,
+                       lr=c.lr, lr_schedule=c.lr_schedule)
             for r in range(c.train_replicas)
         ]
         self.trainer = self.trainers[0]
@@ -93,6 +97,7 @@ class SimStages:
             self.finish_train_step, self.abort_train_step, self.export_weights, self.push_weights,
             self.generator_version, self.sleep_generators, self.wake_generators,
             generator_replicas=len(self.replicas), train_replicas=len(self.trainers),
+            optimizer_step=self.optimizer_step,
         )
 
     async def generate(
@@ -128,6 +133,12 @@ class SimStages:
             return await self.trainers[replica].train_microbatch_async(step, batch)
         finally:
             self._microbatch_running[replica] = False
+
+    async def optimizer_step(self, step: int) -> dict[str, float]:
+        """A mini-batch boundary: every replica steps its optimizer; the step stays open."""
+        self._require_sleepers_asleep("optimizer_step")
+        results = await asyncio.gather(*(t.optimizer_step_async(step) for t in self.trainers))
+        return results[0]
 
     async def finish_train_step(self, step: int) -> p.StepResult:
         self._require_sleepers_asleep("finish_train_step")

@@ -2,8 +2,10 @@
 
 The evaluator is one more receiver of the trainer's weight pushes. It keeps
 the newest complete version it was sent and, when asked, loads it into a
-torch copy of the policy and decodes the held-out prompts greedily. So
-evaluation
+torch copy of the policy and decodes the evaluation prompts: greedily by
+default, or ``eval_samples`` responses per prompt at ``eval_temperature`` /
+``eval_top_p``, seeded by the run's seed and the weight version so the same
+weights always score the same. So evaluation
 - works the same whatever the trainer engine (torch or megatron: both push
   weights named as the policy's own modules),
 - never holds up the trainer or a generator (it runs in its own process,
@@ -17,8 +19,10 @@ in reasonable time, ``eval_size = 0`` on the dataset turns evaluation off.
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
+from dataclasses import dataclass
 
 from rldsl.plan import PipelinePlan
 
@@ -26,11 +30,43 @@ _NICENESS = 10
 
 
 def held_out_prompts(pipe: PipelinePlan) -> list:
-    from rldsl.runtime.control.prompts import dataset_options
-    from rldsl.tasks import load_dataset
+    """The evaluation prompts (at most ``eval_size``): the dataset's
+    ``eval_source`` when it has one (its eval split; a jsonl file as given,
+    ``{split}`` read as ``eval``), else the eval split of its first source."""
+    from rldsl.runtime.control.prompts import load_source
 
-    rows = load_dataset(pipe.datasets[0].source, "eval", **dataset_options(pipe, pipe.run.seed))
-    return rows[:pipe.eval_size]
+    source = pipe.datasets[0].options.get("eval_source") or pipe.datasets[0].source
+    return load_source(pipe, source, "eval", pipe.run.seed)[:pipe.eval_size]
+
+
+@dataclass(frozen=True)
+class EvalSampling:
+    """How each evaluation decodes; a plan without these options decodes greedily."""
+
+    samples: int = 1  # responses per prompt
+    temperature: float = 0.0  # 0: greedy (argmax), and then one response is all the samples
+    top_p: float = 1.0
+
+    @staticmethod
+    def of(pipe: PipelinePlan) -> "EvalSampling":
+        options = pipe.datasets[0].options
+        return EvalSampling(int(options.get("eval_samples") or 1), float(options.get("eval_temperature") or 0.0),
+                            float(options.get("eval_top_p") or 1.0))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def score(responses: list[list[str]], prompts: list) -> dict:
+    """``accuracy``: exact-match reward averaged over every response;
+    ``pass_at_k``: the share of prompts with at least one right among its k."""
+    from rldsl.rewards import exact_match
+
+    rewards = [[exact_match(r, p.answer) for r in group] for group, p in zip(responses, prompts)]
+    total = sum(len(group) for group in rewards)
+    return {"accuracy": sum(map(sum, rewards)) / max(total, 1),
+            "pass_at_k": sum(any(group) for group in rewards) / max(len(rewards), 1)}
 
 
 class Evaluator:
@@ -51,8 +87,10 @@ class Evaluator:
         train = pipe.stage(pipe.batch.train_stage)
         generate = next(s for s in pipe.stages if s.kind == "generate")
         model = next(m for m in pipe.models if m.name == train.model)
+        self.sampling, self.seed = EvalSampling.of(pipe), pipe.run.seed
         self.decoder = TorchGenerator(load_policy(model, pipe, pipe.run.seed),
-                                      max_new_tokens=generate.settings["max_new_tokens"])
+                                      max_new_tokens=generate.settings["max_new_tokens"],
+                                      temperature=self.sampling.temperature, top_p=self.sampling.top_p)
         self.prompts = held_out_prompts(pipe)
         self._lock = threading.Lock()  # guards the two fields below
         self._incoming: tuple[int, dict] | None = None  # a push in progress
@@ -78,10 +116,8 @@ class Evaluator:
             return self._latest[0] if self._latest else self.decoder.version
 
     def evaluate(self, min_version: int = 0, timeout_s: float = 600.0) -> dict:
-        """Greedy exact-match accuracy of the newest weights, once a version
-        of at least ``min_version`` has arrived (or ``timeout_s`` passed)."""
-        from rldsl.runtime.engines.torch.warmstart import greedy_accuracy
-
+        """Exact-match accuracy of the newest weights, once a version of at
+        least ``min_version`` has arrived (or ``timeout_s`` passed)."""
         deadline = time.monotonic() + timeout_s
         while self.version() < min_version and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -90,9 +126,28 @@ class Evaluator:
                 latest, self._latest = self._latest, None
             if latest is not None:
                 self.decoder.update_weights(latest[1], latest[0], last=True)
-            accuracy = greedy_accuracy(self.decoder.model, self.prompts, self.decoder.max_new_tokens)
-            args.update(version=self.decoder.version, accuracy=accuracy)
-        return {"accuracy": accuracy, "version": self.decoder.version, "prompts": len(self.prompts)}
+            scores = score(self.responses(), self.prompts)
+            args.update(version=self.decoder.version, **scores)
+        return {**scores, "version": self.decoder.version, "prompts": len(self.prompts),
+                "samples": 1 if self.sampling.greedy else self.sampling.samples}
+
+    def responses(self) -> list[list[str]]:
+        """Each prompt's responses under the loaded weights: one argmax decode
+        when greedy (more samples would repeat it), else ``samples`` draws
+        seeded by the run's seed and the weight version."""
+        if self.sampling.greedy:
+            return [[text] for text in self.decoder.generate_greedy(self.prompts)]
+        samples, responses = self.sampling.samples, []
+        chunk = max(1, self.decoder.GREEDY_ROWS_PER_DECODE // samples)  # bounds the KV cache like greedy
+        for start in range(0, len(self.prompts), chunk):
+            prompts = self.prompts[start:start + chunk]
+            batch = self.decoder.generate(prompts, samples, seed=self._chunk_seed(start))
+            texts = self.decoder.decode(batch)
+            responses += [texts[i * samples:(i + 1) * samples] for i in range(len(prompts))]
+        return responses
+
+    def _chunk_seed(self, start: int) -> int:
+        return random.Random(f"eval-{self.seed}-{self.decoder.version}-{start}").getrandbits(62)
 
 
 class EvaluationSchedule:

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rldsl.plan import ExecutionPlan, PipelinePlan
@@ -53,9 +54,32 @@ def preflight(pipe: PipelinePlan) -> None:
             raise PreflightError(f"model `{model.name}`: {path} is not a directory; `hf:` takes a local Hugging "
                                  "Face model directory (config.json, weights, tokenizer); nothing is downloaded")
     for dataset in pipe.datasets:
-        path = dataset.source.removeprefix("jsonl:")
-        if dataset.source.startswith("jsonl:") and "{split}" not in path and not Path(path).exists():
-            raise PreflightError(f"dataset `{dataset.name}`: no such file {path}")
+        named = [*dataset.options.get("sources", [dataset.source]), dataset.options.get("eval_source") or ""]
+        for source in named:
+            path = source.removeprefix("jsonl:")
+            if source.startswith("jsonl:") and "{split}" not in path and not Path(path).exists():
+                raise PreflightError(f"dataset `{dataset.name}`: no such file {path}")
+
+
+def with_run_lengths(plan: ExecutionPlan, steps: int | None) -> ExecutionPlan:
+    """Every pipeline's steps known before an actor starts (the learning-rate
+    schedule spans them): `--steps` wins, a run in epochs is counted from its
+    training prompts."""
+    from rldsl.runtime.control.prompts import train_prompt_count
+    from rldsl.tasks import DatasetError
+
+    pipes = []
+    for pipe in plan.pipelines:
+        run = pipe.run
+        if steps is not None:
+            run = replace(run, steps=steps, epochs=0, samples=0)
+        elif run.epochs:
+            try:
+                run = run.resolved(train_prompt_count(pipe, run.seed), pipe.batch.prompts_per_step)
+            except DatasetError as err:
+                raise PreflightError(f"dataset of pipeline `{pipe.name}`: {err}") from None
+        pipes.append(replace(pipe, run=run))
+    return replace(plan, pipelines=pipes)
 
 
 def _has_cuda() -> bool:
@@ -74,14 +98,15 @@ def run_plan(plan: ExecutionPlan, args) -> int:
 
     started = time.monotonic()
     resume = bool(getattr(args, "resume", None))
-    settings = {pipe.name: settings_from_plan(pipe, args.steps) for pipe in plan.pipelines}
     dry_run = bool(getattr(args, "dry_run", False))
     try:
         for pipe in plan.pipelines if not dry_run else ():  # a dry run starts no engine
             preflight(pipe)
+        written, plan = plan, with_run_lengths(plan, args.steps)  # the run directory keeps the plan as given
     except PreflightError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    settings = {pipe.name: settings_from_plan(pipe) for pipe in plan.pipelines}
     shared = plan.gpus_shared_across_pipelines()
     if shared and (args.address or _has_cuda()):
         (node, gpu), names = next(iter(shared.items()))
@@ -97,7 +122,7 @@ def run_plan(plan: ExecutionPlan, args) -> int:
         return _dry_run(plan, settings, run_dir, args.address)
     _private_directory(run_dir)
     if not resume:
-        (run_dir / "plan.json").write_text(plan.to_json() + "\n")
+        (run_dir / "plan.json").write_text(written.to_json() + "\n")
         (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file,
                                                        "pipelines": [p.name for p in plan.pipelines]}) + "\n")
     import ray

@@ -108,6 +108,9 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
     async def finish_train_step(step: int):
         return (await on_every_trainer("finish_train_step", step))[0]
 
+    async def optimizer_step(step: int) -> dict:
+        return (await on_every_trainer("optimizer_step", step))[0]
+
     async def abort_train_step(step: int) -> None:
         await on_every_trainer("abort_train_step", step, return_exceptions=True)
 
@@ -165,7 +168,7 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
     return StageHandles(generate, reward, logprob, begin_train_step, train_microbatch, finish_train_step,
                         abort_train_step, export_weights, push_weights, generator_version, sleep_generators,
                         wake_generators, generator_replicas=len(generators), train_replicas=len(train_replicas),
-                        stage_slots={name: pool.size for name, pool in free.items()})
+                        stage_slots={name: pool.size for name, pool in free.items()}, optimizer_step=optimizer_step)
 
 
 def reward_calls_per_worker(stage) -> int:

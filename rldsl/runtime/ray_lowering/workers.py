@@ -248,6 +248,11 @@ class TrainerWorker(_Worker):
                 result = {**result, "refused_keys": [keys[i] for i in stale]}
             return result
 
+    def optimizer_step(self, step: int) -> dict:
+        """A mini-batch's optimizer step inside the open step (a collective)."""
+        with self.tracer.span("optimizer_step", step=step, version=self.engine.version), self._collectives():
+            return self.engine.optimizer_step(step)
+
     def finish_train_step(self, step: int) -> p.StepResult:
         with self.tracer.span("finish_train_step", step=step, version=self.engine.version), self._collectives():
             result = self.engine.finish_train_step(step)

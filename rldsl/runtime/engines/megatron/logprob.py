@@ -13,8 +13,8 @@ import torch
 
 from rldsl.runtime.engines.megatron import model as mm
 from rldsl.runtime.engines.megatron.hf_weights import HFToMegatronAssembler, LlamaShape
-from rldsl.runtime.engines.torch.common import split_rows
-from rldsl.runtime.protocols import Batch
+from rldsl.runtime.engines.torch.packing import forward_rows, scatter_rows, take_rows, trim_padding
+from rldsl.runtime.protocols import FIELD_RESPONSE_IDS, Batch
 
 
 class MegatronLogprob:
@@ -23,15 +23,19 @@ class MegatronLogprob:
     A frozen reference keeps the weights it was built with; a policy logprob
     stage receives Hugging Face-named buckets through ``update_weights``
     (a fused tensor whose parts span two buckets is assembled across them).
+    With ``tokens_per_forward`` the rows of a forward are chosen by token
+    budget and their padding trimmed, as in the trainer.
     """
 
     def __init__(self, shape: LlamaShape, hf_weights: Mapping[str, torch.Tensor] | None = None, *, tp: int = 1,
-                 pp: int = 1, dtype: str = "bf16", rows_per_forward: int | None = None, seed: int = 0):
+                 pp: int = 1, dtype: str = "bf16", rows_per_forward: int | None = None, tokens_per_forward: int = 0,
+                 seed: int = 0):
         mm.ensure_model_parallel(tp, pp, seed)
         if pp != 1:
             raise NotImplementedError("the megatron logprob engine runs without pipeline parallelism (pp = 1)")
         self.shape = shape
         self.rows_per_forward = rows_per_forward
+        self.tokens_per_forward = tokens_per_forward
         self.device = mm.compute_device()
         self.model = mm.build_gpt_model(shape, mm.transformer_config(shape, dtype, tp, pp))
         if hf_weights is not None:
@@ -50,8 +54,10 @@ class MegatronLogprob:
     def logprobs(self, batch: Batch) -> torch.Tensor:
         if self._pending_version is not None:
             raise RuntimeError(f"weight sync to version {self._pending_version} is in progress")
-        chunks = [self._chunk_logprobs(chunk) for chunk in split_rows(batch, self.rows_per_forward)]
-        return torch.cat(chunks) if chunks else torch.zeros(0, 0)
+        groups = forward_rows(batch, self.rows_per_forward, self.tokens_per_forward)
+        trim = trim_padding if self.tokens_per_forward else dict
+        results = ((rows, self._chunk_logprobs(trim(take_rows(batch, rows)))) for rows in groups)
+        return scatter_rows(results, *batch[FIELD_RESPONSE_IDS].shape)
 
     def _chunk_logprobs(self, chunk: Batch) -> torch.Tensor:
         packed = mm.pack_rows(chunk, self.device)

@@ -106,6 +106,7 @@ def load_checkpoint(directory, *, model, optimizer, scheduler, distributed_optim
                            f"{state['distributed_optimizer']}, this trainer has {distributed_optimizer}")
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    _reshape_placeholder_states(optimizer)
     for sub, param_state in zip(_distributed(optimizer), state["optimizer_param_state"], strict=True):
         for per_dtype in (v for k, v in param_state.items() if isinstance(k, int)):
             for buckets in per_dtype.values():
@@ -117,6 +118,22 @@ def load_checkpoint(directory, *, model, optimizer, scheduler, distributed_optim
     scheduler.num_steps = 0  # load_state_dict ADDS the saved step count to the current one
     scheduler.load_state_dict(state["scheduler"])
     return int(state["version"])
+
+
+def _reshape_placeholder_states(optimizer) -> None:
+    """Give each placeholder state of the distributed optimizer its parameter's
+    shape. Its ``load_state_dict`` allocates them (the parameter state loaded
+    next overwrites every value), and in a parameter group that holds both
+    bf16 and fp32 parameters it gives some parameters another's shape (a
+    bf16 Qwen2 model: its 48-element q/k/v biases and 32-element norms swap),
+    so that loading then fails on a size mismatch."""
+    for sub in _distributed(optimizer):
+        for group in sub.optimizer.param_groups:
+            for param in group["params"]:
+                states = sub.optimizer.state.get(param, {})
+                for key, value in states.items():
+                    if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                        states[key] = torch.empty(param.shape, dtype=value.dtype, device=value.device)
 
 
 def _own_optimizer_storages(optimizer) -> None:

@@ -1,7 +1,8 @@
 """``MegatronTrainer``: the split-step trainer on megatron-core (the logprob
 engine is ``megatron_logprob.MegatronLogprob``).
 
-The split step (seeds 000/001):
+The split step (seeds 000/001); a step is one rollout batch, taken in one or
+more optimizer steps:
 
 - ``begin_train_step`` zeroes the DDP grad buffers and the optimizer, then
   saves and nulls the model config's ``grad_sync_func`` and
@@ -14,19 +15,22 @@ The split step (seeds 000/001):
   would all-reduce after every call. Nulled, the schedule leaves
   synchronisation to the trainer.
 - ``train_microbatch`` runs the schedule inside ``model.no_sync()`` on the
-  UN-normalised GRPO loss sum (``grpo_loss``), so the grad buffers hold raw
-  d(sum)/dθ, and adds the microbatch's local token and sequence counts.
-- ``finish_train_step`` all-reduces the counts over the data-parallel group
-  to get the global N (tokens or sequences, by the loss level), scales the
-  gradients by 1/N, runs the one gradient reduction (``start_grad_sync`` +
-  ``finish_grad_sync``), steps the optimizer (which clips), restores the
-  hooks, advances the LR scheduler by the global batch and bumps the version.
+  UN-normalised policy loss sum (``policy_loss``), so the grad buffers hold
+  raw d(sum)/dθ, and adds the microbatch's local token and sequence counts.
+- ``optimizer_step`` (a mini-batch boundary) all-reduces the counts over the
+  data-parallel group to get the global N (tokens or sequences, by the
+  loss's aggregation), scales the gradients by 1/N, runs the one gradient
+  reduction (``start_grad_sync`` + ``finish_grad_sync``), steps the
+  optimizer (which clips) and the LR scheduler by one, and zeroes the grad
+  buffers; the hooks stay nulled and the version is unchanged.
+- ``finish_train_step`` does the same for the last mini-batch, restores the
+  hooks and bumps the version by one.
 - ``abort_train_step`` restores the hooks and zeroes the gradients; it is
   idempotent.
 
-If a microbatch or finish raises, the hooks are restored before the
-exception propagates and the step is marked failed: the caller must abort
-it (later calls on it raise).
+If a microbatch, an optimizer step or finish raises, the hooks are restored
+before the exception propagates and the step is marked failed: the caller
+must abort it (later calls on it raise).
 
 ``TransformerConfig.calculate_per_token_loss`` is on, so DDP sums gradients
 over data-parallel ranks instead of averaging them and the schedule neither
@@ -34,37 +38,31 @@ divides the loss by the microbatch count nor scales the MoE auxiliary loss
 by it (Megatron's router multiplies it by the token count instead, so after
 the 1/N at finish it has the weight Megatron's per-token mode gives it).
 The auxiliary-loss METRICS are accumulated over every pipeline microbatch
-of the step and divided by that count at finish.
+of an optimizer step and divided by that count when it is taken.
 
-Outside a step (``megatron_state``): ``save_checkpoint(directory)`` is a
-collective in which every rank writes ``directory/megatron/rankNNNNN.pt``
-(its model shard, optimizer state, including the distributed optimizer's
-shard, LR scheduler, version and the tp/pp/dp layout) and waits for the
-others; ``load_checkpoint`` reads each rank's own file back and requires the
-same layout (no resharding). With ``offload = true``, ``sleep`` copies the
-weights (DDP's param buffers or the parameters) and the optimizer state
-(fp32 main params and moments) to host memory and frees their device
-storage in place, dropping the gradient buffers; ``wake`` restores them
-(gradients as zeros). Without offload both are no-ops. While asleep the
-trainer refuses steps, weight export and checkpoints.
+Outside a step (``state.py``): checkpoints are a collective, one file per
+rank, same tp/pp/dp layout to load; with ``offload = true`` ``sleep`` and
+``wake`` move the weights and optimizer state to host memory and back.
+While asleep the trainer refuses steps, weight export and checkpoints.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
-from rldsl.runtime.engines.grpo_loss import GRPOLossConfig, grpo_loss, step_metrics
+from rldsl.runtime.engines.megatron import components as mc
 from rldsl.runtime.engines.megatron import model as mm
 from rldsl.runtime.engines.megatron import state as ms
 from rldsl.runtime.engines.megatron.hf_weights import LlamaShape
-from rldsl.runtime.engines.torch.common import split_rows
+from rldsl.runtime.engines.policy_loss import PolicyLossConfig, policy_loss, rollout_metrics, step_metrics
+from rldsl.runtime.engines.schedule import LRSchedule
+from rldsl.runtime.engines.torch.packing import forward_rows, take_rows, trim_padding
 from rldsl.runtime.protocols import (
     FIELD_ADVANTAGE,
     FIELD_BEHAVIOUR_LOGPROBS,
@@ -77,15 +75,20 @@ from rldsl.runtime.protocols import (
 
 log = logging.getLogger(__name__)
 COUNTS = ("tokens", "sequences")
-LOSS_STATS = ("loss_sum", "kl_sum", "clipped_tokens", "ratio_sum")
-SYNC_HOOKS = ("grad_sync_func", "no_sync_func", "finalize_model_grads_func")
+LOSS_STATS = ("loss_sum", "kl_sum", "clipped_tokens", "dual_clipped_tokens", "capped_tokens", "ratio_sum")
+SKIPPED = {"skipped": 1.0}
+
+
+def _no_sums() -> dict[str, float]:
+    return dict.fromkeys(COUNTS + LOSS_STATS, 0.0)
 
 
 @dataclass
 class _OpenStep:
     step: int
-    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTS + LOSS_STATS, 0.0))
-    pipeline_microbatches: int = 0
+    sums: dict[str, float] = field(default_factory=_no_sums)  # since the last optimizer step
+    pipeline_microbatches: int = 0  # since the last optimizer step
+    taken: list[dict[str, float]] = field(default_factory=list)  # metrics of its optimizer steps
     failed: bool = False
 
 
@@ -103,21 +106,24 @@ class MegatronTrainer:
         distributed_optimizer: bool = True,
         overlap_grad_reduce: bool = True,
         offload: bool = False,
-        loss: GRPOLossConfig | dict | None = None,
+        loss: PolicyLossConfig | dict | None = None,
         lr: float = 1e-5,
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
         max_grad_norm: float | None = 1.0,
         rows_per_forward: int | None = None,
-        global_batch: int | None = None,
-        lr_warmup_samples: int = 0,
+        tokens_per_forward: int = 0,
+        lr_schedule: LRSchedule | None = None,
         seed: int = 0,
     ):
         mm.ensure_model_parallel(tp, pp, seed)
         self.shape = shape
-        self.loss = loss if isinstance(loss, GRPOLossConfig) else GRPOLossConfig(**(loss or {}))
+        self.loss = loss if isinstance(loss, PolicyLossConfig) else PolicyLossConfig(**(loss or {}))
         self.rows_per_forward = rows_per_forward
-        self.global_batch = global_batch
+        self.tokens_per_forward = tokens_per_forward  # 0: off; else the token budget of a forward
+        self.pipeline_parallel = pp
+        schedule = lr_schedule or LRSchedule()
+        schedule.check_base_lr(lr)
         self.offload = offload  # sleep/wake move the weights and optimizer state to host memory
         self._offload = ms.DeviceOffload()
         self.device = mm.compute_device()
@@ -125,77 +131,21 @@ class MegatronTrainer:
         module = mm.build_gpt_model(shape, self.config)
         if hf_weights is not None:
             mm.load_hf_weights(module, hf_weights, shape)
-        self.ddp_config = self._ddp_config(dtype, distributed_optimizer, overlap_grad_reduce)
-        self.model = self._wrap_ddp(module)
-        self.optimizer = self._build_optimizer(dtype, distributed_optimizer, lr, betas, weight_decay, max_grad_norm)
-        self.scheduler = self._build_scheduler(lr, weight_decay, lr_warmup_samples)
-        self._install_sync_hooks()
+        self.ddp_config = mc.ddp_config(dtype, distributed_optimizer, overlap_grad_reduce)
+        self.model = mc.wrap_ddp(module, self.config, self.ddp_config)
+        self.optimizer = mc.build_optimizer(self.model, dtype, distributed_optimizer, lr,
+                                               mc.schedule_min_lr(schedule, lr), betas, weight_decay,
+                                               max_grad_norm)
+        self.scheduler = mc.build_scheduler(self.optimizer, lr, weight_decay, schedule)
+        self.hooks = mc.SyncHooks(self.config, self.model, self.ddp_config)
         self.version = 0
         self._open: _OpenStep | None = None
-        self._saved_hooks: dict[str, Any] | None = None
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs) -> "MegatronTrainer":
         """From a local Hugging Face checkpoint directory (config.json + weights)."""
         shape = LlamaShape.from_hf_config(mm.read_hf_config(path))
         return cls(shape, mm.read_hf_weights(path), **kwargs)
-
-    # -- construction ------------------------------------------------------------
-
-    @staticmethod
-    def _ddp_config(dtype, distributed_optimizer, overlap_grad_reduce):
-        from megatron.core.distributed import DistributedDataParallelConfig
-
-        return DistributedDataParallelConfig(
-            grad_reduce_in_fp32=dtype != "fp32",
-            overlap_grad_reduce=overlap_grad_reduce,
-            use_distributed_optimizer=distributed_optimizer,
-            average_in_collective=False,  # a sum: the trainer divides by the global count
-        )
-
-    def _wrap_ddp(self, module):
-        from megatron.core.distributed import DistributedDataParallel
-
-        model = DistributedDataParallel(config=self.config, ddp_config=self.ddp_config, module=module)
-        model.broadcast_params()  # every data-parallel replica starts from rank 0's weights
-        return model
-
-    def _build_optimizer(self, dtype, distributed_optimizer, lr, betas, weight_decay, max_grad_norm):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        config = OptimizerConfig(
-            optimizer="adam",
-            lr=lr,
-            min_lr=lr,
-            weight_decay=weight_decay,
-            adam_beta1=betas[0],
-            adam_beta2=betas[1],
-            clip_grad=max_grad_norm or 0.0,
-            bf16=dtype == "bf16",
-            fp16=dtype == "fp16",
-            params_dtype=mm.DTYPES[dtype],
-            use_distributed_optimizer=distributed_optimizer,
-        )
-        return get_megatron_optimizer(config, [self.model])
-
-    def _build_scheduler(self, lr, weight_decay, warmup_samples):
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        horizon = 2**62  # constant LR after warmup: the decay horizon is never reached
-        return OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if warmup_samples else lr, max_lr=lr, min_lr=lr,
-            lr_warmup_steps=warmup_samples, lr_decay_steps=horizon, lr_decay_style="constant",
-            start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=horizon, wd_incr_style="constant",
-        )
-
-    def _install_sync_hooks(self) -> None:
-        """The hooks a plain Megatron training loop installs; the split step
-        nulls them while a step is open."""
-        from megatron.core.distributed import finalize_model_grads
-
-        self.config.no_sync_func = self.model.no_sync
-        self.config.grad_sync_func = self.model.start_grad_sync if self.ddp_config.overlap_grad_reduce else None
-        self.config.finalize_model_grads_func = finalize_model_grads
 
     # -- the split-step protocol -------------------------------------------------
 
@@ -204,7 +154,7 @@ class MegatronTrainer:
             raise RuntimeError(f"begin_train_step({step}) while step {self._open.step} is open; finish or abort it")
         self._require_awake(f"begin_train_step({step})")
         self._zero_grads()
-        self._save_and_null_sync_hooks()
+        self.hooks.null()
         self._open = _OpenStep(step)
 
     def train_microbatch(self, step: int, batch: Batch) -> dict[str, float]:
@@ -216,7 +166,20 @@ class MegatronTrainer:
             self._fail_open_step("train_microbatch")
             raise
 
+    def optimizer_step(self, step: int) -> dict[str, float]:
+        """One optimizer step on the mini-batch trained since the last one; the
+        step stays open and the version is unchanged. A collective."""
+        self._require_open(step, "optimizer_step")
+        try:
+            metrics = self._take_optimizer_step()
+            self._zero_grads()
+            return metrics or dict(SKIPPED)
+        except BaseException:
+            self._fail_open_step("optimizer_step")
+            raise
+
     def finish_train_step(self, step: int) -> StepResult:
+        """The rollout batch's last optimizer step; bumps the version once."""
         self._require_open(step, "finish_train_step")
         try:
             return self._finish_train_step_body()
@@ -228,7 +191,7 @@ class MegatronTrainer:
         """Drop the open step (whichever it is) and its gradients; safe to repeat."""
         if self._open is not None and self._open.step != step:
             log.warning("abort_train_step(%s) dropped open step %s", step, self._open.step)
-        self._restore_sync_hooks()
+        self.hooks.restore()
         self._zero_grads()
         self._open = None
 
@@ -296,14 +259,29 @@ class MegatronTrainer:
 
     # -- step bodies -------------------------------------------------------------
 
-    def _train_microbatch_body(self, batch: Batch) -> dict[str, float]:
-        chunks = list(split_rows(batch, self.rows_per_forward))
-        if not chunks:
-            return dict.fromkeys(COUNTS + LOSS_STATS, 0.0)  # no rows: nothing to add
+    def _forward_chunks(self, batch: Batch) -> list[Batch]:
+        """The rows of each pipeline microbatch: ``rows_per_forward`` rows, or
+        as many as the token budget holds, padding trimmed."""
+        groups = forward_rows(batch, self.rows_per_forward, self.tokens_per_forward)
+        chunks = [take_rows(batch, rows) for rows in groups]
+        return [trim_padding(chunk) for chunk in chunks] if self.tokens_per_forward else chunks
+
+    def _pack(self, chunks: list[Batch]) -> tuple[list[mm.PackedRows], int, int]:
+        """Packed chunks, the sequence length and rows the schedule is told.
+        Pipeline stages exchange activations of one shape, so with pp > 1
+        every chunk is padded to the largest; without, each keeps its own."""
         length = max(mm.packed_length(chunk) for chunk in chunks)
         rows = max(len(chunk[FIELD_RESPONSE_IDS]) for chunk in chunks)
-        packed = [mm.pack_rows(chunk, self.device, length, rows) for chunk in chunks]
-        sums = dict.fromkeys(COUNTS + LOSS_STATS, 0.0)
+        if self.pipeline_parallel == 1:
+            return [mm.pack_rows(chunk, self.device) for chunk in chunks], length, rows
+        return [mm.pack_rows(chunk, self.device, length, rows) for chunk in chunks], length, rows
+
+    def _train_microbatch_body(self, batch: Batch) -> dict[str, float]:
+        chunks = self._forward_chunks(batch)
+        if not chunks:
+            return _no_sums()  # no rows: nothing to add
+        packed, length, rows = self._pack(chunks)
+        sums = _no_sums()
         for chunk in chunks:
             sums["tokens"] += float(chunk[FIELD_RESPONSE_MASK].sum())
             sums["sequences"] += float((chunk[FIELD_RESPONSE_MASK].sum(dim=1) > 0).sum())
@@ -330,32 +308,42 @@ class MegatronTrainer:
         """The schedule's loss function: (un-normalised sum, local count, logged values)."""
         fields = packed.batch
         ref = fields.get(FIELD_REF_LOGPROBS)
-        result = grpo_loss(mm.response_logprobs_from_logits(logits, packed), fields[FIELD_BEHAVIOUR_LOGPROBS],
-                           fields[FIELD_ADVANTAGE], fields[FIELD_RESPONSE_MASK], self.loss, ref)
+        result = policy_loss(mm.response_logprobs_from_logits(logits, packed), fields[FIELD_BEHAVIOUR_LOGPROBS],
+                             fields[FIELD_ADVANTAGE], fields[FIELD_RESPONSE_MASK], self.loss, ref)
         sums["loss_sum"] += float(result.loss_sum.detach())
-        for name in ("kl_sum", "clipped_tokens", "ratio_sum"):
+        for name in LOSS_STATS[1:]:
             sums[name] += result.stats[name]
         count = torch.tensor(int(result.count), dtype=torch.int, device=logits.device)
         return result.loss_sum, count, {}
 
     def _finish_train_step_body(self) -> StepResult:
-        totals = self._global_sums()
-        count = totals["tokens" if self.loss.level == "token" else "sequences"]
+        attempt = self._take_optimizer_step()
+        self.hooks.restore()
+        taken, self._open = self._open.taken, None
+        if not taken:
+            if attempt is None:
+                self._zero_grads()  # nothing to learn from: left as an abort leaves it
+            return StepResult(self.version, attempt or dict(SKIPPED))
+        self.version += 1
+        return StepResult(self.version, rollout_metrics(taken))
+
+    def _take_optimizer_step(self) -> dict[str, float] | None:
+        """Scale, reduce and step on the sums since the last optimizer step:
+        its metrics (``skipped`` on an fp16 overflow), None without tokens."""
+        totals, microbatches = self._global_sums(), self._open.pipeline_microbatches
+        self._open.sums, self._open.pipeline_microbatches = _no_sums(), 0
+        count = totals[self.loss.count_name]
         if count == 0:
-            self.abort_train_step(self._open.step)
-            return StepResult(self.version, {"skipped": 1.0})
+            return None
         self.model.scale_gradients(1.0 / count)
         self._reduce_gradients_once()
         updated, grad_norm, _ = self.optimizer.step()
-        self._restore_sync_hooks()
-        metrics = self._step_metrics(totals, count, grad_norm)
-        if updated:
-            self.scheduler.step(increment=self.global_batch or int(totals["sequences"]))
-            self.version += 1
-        else:
-            metrics["skipped"] = 1.0  # fp16 loss-scale overflow
-        self._open = None
-        return StepResult(self.version, metrics)
+        metrics = self._step_metrics(totals, count, grad_norm, microbatches)
+        if not updated:
+            return {**metrics, "skipped": 1.0}  # fp16 loss-scale overflow
+        self.scheduler.step(increment=1)
+        self._open.taken.append(metrics)
+        return metrics
 
     def _reduce_gradients_once(self) -> None:
         """One data-parallel reduction. With overlap, ``start_grad_sync``
@@ -371,22 +359,9 @@ class MegatronTrainer:
 
     # -- hooks and bookkeeping -------------------------------------------------------
 
-    def _save_and_null_sync_hooks(self) -> None:
-        self._saved_hooks = {name: getattr(self.config, name) for name in SYNC_HOOKS}
-        self.config.grad_sync_func = None
-        self.config.finalize_model_grads_func = None
-        self.config.no_sync_func = contextlib.nullcontext
-
-    def _restore_sync_hooks(self) -> None:
-        if self._saved_hooks is None:
-            return
-        for name, hook in self._saved_hooks.items():
-            setattr(self.config, name, hook)
-        self._saved_hooks = None
-
     def _fail_open_step(self, call: str) -> None:
         try:
-            self._restore_sync_hooks()
+            self.hooks.restore()
         except Exception:  # never hide the original error
             log.exception("restoring Megatron's sync hooks after %s failed", call)
         if self._open is not None:
@@ -424,26 +399,7 @@ class MegatronTrainer:
             dist.all_reduce(stats, group=parallel_state.get_pipeline_model_parallel_group())
         return dict(zip(COUNTS + LOSS_STATS, counts.tolist() + stats.tolist()))
 
-    def _step_metrics(self, totals: dict[str, float], count: float, grad_norm) -> dict[str, float]:
+    def _step_metrics(self, totals: dict[str, float], count: float, grad_norm, microbatches: int) -> dict[str, float]:
         metrics = step_metrics(totals, count, grad_norm, self.optimizer.param_groups[0]["lr"])
-        metrics.update(self._moe_aux_loss_metrics())
+        metrics.update(mc.moe_aux_loss_metrics(self.config, microbatches))
         return metrics
-
-    def _moe_aux_loss_metrics(self) -> dict[str, float]:
-        """Each auxiliary loss per MoE layer and pipeline microbatch: Megatron's
-        tracker sums it over the step's microbatches, one slot per layer
-        (dense layers stay 0 and are left out of the mean)."""
-        if not getattr(self.config, "num_moe_experts", None):
-            return {}
-        from megatron.core.transformer.moe import moe_utils
-
-        moe_utils.reduce_aux_losses_tracker_across_ranks()
-        microbatches = max(self._open.pipeline_microbatches, 1)
-        metrics = {}
-        for name, entry in moe_utils.get_moe_layer_wise_logging_tracker().items():
-            per_layer = entry["values"].float()
-            recorded = per_layer[per_layer != 0]
-            metrics[f"moe/{name}"] = float(recorded.mean()) / microbatches if recorded.numel() else 0.0
-        moe_utils.clear_aux_losses_tracker()
-        return metrics
-

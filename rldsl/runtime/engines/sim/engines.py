@@ -8,8 +8,10 @@ a real engine inside a Ray actor does; their ``*_async`` twins await
 on the controller's own event loop.
 
 ``SimTrainer`` is a dry-run trainer that enforces the split-step protocol:
-``begin`` while a step is open raises, a microbatch or finish with no open
-step or for another step raises, ``abort`` is idempotent; it records calls.
+``begin`` while a step is open raises, a microbatch, optimizer step or
+finish with no open step or for another step raises, ``abort`` is
+idempotent; it records calls and reports the learning rate its schedule
+gives each optimizer step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Collection, Iterator, Mapping, Sequence
 import torch
 
 from rldsl.runtime import protocols as p
+from rldsl.runtime.engines.schedule import LRSchedule
 from rldsl.runtime.engines.sim.latency import Latency, Timed
 from rldsl.runtime.protocols import MIB
 
@@ -175,28 +178,32 @@ class SimTrainer:
     """``Trainer``: a dry-run split-step trainer.
 
     ``fail_on`` holds (call, step) pairs that raise ``SimFailure`` once each;
-    ``fail_prob`` makes any microbatch or finish raise at random. ``calls``
-    records (call, step, rows) in order."""
+    ``fail_prob`` makes any microbatch, optimizer step or finish raise at
+    random. ``calls`` records (call, step, rows) in order. An optimizer step
+    costs a finish latency; one with no rows since the last is skipped."""
 
     def __init__(self, microbatch_latency: Latency = Latency(), finish_latency: Latency = Latency(),
                  fail_on: Collection[tuple[str, int]] = (), fail_prob: float = 0.0, weight_bytes: int = MIB,
-                 seed: int = 0) -> None:
+                 seed: int = 0, lr: float = 0.0, lr_schedule: LRSchedule | None = None) -> None:
         self._microbatch = Timed(microbatch_latency, seed)
         self._finish = Timed(finish_latency, seed + 1)
         self._fail_on = set(fail_on)
         self.fail_prob = fail_prob
         self.weight_bytes = weight_bytes
+        self.base_lr, self.lr_schedule = lr, lr_schedule or LRSchedule()
         self.version = 0
+        self.optimizer_steps = 0  # over the whole run: the schedule's clock, kept in checkpoints
         self.open_step: int | None = None
         self.calls: list[tuple[str, int, int]] = []
-        self._rows_in_step = 0
+        self._rows_in_step = 0  # since the last optimizer step
+        self._steps_in_batch = 0  # optimizer steps the open step has taken
         self._weights: torch.Tensor | None = None
 
     def begin_train_step(self, step: int) -> None:
         self.calls.append(("begin_train_step", step, 0))
         if self.open_step is not None:
             raise SplitStepError(f"begin_train_step({step}) while step {self.open_step} is open")
-        self.open_step, self._rows_in_step = step, 0
+        self.open_step, self._rows_in_step, self._steps_in_batch = step, 0, 0
 
     def train_microbatch(self, step: int, batch: p.Batch) -> dict[str, float]:
         time.sleep(self._before_microbatch(step, batch))
@@ -205,6 +212,14 @@ class SimTrainer:
     async def train_microbatch_async(self, step: int, batch: p.Batch) -> dict[str, float]:
         await self._microbatch._hold(self._before_microbatch(step, batch))
         return self._after_microbatch(batch)
+
+    def optimizer_step(self, step: int) -> dict[str, float]:
+        time.sleep(self._before_optimizer_step(step))
+        return self._after_optimizer_step()
+
+    async def optimizer_step_async(self, step: int) -> dict[str, float]:
+        await self._finish._hold(self._before_optimizer_step(step))
+        return self._after_optimizer_step()
 
     def finish_train_step(self, step: int) -> p.StepResult:
         time.sleep(self._before_finish(step))
@@ -216,7 +231,7 @@ class SimTrainer:
 
     def abort_train_step(self, step: int) -> None:
         self.calls.append(("abort_train_step", step, 0))
-        self.open_step, self._rows_in_step = None, 0
+        self.open_step, self._rows_in_step, self._steps_in_batch = None, 0, 0
 
     def save_checkpoint(self, directory) -> None:
         """A sim trainer's whole state is its version (its weights are zeros):
@@ -225,13 +240,15 @@ class SimTrainer:
         from pathlib import Path
 
         Path(directory).mkdir(parents=True, exist_ok=True)
-        (Path(directory) / "sim_trainer.json").write_text(json.dumps({"version": self.version}))
+        state = {"version": self.version, "optimizer_steps": self.optimizer_steps}
+        (Path(directory) / "sim_trainer.json").write_text(json.dumps(state))
 
     def load_checkpoint(self, directory) -> int:
         import json
         from pathlib import Path
 
-        self.version = int(json.loads((Path(directory) / "sim_trainer.json").read_text())["version"])
+        state = json.loads((Path(directory) / "sim_trainer.json").read_text())
+        self.version, self.optimizer_steps = int(state["version"]), int(state.get("optimizer_steps", 0))
         return self.version
 
     def weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -271,6 +288,24 @@ class SimTrainer:
         self._rows_in_step += rows
         return {"rows": float(rows), "tokens": float(batch[p.FIELD_RESPONSE_MASK].sum())}
 
+    def _before_optimizer_step(self, step: int) -> float:
+        self._require_open("optimizer_step", step)
+        self.calls.append(("optimizer_step", step, self._rows_in_step))
+        self._maybe_fail("optimizer_step", step)
+        return self._finish._draw() if self._rows_in_step else 0.0
+
+    def _after_optimizer_step(self) -> dict[str, float]:
+        if not self._rows_in_step:
+            return {"skipped": 1.0}
+        return self._take_optimizer_step()
+
+    def _take_optimizer_step(self) -> dict[str, float]:
+        metrics = {"rows": float(self._rows_in_step), "lr": self.lr_schedule.lr_at(self.optimizer_steps, self.base_lr)}
+        self.optimizer_steps += 1
+        self._steps_in_batch += 1
+        self._rows_in_step = 0
+        return metrics
+
     def _before_finish(self, step: int) -> float:
         self._require_open("finish_train_step", step)
         self.calls.append(("finish_train_step", step, self._rows_in_step))
@@ -278,9 +313,13 @@ class SimTrainer:
         return self._finish._draw()
 
     def _after_finish(self) -> p.StepResult:
+        """The rollout batch's last optimizer step (always taken: a dry run has
+        no empty-step rule to model) and one version bump."""
+        metrics = self._take_optimizer_step()
+        metrics["optimizer_steps"] = float(self._steps_in_batch)
         self.version += 1
-        rows, self.open_step, self._rows_in_step = self._rows_in_step, None, 0
-        return p.StepResult(self.version, {"rows": float(rows)})
+        self.open_step, self._steps_in_batch = None, 0
+        return p.StepResult(self.version, metrics)
 
 
 def _fake_logprobs(response_mask: torch.Tensor, rng: torch.Generator) -> torch.Tensor:

@@ -61,6 +61,42 @@ def response_logprobs(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return token_logprobs * response_mask.to(token_logprobs.dtype)
 
 
+def packed_response_logprobs(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``response_logprobs`` with every row's real tokens packed into one row
+    (no padding): the same values, [n, Lr], differentiable. Positions restart
+    at each sequence and no attention mask is passed, from which transformers
+    (Hugging Face models) and the builtin tiny model both mask attention
+    block-diagonally."""
+    prompt_lengths = batch[FIELD_PROMPT_MASK].sum(dim=1).cpu()
+    response_mask = batch[FIELD_RESPONSE_MASK]
+    response_lengths = response_mask.sum(dim=1).cpu()
+    if int(response_lengths.sum()) == 0:
+        return torch.zeros(response_mask.shape, device=model.device)
+    ids, positions, starts = _packed_row(batch, prompt_lengths, response_lengths)
+    device = model.device
+    ids = ids.to(device)
+    logits, _ = model.forward(ids[None], None, positions.to(device)[None], use_cache=False)
+    next_logprobs = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, ids[1:, None]).squeeze(-1)
+    # Response token j of a row sits at start + prompt + j and is predicted one position earlier.
+    first = (starts + prompt_lengths - 1).to(device)
+    index = first[:, None] + torch.arange(response_mask.shape[1], device=device)[None]
+    picked = next_logprobs[index.clamp(max=len(next_logprobs) - 1)]
+    return picked * response_mask.to(device=device, dtype=picked.dtype)
+
+
+def _packed_row(batch, prompt_lengths, response_lengths):
+    """The real tokens of every row back to back, positions restarting at each
+    row, and each row's start offset."""
+    prompt_ids, prompt_mask = batch[FIELD_PROMPT_IDS].cpu(), batch[FIELD_PROMPT_MASK].cpu()
+    response_ids = batch[FIELD_RESPONSE_IDS].cpu()
+    pieces = [torch.cat([prompt_ids[row][prompt_mask[row].bool()], response_ids[row, : int(response_lengths[row])]])
+              for row in range(len(prompt_ids))]
+    lengths = prompt_lengths + response_lengths
+    starts = torch.cumsum(lengths, dim=0) - lengths
+    positions = torch.cat([torch.arange(int(length)) for length in lengths])
+    return torch.cat(pieces), positions, starts
+
+
 def split_rows(batch: Mapping[str, torch.Tensor], rows_per_chunk: int | None) -> Iterator[dict]:
     """The batch in chunks of at most ``rows_per_chunk`` rows (all at once if None)."""
     size = len(batch[FIELD_RESPONSE_IDS])

@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import torch
 
-from rldsl.runtime.engines.torch.common import WeightReceiver, response_logprobs, split_rows
-from rldsl.runtime.protocols import Batch
+from rldsl.runtime.engines.torch.common import (
+    WeightReceiver,
+    packed_response_logprobs,
+    response_logprobs,
+    split_rows,
+)
+from rldsl.runtime.engines.torch.packing import forward_rows, scatter_rows, take_rows, trim_padding
+from rldsl.runtime.protocols import FIELD_RESPONSE_IDS, Batch
 
 
 class TorchLogprob(WeightReceiver):
     """Response log-probabilities under a model copy.
 
     A frozen reference never receives ``update_weights``; a policy logprob
-    stage does, exactly like a generator.
+    stage does, exactly like a generator. With ``tokens_per_forward`` the
+    rows of a forward are chosen by token budget, as in the trainer.
     """
 
-    def __init__(self, model, rows_per_forward: int | None = None):
+    def __init__(self, model, rows_per_forward: int | None = None, tokens_per_forward: int = 0):
         self.model = model
         self.rows_per_forward = rows_per_forward
+        self.tokens_per_forward = tokens_per_forward
         self.version = 0
         model.module.eval()
         model.module.requires_grad_(False)
@@ -25,5 +33,12 @@ class TorchLogprob(WeightReceiver):
     @torch.no_grad()
     def logprobs(self, batch: Batch) -> torch.Tensor:
         self.require_consistent_weights()
+        if self.tokens_per_forward:
+            return self._budgeted_logprobs(batch)
         chunks = [response_logprobs(self.model, chunk).cpu() for chunk in split_rows(batch, self.rows_per_forward)]
         return torch.cat(chunks) if chunks else torch.zeros(0, 0)
+
+    def _budgeted_logprobs(self, batch: Batch) -> torch.Tensor:
+        groups = forward_rows(batch, None, self.tokens_per_forward)
+        results = ((rows, packed_response_logprobs(self.model, trim_padding(take_rows(batch, rows)))) for rows in groups)
+        return scatter_rows(results, *batch[FIELD_RESPONSE_IDS].shape)

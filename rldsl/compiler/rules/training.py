@@ -1,0 +1,158 @@
+"""Training-semantics rules: the loss against the optimizer steps, dynamic
+sampling against the order, the run length, the dataset mixture, warmup.
+
+Each reads only the keys it names, so one wrong key never hides another's
+finding."""
+
+from __future__ import annotations
+
+from rldsl.compiler.context import Context
+from rldsl.compiler.decls import Decl
+from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
+from rldsl.compiler.types import arg_span
+
+RUN_LENGTHS = ("steps", "epochs", "samples")
+
+
+def check_decoupled_loss(ctx: Context) -> list[Diagnostic]:
+    """RLP307: the decoupled loss's proximal policy is the trainer's own
+    weights at the optimizer step, which are the rollout batch's start only
+    when there is one optimizer step per rollout batch."""
+    sizing, train = ctx.sizing(), ctx.train_stage()
+    if sizing is None or train is None or not train.valid("loss", "ppo_epochs"):
+        return []
+    cap = train["loss"].args.get("behaviour_cap", 0.0)
+    steps = (sizing.prompts_per_step * sizing.samples_per_prompt // sizing.global_batch) * sizing.ppo_epochs
+    if not cap or steps <= 1:
+        return []
+    causes = [f"global_batch = {sizing.global_batch}"] if train.explicit("global_batch") else []
+    causes += [f"ppo_epochs = {sizing.ppo_epochs}"] if sizing.ppo_epochs > 1 else []
+    return [Diagnostic(
+        "RLP307", ERROR, f"behaviour_cap = {cap} (the decoupled loss) with {steps} optimizer steps per rollout batch "
+        f"({', '.join(causes)})", arg_span(train["loss"], "behaviour_cap"),
+        notes=("the decoupled loss takes its ratio against the proximal policy, the weights the rollout batch "
+               "started with; after the first optimizer step the trainer no longer holds them",),
+        help="take one optimizer step per rollout batch (leave global_batch and ppo_epochs out), or drop "
+             "behaviour_cap")]
+
+
+LOSS_BOUNDS = {  # argument: (what an active value must exceed, inclusive, why)
+    "dual_clip": (1.0, False, "it caps a negative advantage's loss at dual_clip x |A|, above the clipped one"),
+    "behaviour_cap": (1.0, True, "a weight cap below 1 would drop tokens the behaviour policy preferred"),
+}
+
+
+def check_loss_arguments(ctx: Context) -> list[Diagnostic]:
+    """RLP312: dual_clip and behaviour_cap are 0 (off) or above 1; a decay does not end above lr."""
+    train = ctx.train_stage()
+    if train is None:
+        return []
+    out = _min_lr_findings(train)
+    if not train.valid("loss"):
+        return out
+    for name, (bound, inclusive, why) in LOSS_BOUNDS.items():
+        value = train["loss"].args.get(name, 0.0)
+        if value and (value < bound or (value == bound and not inclusive)):
+            relation = ">=" if inclusive else ">"
+            out.append(Diagnostic("RLP312", ERROR, f"{name} = {value}: it must be 0 (off) or {relation} {bound:g}",
+                                  arg_span(train["loss"], name), notes=(why,),
+                                  help=f"leave {name} out, or set it {relation} {bound:g} (3.0 is typical for "
+                                       "dual_clip, 5.0 for behaviour_cap)"))
+    return out
+
+
+def _min_lr_findings(train: Decl) -> list[Diagnostic]:
+    if not train.valid("lr", "min_lr", "lr_schedule") or train["lr_schedule"] == "constant" \
+            or train["min_lr"] <= train["lr"]:
+        return []
+    return [Diagnostic("RLP312", ERROR, f"min_lr = {train['min_lr']} is above lr = {train['lr']}: a "
+                       f"{train['lr_schedule']} decay would rise", train.span_of("min_lr"),
+                       help=f"set min_lr below {train['lr']} (a tenth of it is typical), or leave it out")]
+
+
+def check_dynamic_sampling(ctx: Context) -> list[Diagnostic]:
+    """RLP308: dropped groups are replaced by over-sampling, which an
+    in-order step (exactly its own prompts) or a one-sample group cannot do."""
+    train = ctx.train_stage()
+    if train is None or not train.valid("dynamic_sampling") or not train["dynamic_sampling"]:
+        return []
+    out = []
+    staleness = ctx.pipe.block("staleness")
+    if staleness.valid("order") and staleness["order"] == "in_order":
+        out.append(Diagnostic(
+            "RLP308", ERROR, "dynamic_sampling with order = in_order: a step whose groups are dropped cannot be "
+            "refilled", train.span_of("dynamic_sampling"),
+            notes=("an in-order step trains exactly its own prompts, so every dropped group leaves it short",),
+            help="use order = any (the default), or leave dynamic_sampling out"))
+    gen = ctx.generator_for(train)
+    if gen is not None and gen.valid("samples_per_prompt") and gen["samples_per_prompt"] < 2:
+        out.append(Diagnostic(
+            "RLP308", ERROR, f"dynamic_sampling with samples_per_prompt = {gen['samples_per_prompt']}: every group "
+            "has one reward, so every group would be dropped", train.span_of("dynamic_sampling"),
+            help="sample at least 2 responses per prompt, or leave dynamic_sampling out"))
+    return out
+
+
+def check_run_length(ctx: Context) -> list[Diagnostic]:
+    """RLP309: the run's length is written one way."""
+    run = ctx.pipe.block("run")
+    written = [key for key in RUN_LENGTHS if run.explicit(key)]
+    if len(written) < 2:
+        return []
+    return [Diagnostic("RLP309", ERROR, f"the run's length is written {len(written)} ways: "
+                       + ", ".join(f"{key} = {run.get(key)}" for key in written), run.span_of(written[1]),
+                       help=f"keep one of {', '.join(written)}")]
+
+
+def check_datasets(ctx: Context) -> list[Diagnostic]:
+    """RLP310: a dataset names its prompts once, and a mixture's weights match its sources."""
+    out = []
+    for dataset in ctx.pipe.datasets.values():
+        out += _dataset_findings(dataset)
+    return out
+
+
+def _dataset_findings(dataset: Decl) -> list[Diagnostic]:
+    if not dataset.valid("source", "sources", "weights"):
+        return []
+    name = f"dataset `{dataset.name}`"
+    has_one, has_many = dataset.explicit("source"), dataset.explicit("sources")
+    if has_one == has_many:
+        return [Diagnostic("RLP310", ERROR, f"{name} sets both `source` and `sources`" if has_one else
+                           f"{name} has neither `source` nor `sources`",
+                           dataset.span_of("sources") if has_one else dataset.name_span,
+                           help='write `source = "builtin:arith"`, or a mixture: '
+                                '`sources = ["builtin:arith", "builtin:reverse"]  weights = [3, 1]`')]
+    weights = dataset.get("weights")
+    if weights is None:
+        return []
+    count = len(dataset.get("sources") or (dataset["source"],))
+    if len(weights) != count:
+        return [Diagnostic("RLP310", ERROR, f"{name} has {len(weights)} weights for {count} source"
+                           f"{'s' * (count != 1)}", dataset.span_of("weights"),
+                           help="give one weight per source, in the same order")]
+    if not any(weights):
+        return [Diagnostic("RLP310", ERROR, f"{name}: every weight is 0, so no prompt can be drawn",
+                           dataset.span_of("weights"), help="give at least one source a positive weight")]
+    return []
+
+
+def check_warmup(ctx: Context) -> list[Diagnostic]:
+    """RLP311: warmup longer than the run never reaches the learning rate."""
+    sizing, train, run = ctx.sizing(), ctx.train_stage(), ctx.pipe.block("run")
+    if sizing is None or train is None or not train.valid("warmup", "ppo_epochs") \
+            or not run.valid(*RUN_LENGTHS) or run.get("epochs"):
+        return []
+    rollout = sizing.prompts_per_step * sizing.samples_per_prompt
+    steps = -(-int(run["samples"]) // rollout) if run.get("samples") else run["steps"]
+    total = steps * rollout // sizing.global_batch * sizing.ppo_epochs
+    if train["warmup"] < total:
+        return []
+    return [Diagnostic("RLP311", WARNING, f"warmup = {train['warmup']} optimizer steps, but the run takes only "
+                       f"{total}: the learning rate never reaches lr = {train.get('lr')}", train.span_of("warmup"),
+                       notes=("warmup counts optimizer steps: rollout batches x (rollout batch / global_batch) x "
+                              "ppo_epochs",),
+                       help=f"set warmup below {total} (a few percent of the run is typical)")]
+
+
+PASSES = (check_loss_arguments, check_decoupled_loss, check_dynamic_sampling, check_run_length, check_datasets, check_warmup)

@@ -1,0 +1,114 @@
+"""Advantage estimators against numbers worked out by hand.
+
+The rewards throughout: group A = [1, 0, 0, 1] (mean 0.5, unbiased std
+sqrt(1/3)) and group B = [1, 1, 1, 0] (mean 0.75, unbiased std 0.5).
+"""
+
+import math
+
+import pytest
+import torch
+
+from rldsl.runtime.control.advantages import (
+    ESTIMATORS,
+    NORMALISATIONS,
+    batch_advantages,
+    compute_advantages,
+    default_normalisation,
+    group_advantages,
+    needs_whole_batch,
+)
+
+REWARDS = [[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]]
+ROOT3 = math.sqrt(3)
+# REINFORCE++ whitening of the raw rewards: batch mean 5/8, unbiased std sqrt(1.875 / 7)
+# (sum of squares 5 x 0.375^2 + 3 x 0.625^2 = 1.875)
+WON, LOST = 0.375 / math.sqrt(1.875 / 7), -0.625 / math.sqrt(1.875 / 7)
+
+
+def approx(expected):
+    return [pytest.approx(group, abs=1e-5) for group in expected]
+
+
+# (estimator, normalisation) -> advantages of REWARDS
+BY_HAND = {
+    # mean baseline, / group std: A (+-0.5) / sqrt(1/3); B (0.25, -0.75) / 0.5
+    ("grpo", "group"): [[ROOT3 / 2, -ROOT3 / 2, -ROOT3 / 2, ROOT3 / 2], [0.5, 0.5, 0.5, -1.5]],
+    # mean baseline over the batch: centred values have mean 0 and unbiased std sqrt(1.75 / 7) = 0.5
+    ("grpo", "batch"): [[1.0, -1.0, -1.0, 1.0], [0.5, 0.5, 0.5, -1.5]],
+    ("grpo", "none"): [[0.5, -0.5, -0.5, 0.5], [0.25, 0.25, 0.25, -0.75]],
+    ("dr_grpo", "none"): [[0.5, -0.5, -0.5, 0.5], [0.25, 0.25, 0.25, -0.75]],
+    ("dr_grpo", "group"): [[ROOT3 / 2, -ROOT3 / 2, -ROOT3 / 2, ROOT3 / 2], [0.5, 0.5, 0.5, -1.5]],
+    # leave-one-out: A: 1 - 1/3, 0 - 2/3; B: 1 - 2/3, 0 - 3/3
+    ("rloo", "none"): [[2 / 3, -2 / 3, -2 / 3, 2 / 3], [1 / 3, 1 / 3, 1 / 3, -1.0]],
+    # rloo = n/(n-1) x (r - mean): the std scales alike, so group-normalised it is GRPO
+    ("rloo", "group"): [[ROOT3 / 2, -ROOT3 / 2, -ROOT3 / 2, ROOT3 / 2], [0.5, 0.5, 0.5, -1.5]],
+    # batch mean 0, sum of squares 28/9 over 7: std 2/3
+    ("rloo", "batch"): [[1.0, -1.0, -1.0, 1.0], [0.5, 0.5, 0.5, -1.5]],
+    # no baseline: whitened raw rewards
+    ("reinforce_pp", "batch"): [[WON, LOST, LOST, WON], [WON, WON, WON, LOST]],
+    ("reinforce_pp", "none"): REWARDS,
+    # no centring: A / sqrt(1/3), B / 0.5
+    ("reinforce_pp", "group"): [[ROOT3, 0.0, 0.0, ROOT3], [2.0, 2.0, 2.0, 0.0]],
+    ("reinforce_pp_baseline", "batch"): [[1.0, -1.0, -1.0, 1.0], [0.5, 0.5, 0.5, -1.5]],
+    ("reinforce_pp_baseline", "group"): [[ROOT3 / 2, -ROOT3 / 2, -ROOT3 / 2, ROOT3 / 2], [0.5, 0.5, 0.5, -1.5]],
+    ("reinforce_pp_baseline", "none"): [[0.5, -0.5, -0.5, 0.5], [0.25, 0.25, 0.25, -0.75]],
+}
+
+
+def test_the_reinforce_pp_whitening_in_decimals():
+    assert (WON, LOST) == pytest.approx((0.724569, -1.207615), abs=1e-6)
+
+
+@pytest.mark.parametrize(("estimator", "normalize"), sorted(BY_HAND))
+def test_every_estimator_and_normalisation_by_hand(estimator, normalize):
+    assert compute_advantages(REWARDS, estimator, normalize) == approx(BY_HAND[(estimator, normalize)])
+
+
+def test_the_defaults_of_each_estimator():
+    assert {e: default_normalisation(e) for e in ESTIMATORS} == {
+        "grpo": "group", "dr_grpo": "none", "rloo": "none", "reinforce_pp": "batch", "reinforce_pp_baseline": "batch"}
+    assert [n for n in NORMALISATIONS if needs_whole_batch(n)] == ["batch"]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("normalize", NORMALISATIONS)
+def test_group_baselines_give_exact_zeros_without_signal(estimator, normalize):
+    assert compute_advantages([[1.0, 1.0, 1.0], [0.0, 0.0]], estimator, normalize) == [[0.0] * 3, [0.0] * 2]
+    assert compute_advantages([[0.7]], estimator, normalize) == [[0.0]]  # one sample: nothing to compare with
+
+
+def test_a_zero_variance_group_or_batch_becomes_zeros_when_scaled():
+    assert compute_advantages([[1.0, 1.0], [1.0, 1.0]], "reinforce_pp", "batch") == [[0.0, 0.0], [0.0, 0.0]]
+    assert compute_advantages([[1.0, 1.0], [1.0, 0.0]], "reinforce_pp", "group")[0] == [0.0, 0.0]
+    assert compute_advantages([[1.0, 1.0]], "reinforce_pp", "none") == [[1.0, 1.0]]
+
+
+def test_group_normalisation_leaves_groups_independent_and_batch_does_not():
+    alone = compute_advantages([REWARDS[0]], "grpo", "group")
+    assert compute_advantages(REWARDS, "grpo", "group")[0] == alone[0]
+    assert compute_advantages(REWARDS, "reinforce_pp", "batch")[0] != \
+        compute_advantages([REWARDS[0]], "reinforce_pp", "batch")[0]
+
+
+def test_eps_keeps_the_scale_finite():
+    (tiny,) = compute_advantages([[0.0, 1e-9]], "grpo", "group", eps=1e-6)
+    assert all(abs(a) < 1e-3 for a in tiny)
+
+
+def test_the_grpo_helpers_agree_with_compute_advantages():
+    assert group_advantages(REWARDS[1]) == compute_advantages([REWARDS[1]], "grpo", "group")[0]
+    flat = torch.tensor([r for group in REWARDS for r in group])
+    assert batch_advantages(flat, 4).tolist() == pytest.approx(sum(BY_HAND[("grpo", "group")], []), abs=1e-5)
+    whitened = batch_advantages(flat, 4, estimator="reinforce_pp")  # its default: batch
+    assert whitened.tolist() == pytest.approx(sum(BY_HAND[("reinforce_pp", "batch")], []), abs=1e-5)
+    assert whitened.dtype == torch.float32
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(ValueError, match="estimator 'ppo'"):
+        compute_advantages(REWARDS, "ppo", "group")
+    with pytest.raises(ValueError, match="normalisation 'std'"):
+        compute_advantages(REWARDS, "grpo", "std")
+    with pytest.raises(ValueError):
+        default_normalisation("ppo")

@@ -73,6 +73,20 @@ def test_torch_pipeline_trains_and_evaluates(tmp_path):
     assert "held-out accuracy" in proc.stderr
 
 
+def test_mini_batches_rloo_packing_and_warmup_learn(tmp_path):
+    proc, run_dir = run(["pipelines/rloo_minibatch.rlp", "--steps", "5"], tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["version"] == 5  # one weight version per rollout batch
+    assert summary["ledger"]["trained"] == 5 * 16 * 8
+    trainer = [json.loads(line)["trainer"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if "trainer" in json.loads(line)]
+    assert [t["optimizer_steps"] for t in trainer] == [2] * 5
+    lrs = [t["lr"] for t in trainer]
+    assert lrs[0] < lrs[1] and max(lrs) <= 5e-4  # warming up over 4 of the run's 10 optimizer steps
+    assert summary["eval_end"] > summary["eval_start"]
+
+
 def test_a_saved_plan_runs_exactly(tmp_path):
     plan = tmp_path / "plan.json"
     subprocess.run([sys.executable, "-m", "rldsl", "plan", "pipelines/sim_async.rlp", "--out", str(plan)],

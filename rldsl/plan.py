@@ -31,6 +31,12 @@ class EnginePlan:
 
 
 @dataclass(frozen=True)
+class NodeGpus:
+    node: int
+    gpus: list[int]  # local GPU ids on ``node``
+
+
+@dataclass(frozen=True)
 class RankPlan:
     index: int
     node: int
@@ -39,6 +45,13 @@ class RankPlan:
     pp_rank: int = 0
     dp_rank: int = 0
     gpu_fraction: float = 0.0  # of each GPU in ``gpus``: colocated actors share a bundle
+    # A replica actor whose engine also drives GPUs on further nodes (vLLM
+    # with pp > 1): those GPUs, node by node; the actor itself runs on ``node``.
+    remote: list[NodeGpus] = field(default_factory=list)
+
+    def all_gpus(self) -> list[tuple[int, int]]:
+        """(node, local GPU) of every GPU the rank drives, here and remote."""
+        return [(self.node, g) for g in self.gpus] + [(r.node, g) for r in self.remote for g in r.gpus]
 
 
 @dataclass(frozen=True)
@@ -188,7 +201,8 @@ class PipelinePlan:
         """Held-out evaluation runs (in an evaluator actor on the CPU): the
         policy has real weights and the dataset a held-out split."""
         train = self.stage(self.batch.train_stage)
-        return train.engine.name in ("torch", "megatron") and bool(self.stages_of("generate")) and self.eval_size > 0
+        has_weights = train.engine.name in ("torch", "megatron", "fsdp")
+        return has_weights and bool(self.stages_of("generate")) and self.eval_size > 0
 
 
 @dataclass(frozen=True)
@@ -211,8 +225,8 @@ class ExecutionPlan:
         for pipe in self.pipelines:
             for stage in pipe.stages:
                 for rank in stage.ranks:
-                    for gpu in rank.gpus:
-                        users.setdefault((rank.node, gpu), set()).add(pipe.name)
+                    for where in rank.all_gpus():
+                        users.setdefault(where, set()).add(pipe.name)
         return {where: sorted(names) for where, names in sorted(users.items())}
 
     def gpus_shared_across_pipelines(self) -> dict[tuple[int, int], list[str]]:

@@ -105,14 +105,21 @@ def test_sizes_are_whole_bytes_in_the_plan():
     assert result.plan.pipeline().stage("weights").settings["bucket"] == 1572864
 
 
-def test_a_megatron_logprob_stage_with_pipeline_parallelism_is_refused_at_check():
-    """MegatronLogprob runs pp = 1 only; the trainer may use pp."""
+def test_a_megatron_logprob_stage_with_pipeline_parallelism_checks_and_plans_pp_groups():
+    """MegatronLogprob runs the forward-only pipeline schedule: its ranks are
+    laid out tp x pp x dp like the trainer's."""
     from pathlib import Path
 
+    from rldsl.compiler.plan_view import render_plan
+
     text = (Path(__file__).parent.parent / "pipelines" / "hybrid_groups.rlp").read_text()
-    assert compile_source(text).ok  # its trainer runs pp = 2
     engine = "engine = megatron(tp = 2, pp = 1"
     assert engine in text
-    (diag,) = [d for d in compile_source(text.replace(engine, "engine = megatron(tp = 2, pp = 2", 1)).diagnostics
-               if d.code == "RLP108"]
-    assert "without pipeline parallelism" in diag.message and "pp = 2" in diag.message
+    result = compile_source(text.replace(engine, "engine = megatron(tp = 2, pp = 2", 1))
+    assert result.ok, [d.message for d in result.diagnostics]
+    reference = result.plan.pipeline().stage("reference")
+    assert (reference.tp, reference.pp, reference.dp) == (2, 2, 2)
+    assert {r.pp_rank for r in reference.ranks} == {0, 1}
+    shown = render_plan(result)
+    assert "reference    logprob   megatron tp=2 pp=2 dp=2" in shown
+    assert "pp groups: [2:0 2:4] [2:1 2:5] [2:2 2:6] [2:3 2:7]" in shown

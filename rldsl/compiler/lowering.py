@@ -11,7 +11,7 @@ from rldsl.compiler.placement import Placement, StagePlacement
 from rldsl.compiler.types import EngineSpec, GpuRequest, LossSpec, Ref
 from rldsl.plan import (
     ADVANTAGE_NORMALISATION, BatchPlan, ClusterPlan, DatasetPlan, EdgePlan, EnginePlan, ExecutionPlan, ModelPlan,
-    PipelinePlan, RankPlan, RunPlan, StagePlan, StalenessPlan,
+    NodeGpus, PipelinePlan, RankPlan, RunPlan, StagePlan, StalenessPlan,
 )
 
 
@@ -92,8 +92,9 @@ def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement, shares:
     for rank in (sp.ranks if sp else ()):
         node = placement.node_of(rank.gpus[0]) if rank.gpus else 0
         fraction = 1.0 / max(shares.get(g, 1) for g in rank.gpus) if rank.gpus else 0.0
-        ranks.append(RankPlan(rank.index, node, [placement.local(g) for g in rank.gpus], rank.tp_rank, rank.pp_rank,
-                              rank.dp_rank, fraction))
+        here = [placement.local(g) for g in rank.gpus if placement.node_of(g) == node]
+        ranks.append(RankPlan(rank.index, node, here, rank.tp_rank, rank.pp_rank, rank.dp_rank, fraction,
+                              _remote(rank.gpus, node, placement)))
     return StagePlan(
         name=stage.name,
         kind=stage.stage_kind,
@@ -104,6 +105,15 @@ def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement, shares:
         tp=sp.tp if sp else 1, pp=sp.pp if sp else 1, dp=sp.dp if sp else 1,
         colocated_with=_sharing(sp, placement) if sp else [],
     )
+
+
+def _remote(gpus: tuple[int, ...], node: int, placement: Placement) -> list[NodeGpus]:
+    """A replica's GPUs beyond its actor's node (only vLLM pp > 1 crosses nodes)."""
+    by_node: dict[int, list[int]] = {}
+    for g in gpus:
+        if placement.node_of(g) != node:
+            by_node.setdefault(placement.node_of(g), []).append(placement.local(g))
+    return [NodeGpus(n, local) for n, local in sorted(by_node.items())]
 
 
 def _derived(stage: Decl, settings: dict) -> dict:

@@ -61,15 +61,26 @@ def stage_bytes_per_gpu(stage: Decl, model: Decl, sp: StagePlacement, params: in
     dtype = model.get("dtype") or engine.args.get("dtype", "fp32")  # the model's dtype wins over the engine's
     shard = max(1, sp.tp * sp.pp)
     weights = params * _DTYPE_BYTES[dtype] / shard
+    if stage.stage_kind == "train" and engine.name == "fsdp":
+        return fsdp_trainer_bytes(params, engine.args.get("shard") or sp.dp, _DTYPE_BYTES[dtype])
     if stage.stage_kind == "train":
         grads = params * 4 / shard  # fp32 main grads
         optimizer = params * (12 if dtype != "fp32" else 8) / shard  # (master +) AdamW m and v
         if engine.args.get("distributed_optimizer"):
             optimizer /= max(1, sp.dp)
         return weights + grads + optimizer
-    if engine.name == "vllm" and gpu_capacity:
+    if engine.name in ("vllm", "sglang") and gpu_capacity:  # both reserve a share of each GPU up front
         return max(weights, engine.args["gpu_memory"] * gpu_capacity)
     return weights
+
+
+def fsdp_trainer_bytes(params: int, shard_group: int, dtype_bytes: int) -> float:
+    """An fsdp trainer rank: fp32 parameter shards (the master copy, whatever
+    the compute dtype) and AdamW m and v, divided by the ranks a copy is
+    sharded over; plus, during a step, the parameters gathered in the
+    compute dtype and one full fp32 gradient (a mini-batch's microbatches
+    run without collectives, so both stay whole until it ends)."""
+    return params * (4 + 8) / max(1, shard_group) + params * (dtype_bytes + 4)
 
 
 def estimate(program: Program, placement: Placement, base_dir: Path) -> list[GpuMemory]:
@@ -125,5 +136,16 @@ def check_memory(program: Program, placement: Placement, base_dir: Path) -> list
             "RLP506", ERROR, f"GPU {mem.gpu} needs about {format_bytes(mem.used)}, more than its "
             f"{format_bytes(capacity)}", decl.name_span,
             notes=(f"estimate: {how}{parts}",),
-            help="shard it wider (more GPUs, tp/pp), enable the distributed optimizer or offload, or use a larger GPU"))
+            help=_memory_help(decl)))
     return out
+
+
+def _memory_help(stage: Decl) -> str:
+    """What shrinks the biggest stage: only megatron has a distributed
+    optimizer; a torch trainer's state shards by switching to fsdp."""
+    engine = stage["engine"].name
+    if engine == "torch" and stage.stage_kind == "train":
+        return "shard it with `engine = fsdp` over more GPUs, offload, or use a larger GPU"
+    if engine == "megatron":
+        return "shard it wider (more GPUs, tp/pp), enable the distributed optimizer or offload, or use a larger GPU"
+    return "shard it wider (more GPUs, tp/pp), offload, or use a larger GPU"

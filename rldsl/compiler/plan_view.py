@@ -16,7 +16,7 @@ def actor_count(plan: ExecutionPlan) -> int:
 
 
 def summary_line(plan: ExecutionPlan) -> str:
-    used = {(r.node, g) for p in plan.pipelines for s in p.stages for r in s.ranks for g in r.gpus}
+    used = {where for p in plan.pipelines for s in p.stages for r in s.ranks for where in r.all_gpus()}
     total = plan.cluster.nodes * plan.cluster.gpus_per_node
     nodes = plan.cluster.nodes
     pipes = f"{len(plan.pipelines)} pipelines, " if len(plan.pipelines) > 1 else ""
@@ -54,7 +54,7 @@ def _gpu_map(plan: ExecutionPlan, result: CompileResult) -> list[str]:
         for local in range(plan.cluster.gpus_per_node):
             gpu = node * plan.cluster.gpus_per_node + local
             here = [f"{p.name + '/' if many else ''}{s.name}[{r.index}]{_coords(s, r)}"
-                    for p in plan.pipelines for s in p.stages for r in s.ranks if r.node == node and local in r.gpus]
+                    for p in plan.pipelines for s in p.stages for r in s.ranks if (node, local) in r.all_gpus()]
             mem = memory.get(gpu)
             mem_text = ""
             if mem and mem.by_stage:
@@ -77,7 +77,7 @@ def _coords(stage, rank) -> str:
     if stage.tp * stage.pp == 1:
         return ""
     if _one_actor_per_replica(stage):
-        return f" tp{stage.tp}"
+        return f" tp{stage.tp}" + (f" pp{stage.pp}" if stage.pp > 1 else "")
     return f" tp{rank.tp_rank} pp{rank.pp_rank} dp{rank.dp_rank}"
 
 
@@ -117,9 +117,10 @@ def _groups(stage) -> list[str]:
     gpu_ranks = [r for r in stage.ranks if r.gpus]
     if not gpu_ranks or stage.tp * stage.pp * stage.dp == 1:
         return []
-    where = lambda r: ",".join(f"{r.node}:{g}" for g in r.gpus)  # noqa: E731
+    where = lambda r: ",".join(f"{n}:{g}" for n, g in r.all_gpus())  # noqa: E731
     if _one_actor_per_replica(stage):
-        return [f"replicas (tp {stage.tp} each): " + " ".join(f"[{where(r)}]" for r in gpu_ranks)]
+        shape = f"tp {stage.tp}" + (f" x pp {stage.pp}" if stage.pp > 1 else "")
+        return [f"replicas ({shape} each): " + " ".join(f"[{where(r)}]" for r in gpu_ranks)]
     lines = []
     for name, size, key in (("tp", stage.tp, lambda r: (r.dp_rank, r.pp_rank)),
                             ("dp", stage.dp, lambda r: (r.tp_rank, r.pp_rank)),

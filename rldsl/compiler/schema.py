@@ -46,14 +46,27 @@ ENGINES: dict[str, EngineInfo] = {
         "plain PyTorch on CPU or GPU; the builtin tiny model and local Hugging Face models"),
     "vllm": EngineInfo(
         ("generate", "logprob"),
+        {**_PARALLEL, "gpu_memory": Fraction(), "sleep": SleepLevel(), "max_model_len": Int(low=1),
+         "dtype": _DTYPE},
+        "sleep", True, ("generate", "logprob"),
+        "vLLM's offline engine; `gpu_memory` is the share of each GPU it reserves; a replica is tp x pp GPUs "
+        "and, with pp > 1, may span nodes (whole tp groups on each)",
+        pp_kinds=("generate", "logprob")),
+    "sglang": EngineInfo(
+        ("generate", "logprob"),
         {"tp": Int(low=1), "gpu_memory": Fraction(), "sleep": SleepLevel(), "max_model_len": Int(low=1),
          "dtype": _DTYPE},
         "sleep", True, ("generate", "logprob"),
-        "vLLM's offline engine; `gpu_memory` is the share of each GPU it reserves"),
+        "SGLang's offline engine; `gpu_memory` is the share of each GPU it reserves (`mem_fraction_static`)"),
     "megatron": EngineInfo(
         ("train", "logprob"),
         {**_PARALLEL, "offload": Bool(), "dtype": _DTYPE, "distributed_optimizer": Bool()},
-        "offload", True, (), "megatron-core split-step trainer", pp_kinds=("train",)),
+        "offload", True, (), "megatron-core split-step trainer", pp_kinds=("train", "logprob")),
+    "fsdp": EngineInfo(
+        ("train", "logprob"), {"shard": Int(low=0), "offload": Bool(), "dtype": Enum(("fp32", "bf16"))},
+        "offload", False, (),
+        "torch FSDP2 (`fully_shard`): parameters, gradients and AdamW state sharded over the trainer's ranks "
+        "(`shard` ranks per copy; 0: all of them)"),
     "sim": EngineInfo(
         ("generate", "logprob", "train"),
         {"latency": DURATION, "tail": Fraction(), "tail_factor": Float(low=1), "jitter": Fraction(), "sleep": Bool(),
@@ -66,8 +79,10 @@ ENGINES: dict[str, EngineInfo] = {
 
 ENGINE_ARG_DEFAULTS = {
     "torch": {"dtype": "fp32", "offload": True},
-    "vllm": {"tp": 1, "gpu_memory": 0.9, "sleep": 1, "dtype": "bf16"},  # sleep: the level
+    "vllm": {"tp": 1, "pp": 1, "gpu_memory": 0.9, "sleep": 1, "dtype": "bf16"},  # sleep: the level
+    "sglang": {"tp": 1, "gpu_memory": 0.9, "sleep": 1, "dtype": "bf16"},  # sleep: the level
     "megatron": {"tp": 1, "pp": 1, "offload": True, "dtype": "bf16", "distributed_optimizer": True},
+    "fsdp": {"shard": 0, "offload": True, "dtype": "fp32"},
     "sim": {"latency": 0.01, "tail": 0.0, "tail_factor": 10.0, "jitter": 0.1, "sleep": True},
 }
 

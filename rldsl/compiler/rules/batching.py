@@ -9,6 +9,7 @@ from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
 from rldsl.compiler.schema import GROUP_BASELINES
+from rldsl.compiler.types import arg_span
 
 
 def check_batch_sizes(ctx: Context) -> list[Diagnostic]:
@@ -96,6 +97,22 @@ def _dp_help(ctx: Context, train: Decl, spp: int, gb: int, mb: int, dp: int) -> 
     return " or ".join(parts)
 
 
+def check_shard_group(ctx: Context) -> list[Diagnostic]:
+    """RLP510: an fsdp trainer's shard groups tile its data-parallel ranks."""
+    train = ctx.train_stage()
+    if train is None or not train.valid("engine") or train["engine"].name != "fsdp":
+        return []
+    shard, dp = train["engine"].args.get("shard", 0), data_parallel_size(ctx, train)
+    if not shard or dp is None or dp % shard == 0:
+        return []
+    fits = [s for s in range(1, dp + 1) if dp % s == 0]
+    return [Diagnostic("RLP510", ERROR, f"fsdp(shard = {shard}) on {dp} data-parallel rank{'s' * (dp != 1)}: the "
+                       "shard groups do not divide them", arg_span(train["engine"], "shard"),
+                       notes=("hybrid sharding shards each tensor within a group of `shard` ranks and replicates "
+                              "it across the groups",),
+                       help=f"shard values that work: {', '.join(map(str, fits))} (0: shard over all ranks)")]
+
+
 def check_buffer(ctx: Context) -> list[Diagnostic]:
     """RLP304 deadlock proof, RLP305 in-flight limit, RLP306 staleness window."""
     shape = ctx.buffer_shape()
@@ -131,4 +148,4 @@ def check_buffer(ctx: Context) -> list[Diagnostic]:
     return out
 
 
-PASSES = (check_batch_sizes, check_buffer)
+PASSES = (check_batch_sizes, check_shard_group, check_buffer)

@@ -80,7 +80,8 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        _KEYS),
     _r("RLP108", ERROR, "engine cannot run this stage",
        "Each engine serves some stage kinds (vLLM generates and scores, megatron trains and scores), "
-       "GPU engines need GPUs, and megatron runs logprob stages without pipeline parallelism (pp = 1).",
+       "GPU engines need GPUs, and `pp > 1` is refused for a stage kind its engine does not pipeline "
+       "(megatron pipelines train and logprob stages, vLLM generate and logprob stages).",
        "stage train actor { model = policy  engine = vllm(tp = 1)  prompts_per_step = 2 }",
        "the stage's `engine`; for a GPU-only engine also the cluster's `gpus_per_node` (or, for a stage "
        "without GPUs, its placement)."),
@@ -246,7 +247,8 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "the placement of both stages and the generate stage's replicas."),
     _r("RLP506", ERROR, "estimated memory above GPU memory",
        "With `gpu_memory` declared, the plan estimates each GPU's memory: training weights + gradients + "
-       "AdamW state (18 bytes per parameter in bf16, 16 in fp32, / (tp x pp)), other weights (their dtype's "
+       "AdamW state (18 bytes per parameter in bf16, 16 in fp32, / (tp x pp); `fsdp`: 12 bytes / its shard group plus "
+       "the gathered weights and a full fp32 gradient), other weights (their dtype's "
        "bytes per parameter), vLLM's reserved share; sim engines count nothing. Colocated stages that sleep count as their maximum, others as their sum.",
        "cluster { gpu_memory = 24GiB }   # training a 7B model on one GPU",
        "the cluster's `gpu_memory`, the placement of each GPU's stages, their engines and their models' "
@@ -269,7 +271,12 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "usually a slip in GPU ids, or placement groups of two pipelines both starting at GPU 0.",
        "pipeline a { ... gpus = [0] ... }   pipeline b { ... gpus = [0] ... }   # and no `share`",
        "the placement of stages of two pipelines and both pipelines' `share`."),
-]}
+    _r("RLP510", ERROR, "fsdp shard groups do not divide the data-parallel ranks",
+       "`fsdp(shard = S)` shards each tensor within groups of S data-parallel ranks and replicates it across "
+       "the groups (hybrid sharding), so S must divide the trainer's data-parallel size; `shard = 0` shards "
+       "over all of them.",
+       "engine = fsdp(shard = 3)   # on 2 GPUs",
+       "the train stage's `engine` and its data-parallel size (as RLP302 reads it)."),]}
 
 
 DEPENDENCIES = """\
@@ -305,7 +312,7 @@ So the rule families depend on each other only through these inputs:
 | engines | RLP108 | each stage's engine |
 | dataflow | RLP201-RLP204, RLP207, RLP208 | the flows and the declarations |
 | weights | RLP205, RLP206, RLP209 | syncs, models, and the flows for RLP209 |
-| batch sizes | RLP301-RLP303 | trainer and generator sizes; RLP302 the trainer's GPU count |
+| batch sizes | RLP301-RLP303, RLP510 | trainer and generator sizes; RLP302 and RLP510 the trainer's GPU count |
 | training | RLP307-RLP312 | the trainer's loss, sampling and schedule keys, the run length, the datasets |
 | buffer | RLP304-RLP306 | the trainer's prompts_per_step, staleness and buffer |
 | placement | RLP501-RLP503, RLP507, RLP508 | cluster, `gpus`, `colocate`, placement groups, engines |

@@ -55,7 +55,7 @@ def _wake_findings(program: Program, sp: StagePlacement) -> list[Diagnostic]:
     """vLLM's sleep level 2 discards the weights: only a stage that a sync refills may use it."""
     decl = _decl(program, sp)
     engine = decl["engine"]
-    if engine.name != "vllm" or engine.args.get("sleep") != 2:
+    if engine.name not in ("vllm", "sglang") or engine.args.get("sleep") != 2:
         return []
     receives = _receives_sync(program.pipeline(sp.pipeline), sp.stage)
     if receives is not False:

@@ -58,6 +58,12 @@ def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int):
         return VLLMGenerator.from_path(_hf_path(pipe, stage), _vllm_options(stage), seed=seed,
                                        max_new_tokens=stage.settings["max_new_tokens"],
                                        temperature=stage.settings["temperature"], top_p=stage.settings["top_p"])
+    if name == "sglang":
+        from rldsl.runtime.engines.sglang import SGLangGenerator
+
+        return SGLangGenerator.from_path(_hf_path(pipe, stage), _sglang_options(stage), seed=seed,
+                                         max_new_tokens=stage.settings["max_new_tokens"],
+                                         temperature=stage.settings["temperature"], top_p=stage.settings["top_p"])
     raise _unavailable(stage)
 
 
@@ -77,6 +83,16 @@ def build_logprob(stage: StagePlan, pipe: PipelinePlan, seed: int):
         from rldsl.runtime.engines.vllm import VLLMLogprob
 
         return VLLMLogprob.from_path(_hf_path(pipe, stage), _vllm_options(stage), seed=seed)
+    if name == "sglang":
+        from rldsl.runtime.engines.sglang import SGLangLogprob
+
+        return SGLangLogprob.from_path(_hf_path(pipe, stage), _sglang_options(stage), seed=seed)
+    if name == "fsdp":
+        from rldsl.runtime.engines.fsdp.logprob import FsdpLogprob
+
+        model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
+        return FsdpLogprob(model, dtype=stage.engine.args["dtype"], rows_per_forward=stage.settings.get("micro_batch"),
+                           tokens_per_forward=stage.settings.get("micro_batch_tokens", 0))
     if name == "megatron":
         from rldsl.runtime.engines.megatron.logprob import MegatronLogprob
 
@@ -99,6 +115,13 @@ def build_trainer(stage: StagePlan, pipe: PipelinePlan, seed: int, process_group
 
         model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
         return TorchTrainer(model, **training_options(stage, pipe), process_group=process_group)
+    if name == "fsdp":
+        from rldsl.runtime.engines.fsdp.trainer import FsdpTrainer
+
+        args = stage.engine.args
+        model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
+        return FsdpTrainer(model, shard=args["shard"], dtype=args["dtype"], offload=args["offload"],
+                           **training_options(stage, pipe), process_group=process_group)
     if name == "megatron":
         from rldsl.runtime.engines.megatron.trainer import MegatronTrainer
 
@@ -157,7 +180,7 @@ def _model(pipe: PipelinePlan, stage: StagePlan) -> ModelPlan:
 
 
 def _hf_path(pipe: PipelinePlan, stage: StagePlan) -> str:
-    """The local checkpoint directory the vllm and megatron engines load."""
+    """The local checkpoint directory the vllm, sglang and megatron engines load."""
     source = _model(pipe, stage).source
     if not source.startswith("hf:"):
         raise EngineUnavailable(f"stage `{stage.name}`: engine `{stage.engine.name}` loads a local Hugging Face "
@@ -169,8 +192,17 @@ def _vllm_options(stage: StagePlan):
     from rldsl.runtime.engines.vllm import VLLMOptions
 
     args = stage.engine.args
-    return VLLMOptions(tp=args["tp"], gpu_memory=args["gpu_memory"], sleep=args["sleep"],
+    return VLLMOptions(tp=args["tp"], pp=args.get("pp", 1), spans_nodes=any(r.remote for r in stage.ranks),
+                       gpu_memory=args["gpu_memory"], sleep=args["sleep"],
                        max_model_len=args.get("max_model_len"), dtype=args["dtype"])
+
+
+def _sglang_options(stage: StagePlan):
+    from rldsl.runtime.engines.sglang import SGLangOptions
+
+    args = stage.engine.args
+    return SGLangOptions(tp=args["tp"], gpu_memory=args["gpu_memory"], sleep=args["sleep"],
+                         max_model_len=args.get("max_model_len"), dtype=args["dtype"])
 
 
 def _megatron_parallelism(stage: StagePlan) -> dict:

@@ -6,8 +6,10 @@ without it. Everything that does not need vLLM itself (building requests,
 turning outputs into a batch, the weight-sync bookkeeping) is plain code
 over duck-typed vLLM objects and is tested without vLLM.
 
-- One actor drives a whole tensor-parallel group (``tp`` GPUs): vLLM's
-  multiprocessing executor starts one worker per GPU the actor can see.
+- One actor drives a whole replica (``tp`` x ``pp`` GPUs): vLLM's
+  multiprocessing executor starts one worker per GPU the actor can see. A
+  replica whose pipeline stages span nodes (``pp`` > 1) runs on vLLM's Ray
+  executor instead, which places a worker on each node's GPUs.
 - Behaviour logprobs are vLLM's ``raw_logprobs``: the log-probability of the
   sampled token under the model's own distribution at temperature 1 before
   top-p, the quantity the trainer recomputes (``torch_generate`` defines it
@@ -29,12 +31,22 @@ from __future__ import annotations
 import io
 import itertools
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from rldsl.runtime.engines.torch.common import decode_responses, left_align
+from rldsl.runtime.engines.serving import (
+    WeightSync,
+    bucket_items,
+    left_padded,
+    load_tokenizer,
+    prompt_token_ids,
+    request_seeds,
+    scoring_rows,
+)
+from rldsl.runtime.engines.torch.common import decode_responses
 from rldsl.runtime.protocols import (
     FIELD_BEHAVIOUR_LOGPROBS,
     FIELD_PROMPT_IDS,
@@ -55,14 +67,6 @@ INSTALL_HINT = "the vllm engine needs vLLM on a GPU machine: pip install 'rldsl[
 # -- requests -------------------------------------------------------------------------
 
 
-def prompt_token_ids(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
-    """Each prompt's tokens with BOS, as the torch engines encode them."""
-    ids = [tokenizer.encode(prompt.text, add_bos=True) for prompt in prompts]
-    if any(not row for row in ids):
-        raise ValueError("a prompt encodes to no tokens; the model needs at least one to condition on")
-    return ids
-
-
 def sampling_options(samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float,
                      seed: int | None) -> dict[str, Any]:
     """``SamplingParams`` arguments for one prompt: ``n`` samples, and the
@@ -78,23 +82,7 @@ def _encode_or_error(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]] | 
         return error
 
 
-def request_seeds(seed: int, count: int) -> list[int]:
-    """One seed per prompt: the batch is reproducible whatever vLLM schedules together."""
-    return [seed * 1_000_003 + index for index in range(count)]
-
-
 # -- outputs -> batch ------------------------------------------------------------------
-
-
-def left_padded(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for index, row in enumerate(rows):
-        if row:
-            ids[index, width - len(row):] = torch.tensor(row)
-            mask[index, width - len(row):] = 1
-    return ids, mask
 
 
 def sampled_logprobs(completion) -> list[float]:
@@ -153,41 +141,6 @@ def unpack_bucket(payload: bytes) -> list[tuple[str, torch.Tensor]]:
     return torch.load(io.BytesIO(payload), weights_only=True)
 
 
-def bucket_items(bucket: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """A bucket as the ``(name, tensor)`` list vLLM's ``load_weights`` takes."""
-    items = []
-    for name, tensor in bucket.items():
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            kinds = f"{type(name).__name__} -> {type(tensor).__name__}"
-            raise TypeError(f"a weight bucket maps names to tensors; got {kinds}")
-        items.append((name, tensor.detach().cpu().contiguous()))
-    return items
-
-
-class WeightSync:
-    """Which version the weights are, and whether a sync is half applied."""
-
-    def __init__(self, version: int = 0):
-        self.version = version
-        self.pending: int | None = None
-
-    def check_accepts(self, version: int) -> None:
-        if self.pending not in (None, version):
-            raise RuntimeError(
-                f"weight bucket for version {version} arrived while version {self.pending} was half applied; "
-                "a sync must finish (last=True) before the next begins")
-
-    def receive(self, version: int, last: bool) -> None:
-        self.check_accepts(version)
-        self.pending = None if last else version
-        if last:
-            self.version = version
-
-    def require_consistent(self) -> None:
-        if self.pending is not None:
-            raise RuntimeError(f"weight sync to version {self.pending} is in progress (last bucket not received)")
-
-
 def ties_word_embeddings(worker) -> bool:
     config = getattr(getattr(worker.model_runner, "model_config", None), "hf_config", None)
     return bool(getattr(config, "tie_word_embeddings", False))
@@ -236,6 +189,8 @@ class VLLMOptions:
     """The ``vllm(...)`` engine arguments of a stage."""
 
     tp: int = 1
+    pp: int = 1
+    spans_nodes: bool = False  # the replica's GPUs are on more than one node (only with pp > 1)
     gpu_memory: float = 0.9
     sleep: bool | int = True  # the plan's level: 0 (never), 1 (weights to host memory), 2 (weights discarded)
     max_model_len: int | None = None
@@ -253,6 +208,7 @@ class VLLMOptions:
             "model": model_path,
             "tokenizer": model_path,
             "tensor_parallel_size": self.tp,
+            "pipeline_parallel_size": self.pp,
             "gpu_memory_utilization": self.gpu_memory,
             "enable_sleep_mode": bool(self.sleep),
             "dtype": VLLM_DTYPES[self.dtype],
@@ -263,9 +219,18 @@ class VLLMOptions:
         }
         if self.max_model_len:
             kwargs["max_model_len"] = self.max_model_len
-        if self.tp > 1:
-            kwargs["distributed_executor_backend"] = "mp"  # this actor owns all tp GPUs
+        backend = self.executor_backend()
+        if backend:
+            kwargs["distributed_executor_backend"] = backend
         return kwargs
+
+    def executor_backend(self) -> str | None:
+        """None for one GPU; "mp" when this actor sees every GPU of the
+        replica; "ray" when the replica spans nodes, which one process's
+        workers cannot reach."""
+        if self.spans_nodes:
+            return "ray"
+        return "mp" if self.tp * self.pp > 1 else None
 
 
 def create_llm(model_path: str, options: VLLMOptions, seed: int):
@@ -283,14 +248,6 @@ def _sampling_params(**options):
     from vllm import SamplingParams
 
     return SamplingParams(**options)
-
-
-def load_tokenizer(model_path: str):
-    from transformers import AutoTokenizer
-
-    from rldsl.models.hf import HFTokenizer
-
-    return HFTokenizer(AutoTokenizer.from_pretrained(model_path, local_files_only=True))
 
 
 class _VLLMEngine:
@@ -391,21 +348,6 @@ class VLLMGenerator(_VLLMEngine):
 
 
 # -- log-probabilities of given responses ------------------------------------------------
-
-
-def scoring_rows(batch: Batch) -> tuple[list[list[int]], list[int], list[int]]:
-    """Per row: real prompt + real response tokens, the prompt length and the
-    response length (the response mask is a prefix of the row)."""
-    prompt_ids, prompt_mask = left_align(batch[FIELD_PROMPT_IDS], batch[FIELD_PROMPT_MASK])
-    rows, prompt_lengths, response_lengths = [], [], []
-    for ids, mask, response, response_mask in zip(prompt_ids, prompt_mask, batch[FIELD_RESPONSE_IDS],
-                                                  batch[FIELD_RESPONSE_MASK]):
-        prompt = ids[mask.bool()].tolist()
-        length = int(response_mask.sum())
-        rows.append(prompt + response[:length].tolist())
-        prompt_lengths.append(len(prompt))
-        response_lengths.append(length)
-    return rows, prompt_lengths, response_lengths
 
 
 def logprobs_from_prompt_logprobs(rows: Sequence[Sequence[int]], prompt_lengths: Sequence[int],

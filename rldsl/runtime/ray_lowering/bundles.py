@@ -6,6 +6,10 @@ actors drive: one GPU for a trainer rank or a tp = 1 generator (colocated
 actors share it, each asking its fraction), k GPUs for one actor driving a
 tp = k replica. Each bundle also holds the CPU share of every actor in it.
 
+A replica that spans nodes (vLLM with pp > 1) has its actor in the bundle
+of its first node's GPUs and, on each further node, a bundle of its GPUs
+there with no actor in it: reserved for the engine's own workers.
+
 A k-GPU actor that shares its GPUs with another actor cannot be expressed
 in Ray's resource model (it would need a fraction of each of k GPUs); the
 layout refuses it with the reason instead of starting something Ray can
@@ -35,6 +39,7 @@ class ActorSlot:
     node: int  # the plan's node index
     gpus: tuple[int, ...]  # the plan's local GPU ids on that node
     gpu_fraction: float  # of each GPU; below 1 when colocated
+    remote: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (node, local GPUs) its engine drives elsewhere
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Bundle:
     index: int  # the bundle index inside the node's placement group
     gpus: tuple[int, ...]
     residents: list[ActorSlot] = field(default_factory=list)
+    reserved_for: list[ActorSlot] = field(default_factory=list)  # replicas whose remote GPUs these are
 
     def resources(self, actor_cpus: float) -> dict[str, float]:
         cpus = actor_cpus * len(self.residents)  # a filler holds no actor, so no CPU
@@ -85,7 +91,7 @@ def actor_slots(plan: ExecutionPlan) -> list[ActorSlot]:
     """Every GPU actor of every pipeline, named as the lowering names them."""
     prefix = len(plan.pipelines) > 1
     return [ActorSlot(f"{pipe.name}/" * prefix + f"{stage.name}-{rank.index}", stage.name, rank.index, rank.node,
-                      tuple(rank.gpus), rank.gpu_fraction or 1.0)
+                      tuple(rank.gpus), rank.gpu_fraction or 1.0, tuple((r.node, tuple(r.gpus)) for r in rank.remote))
             for pipe in plan.pipelines for stage in pipe.stages if stage.kind != "sync"
             for rank in stage.ranks if rank.gpus]
 
@@ -100,18 +106,21 @@ def layout_bundles(slots: list[ActorSlot], actor_cpus: float, gpus_per_node: int
     empty filler where no actor runs (``gpus_per_node``: up to that count,
     for plan nodes folded onto one local Ray node)."""
     nodes: dict[int, list[Bundle]] = {}
-    for node in sorted({s.node for s in slots}):
+    for node in sorted({s.node for s in slots} | {n for s in slots for n, _ in s.remote}):
         on_node = [s for s in slots if s.node == node]
+        remote = [(s, gpus) for s in slots for n, gpus in s.remote if n == node]
         graph = nx.Graph()
-        for slot in on_node:
-            graph.add_nodes_from(slot.gpus)
-            nx.add_path(graph, slot.gpus)
+        for gpus in [s.gpus for s in on_node] + [gpus for _, gpus in remote]:
+            graph.add_nodes_from(gpus)
+            nx.add_path(graph, gpus)
         top = gpus_per_node if gpus_per_node else max(graph.nodes) + 1
         graph.add_nodes_from(range(top))  # fillers
         components = sorted(tuple(sorted(c)) for c in nx.connected_components(graph))
         bundles = [Bundle(node, i, gpus) for i, gpus in enumerate(components)]
         for slot in on_node:
             next(b for b in bundles if slot.gpus[0] in b.gpus).residents.append(slot)
+        for slot, gpus in remote:
+            next(b for b in bundles if gpus[0] in b.gpus).reserved_for.append(slot)
         for bundle in bundles:
             _require_expressible(bundle)
         nodes[node] = bundles
@@ -119,7 +128,13 @@ def layout_bundles(slots: list[ActorSlot], actor_cpus: float, gpus_per_node: int
 
 
 def _require_expressible(bundle: Bundle) -> None:
-    if len(bundle.gpus) == 1 or len(bundle.residents) == 1:
+    if bundle.reserved_for and (bundle.residents or len(bundle.reserved_for) > 1):
+        owner = bundle.reserved_for[0]
+        others = ", ".join(s.name for s in bundle.residents + bundle.reserved_for[1:])
+        raise LayoutError(
+            f"`{owner.name}` drives GPUs {', '.join(map(str, bundle.gpus))} of node {bundle.node} from another node "
+            f"and shares them with {others}: a replica across nodes needs its GPUs to itself")
+    if len(bundle.gpus) == 1 or len(bundle.residents) <= 1:
         return
     wide = next(s for s in bundle.residents if len(s.gpus) > 1)
     others = ", ".join(s.name for s in bundle.residents if s is not wide)

@@ -59,7 +59,7 @@ class PipelineDriver:
     def prepare_models(self) -> None:
         """Build the warm start (cached) once here rather than in every actor."""
         model = next(m for m in self.pipe.models if m.name == self.pipe.stage(self.pipe.batch.train_stage).model)
-        if self.trainer_engine != "torch" or not model.source.startswith("builtin:"):
+        if self.trainer_engine not in ("torch", "fsdp") or not model.source.startswith("builtin:"):
             return  # local models load in the actors; their errors are reported per stage
         from rldsl.runtime.engines.factory import load_policy
 

@@ -175,8 +175,9 @@ def _tokenizer_for(pipe: PipelinePlan):
 
 class LogprobWorker(_Worker):
     """One rank of a logprob stage. The ranks of a model-parallel replica
-    (megatron tp > 1) form a process group, all compute every batch, and the
-    first tensor-parallel rank writes the result."""
+    (megatron tp x pp > 1) form a process group and all take part in every
+    batch; only the last pipeline stage has the result, and its first
+    tensor-parallel rank writes and reports it, once per replica."""
 
     def __init__(self, pipe, stage, rank, dataplane_spec, dist: dict | None = None):
         from rldsl.runtime.engines.factory import build_logprob
@@ -187,11 +188,13 @@ class LogprobWorker(_Worker):
         self.engine = build_logprob(stage, pipe, seed=pipe.run.seed + 2000 + rank)
         self.frozen = bool(stage.settings.get("frozen"))
         self.field = p.logprob_field(self.frozen)
-        self.writes = stage.ranks[rank].tp_rank == 0
+        placed = stage.ranks[rank]
+        self.writes = placed.tp_rank == 0 and placed.pp_rank == stage.pp - 1
         self.version = 0  # the weights it scores with; the trainer's fence compares it to each row's
 
     def logprob(self, keys: Sequence[str]) -> list[int] | None:
-        """Scores and writes; a policy stage reports the version it scored with, per key."""
+        """Scores and writes; the writing rank of a policy stage reports the
+        version it scored with, per key (the other ranks report None)."""
         import torch
 
         with self.tracer.span("logprob", groups=prompt_groups(keys), version=self.version):
@@ -201,7 +204,7 @@ class LogprobWorker(_Worker):
                 if not self.frozen:
                     fields[p.version_field(self.field)] = torch.full((len(keys),), self.version, dtype=torch.long)
                 self._put(keys, fields)
-        return None if self.frozen else [self.version] * len(keys)
+        return None if self.frozen or not self.writes else [self.version] * len(keys)
 
     def receive_weights(self, bucket_refs: list, version: int) -> None:
         """A push: applied in place between two logprob calls (the actor runs one call at a time)."""

@@ -3,10 +3,15 @@
 Shares the model, packing and tensor-parallel cross entropy with
 ``MegatronTrainer`` (``megatron_model``), so a frozen reference and the
 trainer compute the same quantity for the same weights.
+
+With pp > 1 the forwards run as Megatron's forward-only pipeline schedule:
+every rank of the replica takes part, only the last pipeline stage has
+logits, so only it returns log-probabilities (the others return None).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Mapping
 
 import torch
@@ -31,8 +36,7 @@ class MegatronLogprob:
                  pp: int = 1, dtype: str = "bf16", rows_per_forward: int | None = None, tokens_per_forward: int = 0,
                  seed: int = 0):
         mm.ensure_model_parallel(tp, pp, seed)
-        if pp != 1:
-            raise NotImplementedError("the megatron logprob engine runs without pipeline parallelism (pp = 1)")
+        self.pipeline_parallel = pp
         self.shape = shape
         self.rows_per_forward = rows_per_forward
         self.tokens_per_forward = tokens_per_forward
@@ -51,17 +55,44 @@ class MegatronLogprob:
         return cls(shape, mm.read_hf_weights(path), **kwargs)
 
     @torch.no_grad()
-    def logprobs(self, batch: Batch) -> torch.Tensor:
+    def logprobs(self, batch: Batch) -> torch.Tensor | None:
+        """[rows, response length] log-probabilities; None on a pipeline stage
+        other than the last (it only relays activations)."""
         if self._pending_version is not None:
             raise RuntimeError(f"weight sync to version {self._pending_version} is in progress")
         groups = forward_rows(batch, self.rows_per_forward, self.tokens_per_forward)
         trim = trim_padding if self.tokens_per_forward else dict
-        results = ((rows, self._chunk_logprobs(trim(take_rows(batch, rows)))) for rows in groups)
+        chunks = [trim(take_rows(batch, rows)) for rows in groups]
+        if self.pipeline_parallel == 1:
+            results = zip(groups, map(self._chunk_logprobs, chunks))
+        else:
+            results = self._pipelined_logprobs(groups, chunks)
+            if results is None:
+                return None
         return scatter_rows(results, *batch[FIELD_RESPONSE_IDS].shape)
 
     def _chunk_logprobs(self, chunk: Batch) -> torch.Tensor:
         packed = mm.pack_rows(chunk, self.device)
         return mm.response_logprobs_from_logits(mm.forward_logits(self.model, packed), packed).cpu()
+
+    def _pipelined_logprobs(self, groups: list, chunks: list[Batch]) -> list | None:
+        """One forward-only pipeline schedule over every chunk: (rows, logprobs)
+        pairs on the last stage, None elsewhere. Stages exchange activations
+        of one shape, so every chunk is padded to the largest."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not chunks:
+            return [] if parallel_state.is_pipeline_last_stage() else None
+        length = max(mm.packed_length(chunk) for chunk in chunks)
+        rows = max(len(chunk[FIELD_RESPONSE_IDS]) for chunk in chunks)
+        packed = [mm.pack_rows(chunk, self.device, length, rows) for chunk in chunks]
+        outputs = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=iter(packed), model=[self.model],
+            num_microbatches=len(packed), seq_length=length, micro_batch_size=rows, forward_only=True)
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        return list(zip(groups, (out["logprobs"] for out in outputs)))
 
     def update_weights(self, bucket: Mapping[str, torch.Tensor], version: int, last: bool) -> None:
         from megatron.core import parallel_state
@@ -85,3 +116,18 @@ class MegatronLogprob:
 
     def wake(self) -> None:
         self.model.to(self.device)
+
+
+def _forward_step(data_iterator, model):
+    """The schedule's step: logits (hidden states before the last stage) and
+    the function the last stage applies to them."""
+    packed = next(data_iterator)
+    return mm.forward_logits(model, packed), partial(_collect_logprobs, packed)
+
+
+def _collect_logprobs(packed: mm.PackedRows, logits: torch.Tensor):
+    """The schedule's "loss": nothing to reduce; the logprobs ride in the
+    reported values, which a forward-only schedule returns per microbatch."""
+    logprobs = mm.response_logprobs_from_logits(logits, packed).cpu()
+    zero = torch.zeros((), device=logits.device)
+    return zero, torch.tensor(0, dtype=torch.int, device=logits.device), {"logprobs": logprobs}

@@ -1,0 +1,102 @@
+"""What the serving engines (vLLM, SGLang) share: requests as token ids,
+batches from their outputs, weight buckets and the version they carry.
+Nothing here imports either library."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rldsl.runtime.engines.torch.common import left_align
+from rldsl.runtime.protocols import (
+    FIELD_PROMPT_IDS,
+    FIELD_PROMPT_MASK,
+    FIELD_RESPONSE_IDS,
+    FIELD_RESPONSE_MASK,
+    Batch,
+    Prompt,
+)
+
+
+def prompt_token_ids(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """Each prompt's tokens with BOS, as the torch engines encode them."""
+    ids = [tokenizer.encode(prompt.text, add_bos=True) for prompt in prompts]
+    if any(not row for row in ids):
+        raise ValueError("a prompt encodes to no tokens; the model needs at least one to condition on")
+    return ids
+
+
+def request_seeds(seed: int, count: int) -> list[int]:
+    """One seed per prompt: the batch is reproducible whatever vLLM schedules together."""
+    return [seed * 1_000_003 + index for index in range(count)]
+
+
+def left_padded(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):
+        if row:
+            ids[index, width - len(row):] = torch.tensor(row)
+            mask[index, width - len(row):] = 1
+    return ids, mask
+
+
+def bucket_items(bucket: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """A bucket as the ``(name, tensor)`` list vLLM's ``load_weights`` takes."""
+    items = []
+    for name, tensor in bucket.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            kinds = f"{type(name).__name__} -> {type(tensor).__name__}"
+            raise TypeError(f"a weight bucket maps names to tensors; got {kinds}")
+        items.append((name, tensor.detach().cpu().contiguous()))
+    return items
+
+
+class WeightSync:
+    """Which version the weights are, and whether a sync is half applied."""
+
+    def __init__(self, version: int = 0):
+        self.version = version
+        self.pending: int | None = None
+
+    def check_accepts(self, version: int) -> None:
+        if self.pending not in (None, version):
+            raise RuntimeError(
+                f"weight bucket for version {version} arrived while version {self.pending} was half applied; "
+                "a sync must finish (last=True) before the next begins")
+
+    def receive(self, version: int, last: bool) -> None:
+        self.check_accepts(version)
+        self.pending = None if last else version
+        if last:
+            self.version = version
+
+    def require_consistent(self) -> None:
+        if self.pending is not None:
+            raise RuntimeError(f"weight sync to version {self.pending} is in progress (last bucket not received)")
+
+
+def load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    from rldsl.models.hf import HFTokenizer
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(model_path, local_files_only=True))
+
+
+def scoring_rows(batch: Batch) -> tuple[list[list[int]], list[int], list[int]]:
+    """Per row: real prompt + real response tokens, the prompt length and the
+    response length (the response mask is a prefix of the row)."""
+    prompt_ids, prompt_mask = left_align(batch[FIELD_PROMPT_IDS], batch[FIELD_PROMPT_MASK])
+    rows, prompt_lengths, response_lengths = [], [], []
+    for ids, mask, response, response_mask in zip(prompt_ids, prompt_mask, batch[FIELD_RESPONSE_IDS],
+                                                  batch[FIELD_RESPONSE_MASK]):
+        prompt = ids[mask.bool()].tolist()
+        length = int(response_mask.sum())
+        rows.append(prompt + response[:length].tolist())
+        prompt_lengths.append(len(prompt))
+        response_lengths.append(length)
+    return rows, prompt_lengths, response_lengths

@@ -1,0 +1,301 @@
+"""The fsdp engine (torch FSDP2) on CPU over gloo.
+
+- the split step's gradient (uneven microbatches, an idle rank, a token
+  budget) equals one full-batch backward of the normalised loss: one
+  process, dp 2 and 4 (full shard) and dp 4 with shard 2 (hybrid);
+- a rollout batch in two optimizer steps bumps the version once;
+- checkpoints restore weights, optimizer state, version and step count;
+- weight buckets are the unsharded model's state dict;
+- sleep / wake keep every value; the compiler's memory estimate shards.
+
+Multi-rank cases run every check in one spawn per world size (starting
+processes dominates the time).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+from rldsl.runtime.engines.fsdp import FsdpLogprob, FsdpTrainer
+from rldsl.runtime.engines.policy_loss import AGGREGATIONS, PolicyLossConfig
+from rldsl.runtime.engines.torch.common import response_logprobs
+from rldsl.runtime.protocols import LogprobEngine, Trainer
+from tests.test_split_step_gradient import ROWS, full_batch_gradients, make_batch, make_model, max_relative_error
+
+# tiny-lm returns its key/value cache as views; nothing here writes to them in place.
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module.*returned a view tensor")
+LOSS_CONFIGS = [PolicyLossConfig(clip=0.2, kl=0.05, agg=agg) for agg in AGGREGATIONS]
+LAYOUTS = {  # world size -> rank -> microbatch row ranges (uneven; rank 1 idle in one)
+    1: {"uneven": {0: [(0, 3), (3, 4), (4, 9), (9, 10)]}},
+    2: {"uneven": {0: [(0, 2), (2, 3), (3, 7)], 1: [(7, 10)]}, "idle rank": {0: [(0, 4), (4, 10)], 1: []}},
+    4: {"uneven": {0: [(0, 1), (1, 2)], 1: [(2, 6)], 2: [(6, 7), (7, 9)], 3: [(9, 10)]}},
+}
+
+
+def full_values(tensors) -> list[torch.Tensor]:
+    """Sharded tensors gathered (a collective), on the CPU."""
+    return [(t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu() for t in tensors]
+
+
+def split_step_error(model, batch, config, rows, **options) -> float:
+    expected = full_batch_gradients(model, batch, config)
+    trainer = FsdpTrainer(copy.deepcopy(model), loss=config, lr=0.0, max_grad_norm=None, **options)
+    trainer.begin_train_step(0)
+    for start, stop in rows:
+        trainer.train_microbatch(0, {name: value[start:stop] for name, value in batch.items()})
+    assert trainer.finish_train_step(0).version == 1
+    return max_relative_error(full_values(p.grad for p in trainer.parameters), expected)
+
+
+def gradient_errors(world_size: int, rank: int, **options) -> dict:
+    model = make_model()
+    batch = make_batch(model)
+    errors = {}
+    for config in LOSS_CONFIGS:
+        for name, layout in LAYOUTS[world_size].items():
+            errors[(config.agg, name)] = split_step_error(model, batch, config, layout[rank], **options)
+    budget_rows = [(0, 6), (6, 10)] if rank == 0 else []
+    errors[("budget", 12)] = split_step_error(model, batch, LOSS_CONFIGS[0], budget_rows, tokens_per_forward=12,
+                                              **options)
+    return errors
+
+
+def two_optimizer_steps(batch, **options) -> FsdpTrainer:
+    trainer = FsdpTrainer(make_model(), lr=1e-2, **options)
+    trainer.begin_train_step(0)
+    trainer.train_microbatch(0, {name: value[:5] for name, value in batch.items()})
+    trainer.optimizer_step(0)
+    assert trainer.version == 0 and trainer.optimizer_steps == 1
+    trainer.train_microbatch(0, {name: value[5:] for name, value in batch.items()})
+    result = trainer.finish_train_step(0)
+    assert (result.version, trainer.optimizer_steps) == (1, 2)
+    assert "skipped" not in result.metrics
+    return trainer
+
+
+def full_optimizer_state(trainer) -> dict:
+    state = get_optimizer_state_dict(trainer.model.module, trainer.optimizer,
+                                     options=StateDictOptions(full_state_dict=True))
+    return {(name, key): value for name, entry in state["state"].items() for key, value in entry.items()}
+
+
+def checkpoint_round_trip(batch, directory, **options) -> None:
+    trainer = two_optimizer_steps(batch, **options)
+    trainer.save_checkpoint(directory)
+    restored = FsdpTrainer(make_model(), lr=1e-2, **options)
+    assert restored.load_checkpoint(directory) == 1 and restored.optimizer_steps == 2
+    for a, b in zip(full_values(trainer.parameters), full_values(restored.parameters)):
+        assert torch.equal(a, b)
+    saved, loaded = full_optimizer_state(trainer), full_optimizer_state(restored)
+    assert saved.keys() == loaded.keys()
+    for key, value in saved.items():
+        assert torch.equal(torch.as_tensor(value).cpu(), torch.as_tensor(loaded[key]).cpu()), key
+
+
+def buckets_match_the_model(**options) -> None:
+    model = make_model()
+    expected = {name: tensor.clone() for name, tensor in model.module.state_dict().items()}
+    trainer = FsdpTrainer(copy.deepcopy(model), **options)
+    buckets = list(trainer.weight_buckets(bucket_bytes=4096))
+    if dist.get_rank() != 0:
+        assert buckets == []
+        return
+    assert len(buckets) > 1
+    got = {name: tensor for bucket in buckets for name, tensor in bucket.items()}
+    assert list(got) == list(expected)
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def sleep_and_wake_keep_values(batch, **options) -> None:
+    trainer = two_optimizer_steps(batch, **options)
+    before = [t.to_local().clone() for t in trainer.parameters]
+    trainer.sleep()
+    assert trainer.asleep and all(t.device.type in ("cpu", "meta") for t in trainer.parameters)
+    with pytest.raises(RuntimeError, match="asleep"):
+        trainer.begin_train_step(1)
+    trainer.wake()
+    assert not trainer.asleep
+    assert all(torch.equal(a, t.to_local()) for a, t in zip(before, trainer.parameters))
+    two_steps_after_wake(trainer, batch)
+
+
+def two_steps_after_wake(trainer, batch) -> None:
+    trainer.begin_train_step(1)
+    trainer.train_microbatch(1, batch)
+    assert trainer.finish_train_step(1).version == 2
+
+
+def _worker(rank: int, world_size: int, shard: int, port: int, directory: str, results: dict):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        options = {"shard": shard}
+        assert FsdpTrainer(make_model(), **options).mesh.shape == ((world_size // shard, shard) if shard else
+                                                                   (world_size,))
+        results[rank] = gradient_errors(world_size, rank, **options)
+        batch = make_batch(make_model())
+        checkpoint_round_trip(batch, directory, **options)
+        buckets_match_the_model(**options)
+        sleep_and_wake_keep_values(batch, **options)
+        results[(rank, "done")] = True
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(world_size: int, shard: int, directory) -> dict:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(world_size, shard, _free_port(), str(directory), results), nprocs=world_size,
+                 join=True)
+        return dict(results)
+
+
+def assert_all_ranks_exact(results: dict, world_size: int) -> None:
+    assert all(results.get((rank, "done")) for rank in range(world_size)), results
+    worst = max(error for rank in range(world_size) for error in results[rank].values())
+    assert worst < 1e-5, results
+
+
+@pytest.fixture
+def one_process_group():
+    """A one-rank group in this process, torn down after (other tests start their own)."""
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"  # the trainer uses the GPU if any
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_rank_matches_full_batch_and_keeps_state(one_process_group, tmp_path):
+    errors = gradient_errors(1, 0)
+    assert max(errors.values()) < 1e-5, errors
+    batch = make_batch(make_model())
+    checkpoint_round_trip(batch, tmp_path)
+    buckets_match_the_model()
+    sleep_and_wake_keep_values(batch)
+    assert isinstance(FsdpTrainer(make_model()), Trainer)
+
+
+def test_bf16_compute_stays_close_to_fp32(one_process_group):
+    model = make_model()
+    batch = make_batch(model)
+    error = split_step_error(model, batch, LOSS_CONFIGS[0], LAYOUTS[1]["uneven"][0], dtype="bf16")
+    assert error < 5e-2  # bf16 forwards against an fp32 reference
+    trainer = FsdpTrainer(make_model(), dtype="bf16")
+    assert all(p.dtype == torch.float32 for p in trainer.parameters)  # fp32 master shards
+
+
+def test_abort_drops_unreduced_gradients(one_process_group):
+    model = make_model()
+    batch = make_batch(model)
+    config = LOSS_CONFIGS[0]
+    trainer = FsdpTrainer(copy.deepcopy(model), loss=config, lr=0.0, max_grad_norm=None)
+    trainer.begin_train_step(0)
+    trainer.train_microbatch(0, {name: value[:4] for name, value in batch.items()})
+    trainer.abort_train_step(0)
+    trainer.begin_train_step(1)
+    trainer.train_microbatch(1, batch)
+    trainer.finish_train_step(1)
+    grads = full_values(p.grad for p in trainer.parameters)
+    assert max_relative_error(grads, full_batch_gradients(model, batch, config)) < 1e-5
+
+
+def test_logprob_engine_matches_the_torch_engine():
+    model = make_model()
+    batch = make_batch(model)
+    engine = FsdpLogprob(copy.deepcopy(model), rows_per_forward=3)
+    assert isinstance(engine, LogprobEngine)
+    with torch.no_grad():
+        expected = response_logprobs(model, batch)
+    assert torch.allclose(engine.logprobs(batch), expected, atol=1e-5)
+    assert engine.logprobs(batch).shape == (ROWS, batch["response_ids"].shape[1])
+
+
+def test_data_parallel_two_ranks(tmp_path):
+    assert_all_ranks_exact(run_ranks(2, 0, tmp_path), 2)
+
+
+def test_data_parallel_four_ranks_full_shard(tmp_path):
+    assert_all_ranks_exact(run_ranks(4, 0, tmp_path), 4)
+
+
+def test_hybrid_sharding_four_ranks_two_per_copy(tmp_path):
+    assert_all_ranks_exact(run_ranks(4, 2, tmp_path), 4)
+
+
+MEMORY_PIPELINE = """
+pipeline big
+cluster { nodes = 2  gpus_per_node = 8  gpu_memory = 80GiB }
+model policy { source = "builtin:tiny-lm"  params = 7B }
+dataset prompts { source = "builtin:arith" }
+stage generate rollout { model = policy  gpus = 8  samples_per_prompt = 4 }
+stage reward score { fn = "rldsl.rewards:exact_match" }
+stage train actor { model = policy  engine = ENGINE  gpus = 8  prompts_per_step = 8 }
+stage sync weights { from = actor  to = rollout }
+flow prompts -> rollout -> score -> actor
+staleness { max_lag = 1 }
+"""
+
+
+def memory_errors(engine: str) -> list:
+    from rldsl.compiler.driver import compile_source
+
+    result = compile_source(MEMORY_PIPELINE.replace("ENGINE", engine), "big.rlp")
+    return [d for d in result.diagnostics if d.code == "RLP506"]
+
+
+def test_fsdp_shards_the_trainer_memory_estimate():
+    from rldsl.compiler.memory import fsdp_trainer_bytes
+
+    (torch_error,) = memory_errors("torch")  # 7B fp32 on one 80 GiB GPU per rank: 112 GB
+    assert "engine = fsdp" in torch_error.help and "distributed optimizer" not in torch_error.help
+    assert memory_errors("fsdp") == []  # (4 + 8) x 7B / 8 + (4 + 4) x 7B = 66.5 GB
+    assert memory_errors("fsdp(shard = 2)")  # two ranks per copy: 42 + 56 = 98 GB
+    assert memory_errors("fsdp(dtype = bf16)") == []
+    assert fsdp_trainer_bytes(7e9, 8, 4) == pytest.approx(66.5e9)
+
+
+def fsdp_plan(train_engine: str, reference_engine: str = "fsdp"):
+    from pathlib import Path
+
+    from rldsl.compiler.driver import compile_source
+
+    path = Path(__file__).parent.parent / "pipelines" / "grpo_async.rlp"
+    text = path.read_text().replace("  engine = torch\n  gpus = 1\n  prompts_per_step",
+                                    f"  engine = {train_engine}\n  gpus = 1\n  prompts_per_step")
+    text = text.replace("frozen  colocate = actor", f"frozen  colocate = actor  engine = {reference_engine}")
+    return compile_source(text, str(path), base_dir=path.parent)
+
+
+def test_the_factory_builds_fsdp_stages(one_process_group, monkeypatch):
+    from rldsl.runtime.engines import factory
+
+    result = fsdp_plan("fsdp(dtype = bf16)")
+    assert result.ok, [d.message for d in result.diagnostics if d.is_error]
+    pipe = result.plan.pipelines[0]
+    train = next(stage for stage in pipe.stages if stage.kind == "train")
+    assert train.engine.args == {"shard": 0, "offload": True, "dtype": "bf16"}
+    monkeypatch.setattr(factory, "load_policy", lambda *args: make_model())
+    trainer = factory.build_trainer(train, pipe, seed=0)
+    assert isinstance(trainer, FsdpTrainer) and trainer.dtype == "bf16" and trainer.offload
+    reference = next(stage for stage in pipe.stages if stage.kind == "logprob")
+    assert isinstance(factory.build_logprob(reference, pipe, seed=0), FsdpLogprob)
+
+
+@pytest.mark.parametrize("engine", ["fsdp(shard = -1)", "fsdp(dtype = fp16)", "fsdp(tp = 2)"])
+def test_bad_fsdp_arguments_are_rejected(engine):
+    assert not fsdp_plan(engine).ok

@@ -28,6 +28,14 @@ def prompt_token_ids(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
     return ids
 
 
+def encode_or_error(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]] | ValueError:
+    """``prompt_token_ids``, or the error, so one bad group fails alone in a batched call."""
+    try:
+        return prompt_token_ids(tokenizer, prompts)
+    except ValueError as error:
+        return error
+
+
 def request_seeds(seed: int, count: int) -> list[int]:
     """One seed per prompt: the batch is reproducible whatever vLLM schedules together."""
     return [seed * 1_000_003 + index for index in range(count)]

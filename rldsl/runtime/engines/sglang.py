@@ -43,6 +43,7 @@ import torch
 from rldsl.runtime.engines.serving import (
     WeightSync,
     bucket_items,
+    encode_or_error,
     left_padded,
     load_tokenizer,
     prompt_token_ids,
@@ -95,12 +96,6 @@ def expanded_requests(prompt_ids: Sequence[Sequence[int]], samples_per_prompt: i
             params.append(sampling_params(max_new_tokens, temperature, top_p, sample_seed))
     return inputs, params
 
-
-def _encode_or_error(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]] | ValueError:
-    try:
-        return prompt_token_ids(tokenizer, prompts)
-    except ValueError as error:
-        return error
 
 
 # -- outputs -> batch ------------------------------------------------------------------
@@ -293,7 +288,7 @@ class SGLangGenerator(_SGLangEngine):
         continuously) and split back per request. A request whose prompts
         cannot be encoded comes back as its ``ValueError``; the others run."""
         self._require_ready()
-        encoded = [_encode_or_error(self.tokenizer, prompts) for prompts, _, _ in requests]
+        encoded = [encode_or_error(self.tokenizer, prompts) for prompts, _, _ in requests]
         inputs, params = [], []
         for ids, (_, n, seed) in zip(encoded, requests):
             if not isinstance(ids, ValueError):

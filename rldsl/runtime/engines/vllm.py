@@ -40,6 +40,7 @@ import torch
 from rldsl.runtime.engines.serving import (
     WeightSync,
     bucket_items,
+    encode_or_error,
     left_padded,
     load_tokenizer,
     prompt_token_ids,
@@ -74,12 +75,6 @@ def sampling_options(samples_per_prompt: int, max_new_tokens: int, temperature: 
     return {"n": samples_per_prompt, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
             "seed": seed, "logprobs": 0, "detokenize": False}
 
-
-def _encode_or_error(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]] | ValueError:
-    try:
-        return prompt_token_ids(tokenizer, prompts)
-    except ValueError as error:
-        return error
 
 
 # -- outputs -> batch ------------------------------------------------------------------
@@ -324,7 +319,7 @@ class VLLMGenerator(_VLLMEngine):
         and split back per request. A request whose prompts cannot be encoded
         comes back as its ``ValueError``; the others still run."""
         self._require_ready()
-        encoded = [_encode_or_error(self.tokenizer, prompts) for prompts, _, _ in requests]
+        encoded = [encode_or_error(self.tokenizer, prompts) for prompts, _, _ in requests]
         runnable = [(ids, n, seed) for ids, (_, n, seed) in zip(encoded, requests) if not isinstance(ids, ValueError)]
         inputs = [{"prompt_token_ids": row} for ids, _, _ in runnable for row in ids]
         params = [self._make_sampling_params(**sampling_options(n, self.max_new_tokens, self.temperature, self.top_p,

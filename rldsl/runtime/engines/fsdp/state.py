@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from rldsl.runtime.engines.torch.common import tensor_buckets
+
 CHECKPOINT_FILE = "fsdp.pt"
 
 
@@ -26,20 +28,13 @@ def full_state_buckets(module: torch.nn.Module, bucket_bytes: int):
     at most ``bucket_bytes``; all ranks gather, the first rank yields."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    first = dist.get_rank() == 0
-    bucket, used = {}, 0
-    for name, tensor in module.state_dict().items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective per tensor
-        if not first:
-            continue
-        size = full.numel() * full.element_size()
-        if bucket and used + size > bucket_bytes:
-            yield bucket
-            bucket, used = {}, 0
-        bucket[name] = full.detach().to("cpu", copy=True)
-        used += size
-    if bucket:
-        yield bucket
+    gathered = ((name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)  # a collective per tensor
+                for name, tensor in module.state_dict().items())
+    if dist.get_rank() == 0:
+        yield from tensor_buckets(gathered, bucket_bytes)
+    else:
+        for _ in gathered:  # the other ranks take part in every gather
+            pass
 
 
 def save_full_checkpoint(directory, module, optimizer, counters: dict) -> None:

@@ -7,7 +7,7 @@ logprobs, a logprob stage and the trainer agree for the same weights.
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -114,10 +114,15 @@ def decode_responses(tokenizer, batch: Mapping[str, torch.Tensor]) -> list[str]:
 def state_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
     """The state dict as CPU copies in buckets of at most ``bucket_bytes``
     (a tensor larger than that travels alone)."""
+    return tensor_buckets(module.state_dict().items(), bucket_bytes)
+
+
+def tensor_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs as CPU copies in buckets of at most ``bucket_bytes``."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket, used = {}, 0
-    for name, tensor in module.state_dict().items():
+    for name, tensor in named:
         size = tensor.numel() * tensor.element_size()
         if bucket and used + size > bucket_bytes:
             yield bucket

@@ -20,7 +20,7 @@ import pytest
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
-from ray.cluster_utils import Cluster  # noqa: E402
+from ray.cluster_utils import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -49,6 +49,12 @@ run { steps = 3  watchdog = 60s }
 
 @pytest.fixture(scope="module")
 def cluster():
+    yield from gpu_cluster()
+
+
+def gpu_cluster():
+    """A head without GPUs and two nodes of GPUS_PER_NODE logical GPUs; yields
+    (the cluster, the GPU nodes' ids), shut down after."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0})
     gpu_nodes = [cluster.add_node(num_cpus=6, num_gpus=GPUS_PER_NODE) for _ in range(2)]
@@ -68,7 +74,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def rldsl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     return subprocess.run([sys.executable, "-m", "rldsl", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env=env)
+                          cwd=ROOT, env=env, check=False)
 
 
 def assert_matches_plan(placement: dict, plan: dict, gpu_nodes: set[str]) -> None:
@@ -111,7 +117,7 @@ def test_sim_tp2_replicas_and_a_trainer_across_two_nodes(cluster, tmp_path):
 
 
 def test_dry_run_reports_where_every_actor_would_start_and_exits(cluster, tmp_path):
-    ray_cluster, gpu_nodes = cluster
+    ray_cluster, _ = cluster
     proc = rldsl("run", str(write(tmp_path, SIM_TP2)), "--address", ray_cluster.address, "--dry-run",
                  "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-3000:]

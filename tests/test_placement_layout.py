@@ -81,7 +81,7 @@ def test_a_local_run_folds_every_plan_node_onto_its_one_node():
 
 def reservation_for(slots, folded=False) -> Reservation:
     layout = layout_bundles(slots, 0.25)
-    nodes = {n: node(chr(ord("a") + n), 8) for n in layout.nodes}
+    nodes = {n: node(chr(ord("a") + n), 8) for n in layout.node_needs()}
     return Reservation(layout, nodes, {}, folded, gpus_per_node=8)
 
 
@@ -114,3 +114,26 @@ def test_gpus_below_the_highest_used_get_filler_bundles_so_device_numbers_match_
     assert layout.bundle_of(slots[0]).index == 2 and sum(not b.residents for b in layout.nodes[0]) == 2
     folded = layout_bundles(slots, 0.25, gpus_per_node=4)  # a local Ray holds every GPU of the plan node
     assert [b.gpus for b in folded.nodes[0]] == [(0,), (1,), (2,), (3,)]
+
+
+def test_a_replica_across_nodes_is_checked_by_its_probes_of_the_gpu_bundles():
+    slots = [ActorSlot("gen-0", "gen", 0, 0, (0,), 1.0, ((1, (0,)),)), ActorSlot("act-0", "act", 0, 1, (1,), 1.0)]
+    reservation = reservation_for(slots)
+    probed = {**report("a", []), "engine_workers": [report("a", [0]), report("b", [0])]}
+    good = {"gen-0": probed, "act-0": report("b", [1])}
+    result = check_placement(reservation, good, slots)
+    assert (result.errors, result.notes) == ([], [])
+    rows = result.table(reservation).splitlines()
+    assert rows[1].split()[:2] == ["gen-0", "0:0+1:0"] and rows[1].endswith("(its workers')")
+    assert [row.split()[:4] for row in rows[2:4]] == [["worker", "0", "0:0", "10.0.0.1"],
+                                                      ["worker", "1", "1:0", "10.0.0.1"]]
+    swapped = {**probed, "engine_workers": [report("b", [0]), report("a", [0])]}
+    errors = check_placement(reservation, {**good, "gen-0": swapped}, slots).errors
+    assert any("`gen-0 worker 1` runs on Ray node aaaaaaaa" in e and "plan node 1" in e for e in errors)
+    holding = {**good, "gen-0": {**probed, "gpu_ids": [0]}}
+    assert any("leaves its GPUs to its engine's workers" in e for e in check_placement(reservation, holding,
+                                                                                       slots).errors)
+    clash = {**good, "act-0": report("b", [0])}  # the trainer rank on the replica's device of node b
+    assert any("device 0 of" in e for e in check_placement(reservation, clash, slots).errors)
+    in_a_run = check_placement(reservation, {**good, "gen-0": report("a", [])}, slots)
+    assert in_a_run.errors == [] and "its engine's Ray workers hold its 2 GPU bundle(s)" in in_a_run.notes[0]

@@ -1,10 +1,12 @@
 """vLLM with pipeline parallelism, without vLLM: a replica is tp x pp GPUs,
 may span nodes only when pp > 1 (whole tp groups on each node), is shown
-in the plan, reserved node by node, and built with the right vllm.LLM
-arguments."""
+in the plan, reserved in a placement group of its own when it spans nodes
+(tests/test_cross_node_replica.py places one on simulated Ray nodes), and
+built with the right vllm.LLM arguments."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -65,20 +67,61 @@ def test_a_replica_crosses_nodes_only_with_whole_tp_groups():
     assert compiled("vllm(tp = 2, pp = 2)").ok  # two replicas, each on one node
 
 
-def test_a_replica_across_nodes_gets_a_bundle_on_each_node_and_its_actor_on_the_first():
-    layout = layout_bundles(actor_slots(compiled().plan), actor_cpus=0.25)
-    first, second = layout.nodes[0], layout.nodes[1]
-    assert [(b.gpus, [s.name for s in b.residents]) for b in first] == [((0, 1, 2, 3), ["rollout-0"])]
-    assert [(b.gpus, b.residents, [s.name for s in b.reserved_for]) for b in second] == [
-        ((0, 1, 2, 3), [], ["rollout-0"])]
-    assert layout.node_needs() == {0: {"GPU": 4.0, "CPU": 0.25}, 1: {"GPU": 4.0}}
+PP2_ON_TWO_NODES = """
+pipeline p
+cluster { nodes = 2  gpus_per_node = GPN }
+model policy { source = "builtin:tiny-lm" }
+dataset prompts { source = "builtin:arith" }
+stage generate rollout { model = policy  engine = vllm(tp = 1, pp = 2)  gpus = ROLLOUT  samples_per_prompt = 4 }
+stage reward score { fn = "rldsl.rewards:exact_match" }
+stage train actor { model = policy  engine = sim  gpus = TRAIN  prompts_per_step = 2  micro_batch = 4 }
+stage sync weights { from = actor  to = rollout }
+flow prompts -> rollout -> score -> actor
+"""
 
 
-def test_remote_gpus_shared_with_another_actor_are_refused():
+def pp2_plan(gpus_per_node: int = 1, rollout: str = "[0, 1]", train: str = "0"):
+    result = compile_source(PP2_ON_TWO_NODES.replace("GPN", str(gpus_per_node)).replace("ROLLOUT", rollout)
+                            .replace("TRAIN", train))
+    assert result.ok, [d.message for d in result.diagnostics]
+    return result.plan
+
+
+def test_a_replica_across_nodes_gets_a_group_of_its_own_with_a_gpu_bundle_on_each_node():
+    layout = layout_bundles(actor_slots(pp2_plan()), actor_cpus=0.25)
+    group = layout.spanning["rollout-0"]
+    assert [(b.index, b.node, b.gpus, b.resources(0.25)) for b in group.bundles] == [
+        (0, 0, (0,), {"GPU": 1.0}), (1, 1, (0,), {"GPU": 1.0}), (2, 0, (), {"CPU": 0.25})]
+    assert group.actor_bundle.residents == [layout.slot("rollout-0")] and layout.num_gpus(group.slot) == 0.0
+    assert layout.nodes == {}  # no GPU left for a per-node group
+    assert layout.node_needs() == {0: {"GPU": 1.0, "CPU": 0.25}, 1: {"GPU": 1.0}}
+
+
+def test_per_node_groups_leave_out_the_gpus_of_a_replica_across_nodes():
+    plan = pp2_plan(gpus_per_node=3, rollout="[1, 4]", train="[2, 5]")
+    layout = layout_bundles(actor_slots(plan), actor_cpus=0.25)
+    assert [(b.node, b.gpus) for b in layout.spanning["rollout-0"].gpu_bundles] == [(0, (1,)), (1, (1,))]
+    for node in (0, 1):  # GPU 0 a filler, GPU 1 the replica's, GPU 2 the trainer rank's
+        assert [(b.gpus, [s.name for s in b.residents]) for b in layout.nodes[node]] == [
+            ((0,), []), ((2,), [f"actor-{node}"])]
+    assert layout.node_needs()[0] == {"GPU": 3.0, "CPU": 0.5}
+    folded = layout_bundles(actor_slots(plan), actor_cpus=0.25, gpus_per_node=3)
+    assert [b.gpus for b in folded.nodes[1]] == [(0,), (2,)]
+
+
+def test_a_tp4_pp2_replica_gets_eight_one_gpu_bundles_its_first_node_first():
+    group = layout_bundles(actor_slots(compiled().plan), actor_cpus=0.25).spanning["rollout-0"]
+    assert [(b.node, b.gpus) for b in group.gpu_bundles] == [(n, (g,)) for n in (0, 1) for g in range(4)]
+    assert (group.actor_bundle.node, group.actor_bundle.index) == (0, 8)
+
+
+def test_gpus_of_a_replica_across_nodes_shared_with_another_actor_are_refused():
     slots = actor_slots(compiled().plan)
-    other = replace(slots[0], name="other-0", node=1, gpus=(2,), remote=())
-    with pytest.raises(LayoutError, match="needs its GPUs to itself"):
-        layout_bundles(slots + [other], actor_cpus=0.25)
+    for node, gpu in ((1, 2), (0, 3)):  # a GPU its engine drives remotely, and one on its own node
+        other = replace(slots[0], name="other-0", node=node, gpus=(gpu,), remote=())
+        with pytest.raises(LayoutError, match=rf"`rollout-0` spans nodes and shares GPU\(s\) {node}:{gpu} with "
+                                              "other-0: a replica across nodes needs its GPUs to itself"):
+            layout_bundles(slots + [other], actor_cpus=0.25)
 
 
 @pytest.mark.parametrize("tp, pp, spans, backend", [(1, 1, False, None), (2, 1, False, "mp"),
@@ -97,8 +140,27 @@ def test_the_factory_reads_pp_and_whether_a_replica_spans_nodes():
     assert within.llm_kwargs("/m", 0)["distributed_executor_backend"] == "mp"
 
 
-def test_run_refuses_a_replica_across_nodes_before_starting_anything():
-    from rldsl.runtime.ray_lowering.launch import PreflightError, preflight
+def test_run_no_longer_refuses_a_replica_across_nodes(tmp_path, monkeypatch):
+    import importlib.util
 
-    with pytest.raises(PreflightError, match="span nodes"):
-        preflight(compiled().plan.pipeline())
+    from rldsl.runtime.ray_lowering import launch
+
+    model, data = tmp_path / "model", tmp_path / "train.jsonl"
+    model.mkdir()
+    data.write_text("")
+    text = SOURCE.replace("ENGINE", "vllm(tp = 4, pp = 2)").replace("GPUS", "8")
+    pipe = compile_source(text.replace("/models/tiny", str(model)).replace("data/train.jsonl", str(data))).plan
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name))
+    monkeypatch.setattr(launch, "_has_cuda", lambda: True)  # as on a GPU machine with vLLM
+    launch.preflight(pipe.pipeline())
+
+
+def test_the_engine_process_of_a_replica_across_nodes_joins_the_actors_ray(monkeypatch):
+    import ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Context", (), {"gcs_address": "10.0.0.1:6379"}))
+    ve._share_ray_address()
+    assert os.environ["RAY_ADDRESS"] == "10.0.0.1:6379"

@@ -232,11 +232,25 @@ def create_llm(model_path: str, options: VLLMOptions, seed: int):
     """vLLM's offline engine (imported here: only GPU machines have it)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # workers must not fork a CUDA parent
+    if options.spans_nodes:
+        _share_ray_address()
     try:
         import vllm
     except ImportError as error:
         raise ImportError(INSTALL_HINT) from error
     return vllm.LLM(**options.llm_kwargs(model_path, seed))
+
+
+def _share_ray_address() -> None:
+    """vLLM's engine process (spawned) starts the Ray executor's workers:
+    it must join this actor's Ray, and the group it finds (vLLM reads the
+    actor's placement group and hands it to that process). vLLM exports
+    ``RAY_ADDRESS`` only when it switches to spawn itself, and the spawn set
+    above keeps it from doing so."""
+    import ray
+
+    if ray.is_initialized():
+        os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
 
 
 def _sampling_params(**options):

@@ -6,14 +6,18 @@ actors drive: one GPU for a trainer rank or a tp = 1 generator (colocated
 actors share it, each asking its fraction), k GPUs for one actor driving a
 tp = k replica. Each bundle also holds the CPU share of every actor in it.
 
-A replica that spans nodes (vLLM with pp > 1) has its actor in the bundle
-of its first node's GPUs and, on each further node, a bundle of its GPUs
-there with no actor in it: reserved for the engine's own workers.
+A replica that spans nodes (vLLM with pp > 1) gets a placement group of its
+own, across nodes (``SpanningGroup``): one 1-GPU bundle per GPU it drives,
+each on its plan node, and a CPU bundle on its first node for its actor.
+vLLM's Ray executor starts its workers in the GPU bundles of the group its
+engine runs in (1-GPU bundles only, the engine's node among them), so the
+per-node groups leave those GPUs out.
 
 A k-GPU actor that shares its GPUs with another actor cannot be expressed
-in Ray's resource model (it would need a fraction of each of k GPUs); the
-layout refuses it with the reason instead of starting something Ray can
-never place.
+in Ray's resource model (it would need a fraction of each of k GPUs), nor
+can a replica across nodes whose GPUs another actor uses (its engine's
+workers each take a whole GPU); the layout refuses either with the reason
+instead of starting something Ray can never place.
 """
 
 from __future__ import annotations
@@ -41,50 +45,79 @@ class ActorSlot:
     gpu_fraction: float  # of each GPU; below 1 when colocated
     remote: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (node, local GPUs) its engine drives elsewhere
 
+    def all_gpus(self) -> list[tuple[int, int]]:
+        """(plan node, local GPU) of every GPU it drives, its own node first."""
+        return [(self.node, g) for g in self.gpus] + [(n, g) for n, gpus in self.remote for g in gpus]
+
 
 @dataclass
 class Bundle:
     node: int
-    index: int  # the bundle index inside the node's placement group
+    index: int  # the bundle index inside its placement group
     gpus: tuple[int, ...]
     residents: list[ActorSlot] = field(default_factory=list)
-    reserved_for: list[ActorSlot] = field(default_factory=list)  # replicas whose remote GPUs these are
+    reserved_for: list[ActorSlot] = field(default_factory=list)  # the replica whose engine workers use it
 
     def resources(self, actor_cpus: float) -> dict[str, float]:
-        cpus = actor_cpus * len(self.residents)  # a filler holds no actor, so no CPU
-        return {"GPU": float(len(self.gpus)), **({"CPU": cpus} if cpus else {})}
+        cpus = actor_cpus * len(self.residents)  # a filler or an engine worker's bundle holds no actor, no CPU
+        return {**({"GPU": float(len(self.gpus))} if self.gpus else {}), **({"CPU": cpus} if cpus else {})}
+
+
+@dataclass(frozen=True)
+class SpanningGroup:
+    """The placement group of one replica across nodes: its GPU bundles in
+    the order of ``ActorSlot.all_gpus``, then its actor's CPU bundle."""
+
+    slot: ActorSlot
+    bundles: list[Bundle]
+
+    @property
+    def gpu_bundles(self) -> list[Bundle]:
+        return [b for b in self.bundles if b.gpus]
+
+    @property
+    def actor_bundle(self) -> Bundle:
+        return next(b for b in self.bundles if b.residents)
 
 
 @dataclass(frozen=True)
 class BundleLayout:
-    nodes: dict[int, list[Bundle]]  # plan node -> its bundles, in GPU order
+    nodes: dict[int, list[Bundle]]  # plan node -> the bundles of its own group, in GPU order
     actor_cpus: float
+    spanning: dict[str, SpanningGroup] = field(default_factory=dict)  # replica actor name -> its group
 
     def slots(self) -> list[ActorSlot]:
-        return [slot for bundles in self.nodes.values() for bundle in bundles for slot in bundle.residents]
+        on_nodes = [slot for bundles in self.nodes.values() for bundle in bundles for slot in bundle.residents]
+        return on_nodes + [group.slot for group in self.spanning.values()]
 
     def slot(self, name: str) -> ActorSlot:
         return next(slot for slot in self.slots() if slot.name == name)
 
     def bundle_of(self, slot: ActorSlot) -> Bundle:
+        if slot.name in self.spanning:
+            return self.spanning[slot.name].actor_bundle
         return next(b for b in self.nodes[slot.node] if slot in b.residents)
 
     def num_gpus(self, slot: ActorSlot) -> float:
         """What the actor asks Ray for inside its bundle: whole GPUs when it
-        has them alone, its fraction of the one GPU it shares otherwise."""
+        has them alone, its fraction of the one GPU it shares otherwise, none
+        when its engine's workers hold its GPUs (a replica across nodes)."""
+        if slot.name in self.spanning:
+            return 0.0
         bundle = self.bundle_of(slot)
         return float(len(slot.gpus)) if len(bundle.residents) == 1 else slot.gpu_fraction
 
     def node_needs(self) -> dict[int, dict[str, float]]:
-        """Plan node -> the resources its placement group reserves."""
-        needs = {}
-        for node, bundles in self.nodes.items():
-            total: dict[str, float] = {}
-            for bundle in bundles:
-                for key, amount in bundle.resources(self.actor_cpus).items():
-                    total[key] = total.get(key, 0.0) + amount
-            needs[node] = total
-        return needs
+        """Plan node -> the resources reserved on it: its own group and its
+        share of the groups across nodes."""
+        needs: dict[int, dict[str, float]] = {}
+        every = [b for bundles in self.nodes.values() for b in bundles]
+        every += [b for group in self.spanning.values() for b in group.bundles]
+        for bundle in every:
+            total = needs.setdefault(bundle.node, {})
+            for key, amount in bundle.resources(self.actor_cpus).items():
+                total[key] = total.get(key, 0.0) + amount
+        return dict(sorted(needs.items()))
 
 
 def actor_slots(plan: ExecutionPlan) -> list[ActorSlot]:
@@ -98,42 +131,59 @@ def actor_slots(plan: ExecutionPlan) -> list[ActorSlot]:
 
 def layout_bundles(slots: list[ActorSlot], actor_cpus: float, gpus_per_node: int | None = None) -> BundleLayout:
     """Group each node's GPUs into bundles: GPUs driven by one actor belong
-    to one bundle (connected components of the actors' GPU sets).
+    to one bundle (connected components of the actors' GPU sets); a replica
+    across nodes gets a group of its own (``SpanningGroup``).
 
     Ray numbers a bundle's devices in the order the bundles are placed, from
     the node's first free GPU. So that its numbers are the plan's on a free
     node, every GPU below the highest one the plan uses gets a bundle, an
     empty filler where no actor runs (``gpus_per_node``: up to that count,
-    for plan nodes folded onto one local Ray node)."""
+    for plan nodes folded onto one local Ray node); GPUs of replicas across
+    nodes excepted, their own groups hold them."""
+    spanning = [s for s in slots if s.remote]
+    _require_own_gpus(spanning, slots)
+    taken = {gpu for s in spanning for gpu in s.all_gpus()}
     nodes: dict[int, list[Bundle]] = {}
-    for node in sorted({s.node for s in slots} | {n for s in slots for n, _ in s.remote}):
-        on_node = [s for s in slots if s.node == node]
-        remote = [(s, gpus) for s in slots for n, gpus in s.remote if n == node]
+    for node in sorted({s.node for s in slots if not s.remote}):
+        on_node = [s for s in slots if s.node == node and not s.remote]
         graph = nx.Graph()
-        for gpus in [s.gpus for s in on_node] + [gpus for _, gpus in remote]:
+        for gpus in [s.gpus for s in on_node]:
             graph.add_nodes_from(gpus)
             nx.add_path(graph, gpus)
         top = gpus_per_node if gpus_per_node else max(graph.nodes) + 1
-        graph.add_nodes_from(range(top))  # fillers
+        graph.add_nodes_from(g for g in range(top) if (node, g) not in taken)  # fillers
         components = sorted(tuple(sorted(c)) for c in nx.connected_components(graph))
         bundles = [Bundle(node, i, gpus) for i, gpus in enumerate(components)]
         for slot in on_node:
             next(b for b in bundles if slot.gpus[0] in b.gpus).residents.append(slot)
-        for slot, gpus in remote:
-            next(b for b in bundles if gpus[0] in b.gpus).reserved_for.append(slot)
         for bundle in bundles:
             _require_expressible(bundle)
         nodes[node] = bundles
-    return BundleLayout(nodes, actor_cpus)
+    return BundleLayout(nodes, actor_cpus, {s.name: _spanning_group(s) for s in spanning})
+
+
+def _spanning_group(slot: ActorSlot) -> SpanningGroup:
+    gpus = slot.all_gpus()
+    bundles = [Bundle(node, i, (gpu,), reserved_for=[slot]) for i, (node, gpu) in enumerate(gpus)]
+    return SpanningGroup(slot, bundles + [Bundle(slot.node, len(gpus), (), residents=[slot])])
+
+
+def _require_own_gpus(spanning: list[ActorSlot], slots: list[ActorSlot]) -> None:
+    """A replica across nodes has its GPUs to itself: its engine's Ray
+    workers each take a whole GPU of its group."""
+    for replica in spanning:
+        mine = set(replica.all_gpus())
+        for other in slots:
+            shared = sorted(mine & set(other.all_gpus())) if other is not replica else []
+            if shared:
+                where = ", ".join(f"{node}:{gpu}" for node, gpu in shared)
+                raise LayoutError(
+                    f"`{replica.name}` spans nodes and shares GPU(s) {where} with {other.name}: a replica across "
+                    "nodes needs its GPUs to itself (vLLM's Ray executor gives each of its workers a whole GPU). "
+                    "Give the other stage GPUs of its own")
 
 
 def _require_expressible(bundle: Bundle) -> None:
-    if bundle.reserved_for and (bundle.residents or len(bundle.reserved_for) > 1):
-        owner = bundle.reserved_for[0]
-        others = ", ".join(s.name for s in bundle.residents + bundle.reserved_for[1:])
-        raise LayoutError(
-            f"`{owner.name}` drives GPUs {', '.join(map(str, bundle.gpus))} of node {bundle.node} from another node "
-            f"and shares them with {others}: a replica across nodes needs its GPUs to itself")
     if len(bundle.gpus) == 1 or len(bundle.residents) <= 1:
         return
     wide = next(s for s in bundle.residents if len(s.gpus) > 1)

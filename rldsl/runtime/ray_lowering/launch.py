@@ -35,10 +35,6 @@ def preflight(pipe: PipelinePlan) -> None:
 
     for stage in pipe.stages:
         engine = stage.engine.name if stage.engine else None
-        if any(rank.remote for rank in stage.ranks):
-            raise PreflightError(f"stage `{stage.name}`: its {engine} replicas span nodes (pp across nodes); "
-                                 "`rldsl run` cannot start a replica across nodes yet (`check` and `plan` cover "
-                                 "it): keep each replica's tp x pp GPUs on one node")
         if engine in ("vllm", "sglang", "megatron"):
             module = {"vllm": "vllm", "sglang": "sglang"}.get(engine, "megatron.core")
             if importlib.util.find_spec(module.split(".")[0]) is None or not _has_cuda():

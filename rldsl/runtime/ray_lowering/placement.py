@@ -4,12 +4,15 @@ Each plan node becomes one STRICT_PACK placement group whose bundles are
 shaped like its actors (bundles.py), pinned to one Ray node chosen up front
 (the ``ray.io/node-id`` label), so two plan nodes never land on one Ray node
 and a plan that cannot fit is refused before anything starts, per node.
-A local run folds every plan node onto the one local Ray node.
+A replica across nodes (bundles.SpanningGroup) gets one PACK group of its
+own whose bundles are each pinned to the Ray node of their plan node, the
+same Ray nodes the per-node groups are pinned to. A local run folds every
+plan node onto the one local Ray node.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 
@@ -85,39 +88,72 @@ class Reservation:
     folded: bool
     gpus_per_node: int
     store_dir: str | None = None  # where process groups meet when every rank is on this machine
+    spanning_groups: dict[str, object] = field(default_factory=dict)  # replica across nodes -> its group
 
     def slot(self, name: str) -> ActorSlot:
         return self.layout.slot(name)
 
     def actor_options(self, slot: ActorSlot) -> dict:
+        """A replica across nodes runs in the CPU bundle of its own group and
+        captures its children there: vLLM's Ray executor then finds the group
+        (``get_current_placement_group``) and starts a worker in each GPU bundle."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self.layout.bundle_of(slot)
+        spans = slot.name in self.spanning_groups
+        group = self.spanning_groups[slot.name] if spans else self.groups[slot.node]
         return {"num_cpus": self.layout.actor_cpus, "num_gpus": self.layout.num_gpus(slot),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.groups[slot.node], bundle.index)}
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    group, bundle.index, placement_group_capture_child_tasks=True if spans else None)}
 
     def expected_devices(self, slot: ActorSlot) -> tuple[int, ...]:
         """The device ids the plan means: its own on a real node; offset by
         the node when plan nodes are folded onto one local Ray node."""
-        offset = slot.node * self.gpus_per_node if self.folded else 0
-        return tuple(offset + gpu for gpu in slot.gpus)
+        return tuple(self.expected_device(slot.node, gpu) for gpu in slot.gpus)
+
+    def expected_device(self, node: int, gpu: int) -> int:
+        return node * self.gpus_per_node + gpu if self.folded else gpu
 
     def release(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        for group in self.groups.values():
+        for group in [*self.groups.values(), *self.spanning_groups.values()]:
             remove_placement_group(group)
 
 
 def reserve(layout: BundleLayout, gpus_per_node: int, fold: bool, name: str, timeout_s: float = 60.0) -> Reservation:
-    """One pinned STRICT_PACK group per plan node, created and waited for."""
+    """One pinned STRICT_PACK group per plan node and one group per replica
+    across nodes, created and waited for. Ray numbers each node's devices in
+    the order groups are placed, so groups are created in the order of the
+    GPUs they start at (plan node, then GPU): the plan's device ids on free
+    nodes unless a replica's GPUs and another group's interleave on a node,
+    or plan nodes are folded (the placement check notes the difference)."""
     nodes = assign_nodes(layout.node_needs(), alive_nodes(), fold)
-    groups = {}
-    for plan_node, bundles in sorted(layout.nodes.items()):
-        groups[plan_node] = create_placement_group([b.resources(layout.actor_cpus) for b in bundles], "STRICT_PACK",
-                                                   name=f"{name}-node{plan_node}", timeout_s=timeout_s,
-                                                   node_id=nodes[plan_node].node_id)
-    return Reservation(layout, nodes, groups, fold, gpus_per_node)
+    reservation = Reservation(layout, nodes, {}, fold, gpus_per_node)
+    try:
+        for _, kind, key in sorted(_creation_order(layout)):
+            if kind == "node":
+                bundles = layout.nodes[key]
+                reservation.groups[key] = create_placement_group(
+                    [b.resources(layout.actor_cpus) for b in bundles], "STRICT_PACK", name=f"{name}-node{key}",
+                    timeout_s=timeout_s, node_id=nodes[key].node_id)
+            else:
+                bundles = layout.spanning[key].bundles
+                reservation.spanning_groups[key] = create_placement_group(
+                    [b.resources(layout.actor_cpus) for b in bundles], "PACK", name=f"{name}-{key}",
+                    timeout_s=timeout_s, bundle_node_ids=[nodes[b.node].node_id for b in bundles])
+    except ClusterError:
+        reservation.release()  # what was placed so far would otherwise stay reserved
+        raise
+    return reservation
+
+
+def _creation_order(layout: BundleLayout) -> list[tuple[tuple[int, int], str, object]]:
+    """(first plan node and GPU, "node" or "spanning", plan node or replica name), one per group."""
+    order: list[tuple[tuple[int, int], str, object]] = [
+        ((node, min(g for b in bundles for g in b.gpus)), "node", node) for node, bundles in layout.nodes.items()]
+    order += [((group.slot.node, min(group.slot.gpus)), "spanning", name) for name, group in layout.spanning.items()]
+    return order
 
 
 def create_placement_group(
@@ -126,6 +162,7 @@ def create_placement_group(
     name: str = "",
     timeout_s: float = 30.0,
     node_id: str | None = None,
+    bundle_node_ids: list[str] | None = None,
 ):
     """Reserve ``bundles`` and wait until they are placed.
 
@@ -134,16 +171,18 @@ def create_placement_group(
     larger than every node, too few nodes for STRICT_SPREAD, too much for
     one node under STRICT_PACK), and after ``timeout_s`` when it could but the
     resources are held by others. The error names what is missing and what
-    each node has. ``node_id`` pins every bundle to that Ray node."""
+    each node has. ``node_id`` pins every bundle to that Ray node,
+    ``bundle_node_ids`` each bundle to its own."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     label = f"placement group {name or '(unnamed)'} ({strategy}, {len(bundles)} bundles)"
-    nodes = [n for n in _alive_nodes(ray) if node_id is None or n["NodeID"] == node_id]
-    reason = _never_fits(bundles, strategy, nodes)
+    pins = bundle_node_ids or ([node_id] * len(bundles) if node_id else None)
+    nodes = [n for n in _alive_nodes(ray) if pins is None or n["NodeID"] in pins]
+    reason = _never_fits(bundles, strategy, nodes) if not bundle_node_ids else _pins_never_fit(bundles, pins, nodes)
     if reason:
         raise ClusterError(f"{label} can never be placed: {reason}.\n{describe_resources()}")
-    selector = [{NODE_ID_LABEL: node_id}] * len(bundles) if node_id else None
+    selector = [{NODE_ID_LABEL: pin} for pin in pins] if pins else None
     group = placement_group(bundles, strategy=strategy, name=name, bundle_label_selector=selector)
     if group.wait(timeout_seconds=timeout_s):
         return group
@@ -186,6 +225,21 @@ def _never_fits(bundles: list[dict[str, float]], strategy: str, nodes: list[dict
         return f"STRICT_PACK needs {_format(_total(bundles))} on one node"
     if strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
         return f"STRICT_SPREAD needs {len(bundles)} nodes, the cluster has {len(nodes)}"
+    return None
+
+
+def _pins_never_fit(bundles: list[dict[str, float]], pins: list[str], nodes: list[dict]) -> str | None:
+    """Why the bundles pinned to each Ray node could never all fit it, or None."""
+    by_id = {node["NodeID"]: node for node in nodes}
+    for pin in dict.fromkeys(pins):
+        need = _total(b for b, p in zip(bundles, pins) if p == pin)
+        node = by_id.get(pin)
+        if node is None:
+            return f"its Ray node {pin[:8]} is gone"
+        missing = _shortfall(need, node["Resources"])
+        if missing:
+            return (f"the bundles pinned to {node['NodeManagerAddress']} ({pin[:8]}) need {_format(missing)} "
+                    "more than it has")
     return None
 
 

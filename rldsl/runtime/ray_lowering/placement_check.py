@@ -7,26 +7,54 @@ pinned to, holds as many devices as the plan gives it, and plan GPUs and
 devices correspond one to one (colocated actors see the same device,
 others never do). Device numbers that merely differ from the plan's ids (a
 node whose first GPUs another job holds) are reported, not refused.
+
+A replica across nodes holds no GPU itself: its engine's Ray workers take
+the GPU bundles of its group. Its dry-run probe starts a one-GPU task in
+each of them, as vLLM's Ray executor would, and each is checked like an
+actor of one GPU; a real run checks the actor's node only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rldsl.runtime.ray_lowering.actor_process import where
 from rldsl.runtime.ray_lowering.bundles import ActorSlot
 from rldsl.runtime.ray_lowering.placement import Reservation
 
+ENGINE_WORKERS = "engine_workers"  # in a probe's report: where each GPU bundle of its group landed
+_PROBE_TIMEOUT_S = 120.0
+
 
 class PlacementProbe:
     """A placeholder actor for ``rldsl run --dry-run``: placed like a stage
-    actor, it only says where it landed."""
+    actor, it only says where it landed (and, holding no GPU, where the
+    GPU bundles of its group land)."""
 
     def ready(self) -> bool:
         return True
 
     def placement(self) -> dict:
-        return where()
+        report = where()
+        if not report["gpu_ids"]:
+            report[ENGINE_WORKERS] = probe_gpu_bundles()
+        return report
+
+
+def probe_gpu_bundles() -> list[dict]:
+    """From an actor in a placement group: a one-GPU task in each of the
+    group's GPU bundles, in bundle order (where vLLM's Ray executor puts a
+    worker each), and where each landed."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        return []
+    probe = ray.remote(where)
+    calls = [probe.options(num_cpus=0, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, i))
+             .remote() for i, bundle in enumerate(group.bundle_specs) if bundle.get("GPU")]
+    return ray.get(calls, timeout=_PROBE_TIMEOUT_S)
 
 
 @dataclass
@@ -37,7 +65,9 @@ class PlacementReport:
 
     def to_json(self, reservation: Reservation) -> dict:
         nodes = {str(k): {"node_id": n.node_id, "address": n.address} for k, n in sorted(reservation.nodes.items())}
-        actors = {slot.name: {"plan_node": slot.node, "plan_gpus": list(slot.gpus), **report}
+        actors = {slot.name: {"plan_node": slot.node, "plan_gpus": list(slot.gpus),
+                              **({"plan_remote": [[n, list(g)] for n, g in slot.remote]} if slot.remote else {}),
+                              **report}
                   for slot, report in self.rows}
         return {"nodes": nodes, "folded": reservation.folded, "actors": actors, "notes": self.notes,
                 "errors": self.errors}
@@ -46,38 +76,95 @@ class PlacementReport:
         lines = [f"{'actor':<28} {'plan':<12} {'Ray node':<26} CUDA_VISIBLE_DEVICES"]
         for slot, report in self.rows:
             node = reservation.nodes[slot.node]
-            plan = f"{slot.node}:{','.join(map(str, slot.gpus))}"
-            lines.append(f"{slot.name:<28} {plan:<12} {node.label:<26} {report.get('cuda_visible_devices')}")
+            plan = "+".join(f"{n}:{','.join(map(str, gpus))}" for n, gpus in ((slot.node, slot.gpus), *slot.remote))
+            devices = "(its workers')" if slot.remote else report.get("cuda_visible_devices")
+            lines.append(f"{slot.name:<28} {plan:<12} {node.label:<26} {devices}")
+            group = reservation.layout.spanning.get(slot.name)
+            for bundle, worker in zip(group.gpu_bundles if group else [], report.get(ENGINE_WORKERS) or []):
+                label = reservation.nodes[bundle.node].label
+                lines.append(f"{'  worker ' + str(bundle.index):<28} {f'{bundle.node}:{bundle.gpus[0]}':<12} "
+                             f"{label:<26} {worker.get('cuda_visible_devices')}")
         return "\n".join(lines)
 
 
 def check_placement(reservation: Reservation, reports: dict[str, dict], slots: list[ActorSlot]) -> PlacementReport:
-    errors, notes = [], []
-    device_of: dict[tuple[int, int], int] = {}  # (plan node, plan gpu) -> device id
-    plan_of: dict[tuple[str, int], tuple[int, int]] = {}  # (Ray node, device id) -> (plan node, plan gpu)
+    check = _Check(reservation)
     for slot in slots:
-        report = reports[slot.name]
-        node = reservation.nodes[slot.node]
-        if report["node_id"] != node.node_id:
-            errors.append(f"`{slot.name}` runs on Ray node {report['node_id'][:8]} ({report['node_ip']}); "
-                          f"plan node {slot.node} was reserved on {node.label}")
+        if slot.name in reservation.layout.spanning:
+            check.spanning_replica(slot, reports[slot.name])
+        else:
+            check.actor(slot, reports[slot.name])
+    return PlacementReport([(s, reports[s.name]) for s in slots], sorted(set(check.errors)), check.notes)
+
+
+@dataclass
+class _Check:
+    reservation: Reservation
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    device_of: dict[tuple[int, int], int] = field(default_factory=dict)  # (plan node, plan gpu) -> device id
+    plan_of: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (Ray node, device) -> plan GPU
+
+    def actor(self, slot: ActorSlot, report: dict) -> None:
+        self._on_its_node(slot.name, slot.node, report)
         devices = report["gpu_ids"]
         if len(devices) != len(slot.gpus):
-            errors.append(f"`{slot.name}` holds device(s) {devices}; the plan gives it {len(slot.gpus)} GPU(s)")
-            continue
+            self.errors.append(f"`{slot.name}` holds device(s) {devices}; the plan gives it {len(slot.gpus)} GPU(s)")
+            return
         visible = report.get("cuda_visible_devices")
         if visible is not None and visible != ",".join(map(str, devices)):
-            errors.append(f"`{slot.name}`: CUDA_VISIBLE_DEVICES={visible!r} but Ray assigned {devices}")
+            self.errors.append(f"`{slot.name}`: CUDA_VISIBLE_DEVICES={visible!r} but Ray assigned {devices}")
         for gpu, device in zip(slot.gpus, devices):
-            if device_of.setdefault((slot.node, gpu), device) != device:
-                errors.append(f"plan GPU {slot.node}:{gpu} is device {device_of[(slot.node, gpu)]} for one actor "
-                              f"and {device} for `{slot.name}`")
-            if plan_of.setdefault((report["node_id"], device), (slot.node, gpu)) != (slot.node, gpu):
-                other = plan_of[(report["node_id"], device)]
-                errors.append(f"device {device} of {node.label} serves plan GPUs {other[0]}:{other[1]} and "
-                              f"{slot.node}:{gpu} (`{slot.name}`)")
-        expected = reservation.expected_devices(slot)
-        if tuple(devices) != expected and not errors:
-            notes.append(f"`{slot.name}`: plan GPU(s) {slot.node}:{','.join(map(str, slot.gpus))} are device(s) "
-                         f"{','.join(map(str, devices))} on {node.label}")
-    return PlacementReport([(s, reports[s.name]) for s in slots], sorted(set(errors)), notes)
+            self._one_to_one(slot.name, slot.node, gpu, device, report["node_id"])
+        expected = self.reservation.expected_devices(slot)
+        if tuple(devices) != expected and not self.errors:
+            self.notes.append(f"`{slot.name}`: plan GPU(s) {slot.node}:{','.join(map(str, slot.gpus))} are "
+                              f"device(s) {','.join(map(str, devices))} on {self.reservation.nodes[slot.node].label}")
+
+    def spanning_replica(self, slot: ActorSlot, report: dict) -> None:
+        """The actor on its first node holding no GPU; each GPU bundle its
+        probe reached on the Ray node of its plan node, one device each."""
+        self._on_its_node(slot.name, slot.node, report)
+        if report["gpu_ids"]:
+            self.errors.append(f"`{slot.name}` holds device(s) {report['gpu_ids']}; a replica across nodes leaves "
+                               "its GPUs to its engine's workers")
+        workers = report.get(ENGINE_WORKERS)
+        bundles = self.reservation.layout.spanning[slot.name].gpu_bundles
+        if workers is None:  # a real run: vLLM's workers hold the bundles, a probe could not get in
+            self.notes.append(f"`{slot.name}` spans nodes: its engine's Ray workers hold its {len(bundles)} GPU "
+                              "bundle(s) (`rldsl run --dry-run` checks where they land)")
+            return
+        if len(workers) != len(bundles):
+            self.errors.append(f"`{slot.name}`: its group has {len(workers)} GPU bundle(s); the plan gives it "
+                               f"{len(bundles)} GPU(s)")
+            return
+        for bundle, worker in zip(bundles, workers):
+            name, (node, gpu) = f"{slot.name} worker {bundle.index}", (bundle.node, bundle.gpus[0])
+            self._on_its_node(name, node, worker)
+            if len(worker["gpu_ids"]) != 1:
+                self.errors.append(f"`{name}` holds device(s) {worker['gpu_ids']}; the plan gives it GPU {node}:{gpu}")
+                continue
+            device = worker["gpu_ids"][0]
+            self._one_to_one(name, node, gpu, device, worker["node_id"])
+            if device != self.reservation.expected_device(node, gpu) and not self.errors:
+                self.notes.append(f"`{name}`: plan GPU {node}:{gpu} is device {device} on "
+                                  f"{self.reservation.nodes[node].label}")
+
+    def _on_its_node(self, name: str, plan_node: int, report: dict) -> bool:
+        node = self.reservation.nodes[plan_node]
+        if report["node_id"] == node.node_id:
+            return True
+        self.errors.append(f"`{name}` runs on Ray node {report['node_id'][:8]} ({report['node_ip']}); "
+                           f"plan node {plan_node} was reserved on {node.label}")
+        return False
+
+    def _one_to_one(self, name: str, plan_node: int, gpu: int, device: int, ray_node: str) -> None:
+        """Plan GPU and device correspond one to one across every actor."""
+        if self.device_of.setdefault((plan_node, gpu), device) != device:
+            self.errors.append(f"plan GPU {plan_node}:{gpu} is device {self.device_of[(plan_node, gpu)]} for one "
+                               f"actor and {device} for `{name}`")
+        if self.plan_of.setdefault((ray_node, device), (plan_node, gpu)) != (plan_node, gpu):
+            other = self.plan_of[(ray_node, device)]
+            label = self.reservation.nodes[plan_node].label
+            self.errors.append(f"device {device} of {label} serves plan GPUs {other[0]}:{other[1]} and "
+                               f"{plan_node}:{gpu} (`{name}`)")

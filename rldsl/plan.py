@@ -168,6 +168,19 @@ class RunPlan:
 
 
 @dataclass(frozen=True)
+class SharingPlan:
+    """How the cluster's GPU lease scheduler weighs this pipeline against the
+    others it shares GPUs with: a higher ``priority`` is served first; among
+    equals, GPU time is shared in proportion to ``weight``."""
+
+    weight: float = 1.0
+    priority: int = 0
+
+
+LEASE_QUANTUM_S = 2.0  # a busy generation lease is kept at least this long before fair share asks it back
+
+
+@dataclass(frozen=True)
 class PipelinePlan:
     name: str
     models: list[ModelPlan]
@@ -178,6 +191,7 @@ class PipelinePlan:
     staleness: StalenessPlan
     batch: BatchPlan
     run: RunPlan
+    sharing: SharingPlan = field(default_factory=SharingPlan)
 
     def stage(self, name: str) -> StagePlan:
         return next(s for s in self.stages if s.name == name)
@@ -231,6 +245,10 @@ class ExecutionPlan:
 
     def gpus_shared_across_pipelines(self) -> dict[tuple[int, int], list[str]]:
         return {where: names for where, names in self.gpu_users().items() if len(names) > 1}
+
+    def shared_gpus_of(self, pipeline: str) -> frozenset[tuple[int, int]]:
+        """The (node, gpu) the pipeline shares with another: it takes turns on them."""
+        return frozenset(where for where, names in self.gpus_shared_across_pipelines().items() if pipeline in names)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

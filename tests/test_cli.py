@@ -155,10 +155,17 @@ def test_local_paths_in_the_plan_are_anchored_to_the_pipeline_file(tmp_path):
     assert plan.pipeline().datasets[0].source == f"jsonl:{(tmp_path / 'data' / 'train.jsonl').resolve()}"
 
 
-def test_run_refuses_pipelines_sharing_a_real_gpu_before_anything_starts(capsys):
-    """With --address the GPUs are real: pipelines that share one would need a
-    cross-pipeline scheduler. Refused before Ray is contacted (the address is unused)."""
-    code = main(["run", str(ROOT / "pipelines" / "multi_pipeline_cpu.rlp"), "--address", "127.0.0.1:9"])
+def test_run_refuses_a_logprob_stage_on_a_gpu_another_pipeline_shares_before_anything_starts(tmp_path, capsys):
+    """Pipelines take turns on shared GPUs through leases held by generator
+    replicas and train steps; a logprob stage there would hold none."""
+    text = (ROOT / "pipelines" / "multi_pipeline_cpu.rlp").read_text()
+    text = text.replace('stage reward score { fn = "rldsl.rewards:exact_match" }',
+                        'stage reward score { fn = "rldsl.rewards:exact_match" }\n'
+                        '  stage logprob reference { model = policy  frozen  engine = torch  colocate = actor }', 1)
+    text = text.replace("flow prompts -> rollout -> score -> actor",
+                        "flow prompts -> rollout -> score -> reference -> actor", 1)
+    (tmp_path / "two.rlp").write_text(text)
+    code = main(["run", str(tmp_path / "two.rlp"), "--address", "127.0.0.1:9"])
     err = capsys.readouterr().err
-    assert code == 2
-    assert "pipelines arith and reverse share GPU 0 of node 0" in err and "cross-pipeline scheduler" in err
+    assert code == 2, err
+    assert "logprob stage `reference` is on GPU 1 of node 0, which another pipeline shares" in err

@@ -3,6 +3,7 @@ of placement groups, a controller each, followed together."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,12 @@ def test_two_pipelines_run_together_each_with_its_own_run_directory(tmp_path):
     assert slow["max_lag"] == 0 and fast["max_lag"] <= 1  # each pipeline keeps its own staleness bound
     assert "fast/step 4/4" in proc.stderr and "slow/step 3/3" in proc.stderr  # lines say whose they are
     assert json.loads((run_dir / "run.json").read_text())["pipelines"] == ["fast", "slow"]
+    # GPU 1 is shared: both take turns on it through the lease scheduler, and account for it
+    assert "GPU lease scheduler: 1 GPUs shared by fast, slow" in proc.stderr
+    assert re.search(r"fast/step 1/4 .* replicas 0/0 lease waits", proc.stderr)  # its replica's GPU 0 is its own
+    assert re.search(r"slow/step 1/3 .* replicas [01]/1 lease waits", proc.stderr)
+    for sharing in (fast["gpu_sharing"], slow["gpu_sharing"]):
+        assert sharing["holding"] == [] and sharing["grants"] >= 3 and sharing["gpu_seconds_used"] > 0
     assert len(json.loads((run_dir / "plan.json").read_text())["pipelines"]) == 2
 
 

@@ -24,15 +24,21 @@ STEPS = 10
 CHAOS = (ROOT / "pipelines" / "sim_chaos.rlp").read_text()
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def one_node_cluster(num_cpus: int, num_gpus: int, namespace: str):
+    """A one-node Ray cluster with logical GPUs, this process connected to it
+    in the run's namespace (to find its actors by name); shut down after."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 12, "num_gpus": 3})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "num_gpus": num_gpus})
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="rldsl-chaos")
+    ray.init(address=cluster.address, namespace=namespace)
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from one_node_cluster(12, 3, "rldsl-chaos")
 
 
 def run_and_kill(cluster, tmp_path: Path, victim: str, checkpoint_every: int = 0, text: str | None = None

@@ -11,7 +11,7 @@ from rldsl.compiler.placement import Placement, StagePlacement
 from rldsl.compiler.types import EngineSpec, GpuRequest, LossSpec, Ref
 from rldsl.plan import (
     ADVANTAGE_NORMALISATION, BatchPlan, ClusterPlan, DatasetPlan, EdgePlan, EnginePlan, ExecutionPlan, ModelPlan,
-    NodeGpus, PipelinePlan, RankPlan, RunPlan, StagePlan, StalenessPlan,
+    NodeGpus, PipelinePlan, RankPlan, RunPlan, SharingPlan, StagePlan, StalenessPlan,
 )
 
 
@@ -49,6 +49,7 @@ def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None],
         batch=BatchPlan(sizing.train_stage, sizing.prompts_per_step, sizing.samples_per_prompt, sizing.global_batch,
                         sizing.micro_batch, sizing.capacity, sizing.max_inflight, sizing.ppo_epochs),
         run=_run(run, sizing.prompts_per_step * sizing.samples_per_prompt),
+        sharing=SharingPlan(float(pipe.block("placement")["weight"]), int(pipe.block("placement")["priority"])),
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rldsl.compiler.driver import CompileResult
 from rldsl.compiler.equivalents import batch_equivalents, staleness_equivalents
 from rldsl.compiler.units import format_bytes, format_duration
-from rldsl.plan import ExecutionPlan, PipelinePlan
+from rldsl.plan import LEASE_QUANTUM_S, ExecutionPlan, PipelinePlan
 
 
 
@@ -30,6 +30,7 @@ def render_plan(result: CompileResult) -> str:
            + (f" ({plan.cluster.gpu_type})" if plan.cluster.gpu_type else "")
            + (f", {format_bytes(plan.cluster.gpu_memory_bytes)} each" if plan.cluster.gpu_memory_bytes else ""), ""]
     out += _gpu_map(plan, result)
+    out += _sharing(plan)
     for pipe in plan.pipelines:
         out += ["", f"pipeline {pipe.name}"]
         out += _indent(_stages(pipe))
@@ -65,6 +66,23 @@ def _gpu_map(plan: ExecutionPlan, result: CompileResult) -> list[str]:
            for p in plan.pipelines for s in p.stages if any(not r.gpus for r in s.ranks)]
     evaluators = [f"{p.name + '/' if many else ''}evaluator" for p in plan.pipelines if p.evaluates]
     out.append(f"  cpu: {', '.join(cpu + evaluators + ['controller' + ('s' if many else '')])}")
+    return out
+
+
+def _sharing(plan: ExecutionPlan) -> list[str]:
+    """Which GPUs each pipeline takes turns on, and how turns are given."""
+    if not plan.gpus_shared_across_pipelines():
+        return []
+    out = ["", "GPU sharing (one lease scheduler for the cluster):"]
+    for pipe in plan.pipelines:
+        shared = sorted(plan.shared_gpus_of(pipe.name))
+        if shared:
+            gpus = ", ".join(f"{node}:{gpu}" for node, gpu in shared)
+            out.append(f"  {pipe.name}: takes turns on GPUs {gpus} (node:gpu); weight {pipe.sharing.weight:g}, "
+                       f"priority {pipe.sharing.priority}")
+    out += ["  policy: a train step first, then higher priority, then fewest GPU-seconds per weight; a generation "
+            "replica gives its GPU back when idle, to a train step, or to a pipeline behind on its share after "
+            f"{LEASE_QUANTUM_S:g}s"]
     return out
 
 

@@ -227,6 +227,9 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "groups": Key(ListOf(GroupItem(), allow_single=False), None, "stage groups sharing a slice of the cluster"),
         "ratios": Key(ListOf(Fraction(), allow_single=False), None, "each group's share of the cluster's GPUs"),
         "share": Key(ListOf(RefTo(("pipeline",))), (), "other pipelines of the file whose GPUs this one may share"),
+        "weight": Key(Float(low=0.01), 1.0, "its share of the time on GPUs it shares with other pipelines, "
+                                            "relative to theirs (the lease scheduler's fair share)"),
+        "priority": Key(Int(low=0), 0, "on shared GPUs a pipeline of higher priority is served first"),
     },
     "run": {
         "steps": Key(Int(low=1), 20, "training steps (rollout batches); or `epochs` or `samples`"),

@@ -6,7 +6,10 @@
 - train pump (train_pump.py): the split-step trainer fed ready groups as they
   arrive, every data-parallel replica busy (lanes.py);
 - sync pump (sync_pump.py): pushes each exported version to the generator
-  replicas without stopping them.
+  replicas without stopping them;
+- lease pump (lease_pump.py), when the pipeline shares GPUs with others:
+  wakes and puts to sleep the replicas on those GPUs as the cluster's lease
+  scheduler (leases.py) grants and asks back their GPUs.
 
 A watchdog turns any stall into a ``PipelineStalled`` error that says what
 each pump is waiting on. Every sample's course goes into the run's journal
@@ -25,6 +28,8 @@ from rldsl.runtime.control import ledger as outcomes
 from rldsl.runtime.control.errors import PipelineStalled, StepFailed, StopRequested, TrainCallFailed
 from rldsl.runtime.control.handles import StageHandles
 from rldsl.runtime.control.journal import FAILED, FINISHED, INTERRUPTED, STOPPED, Journal, describe_error
+from rldsl.runtime.control.lease_pump import LeasePump
+from rldsl.runtime.control.leases import LeaseClient
 from rldsl.runtime.control.rollout_pump import RolloutPump
 from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.control.state import RunState, resolve
@@ -53,13 +58,18 @@ class Controller:
         on_step: StepCallback | None = None,
         journal: Journal | None = None,
         clock: Callable[[], float] = time.monotonic,
+        leases: LeaseClient | None = None,
     ) -> None:
         self.settings = settings
         self.journal = journal if journal is not None else Journal()
-        self.state = RunState(settings, stages, dataplane, clock, self.journal)
+        if settings.leased and leases is None:
+            raise ValueError(f"pipeline `{settings.pipeline}` shares GPUs with other pipelines: it needs the "
+                             "GPU lease scheduler's client")
+        self.state = RunState(settings, stages, dataplane, clock, self.journal, leases)
         self.rollout = RolloutPump(self.state, prompts)
         self.train = TrainPump(self.state, self._step_done(on_step))
         self.sync = SyncPump(self.state)
+        self.lease = LeasePump(self.state, self.rollout.wants_capacity) if settings.leased else None
         self.exit: str | None = None  # how the run ended (journal.FINISHED, ...), once it has
         self.error: str | None = None
 
@@ -85,7 +95,13 @@ class Controller:
         state.trainer_version = int(await resolve(state.stages.generator_version()))
         state.start_replicas(state.stages.generator_replicas, state.trainer_version)
         state.started_at = state.last_progress = state.clock()
-        await self._supervise()
+        try:
+            if self.lease is not None:
+                await self.lease.start()
+            await self._supervise()
+        finally:
+            if self.lease is not None:  # finished or failed: every lease goes back, the others go on
+                await asyncio.shield(self.lease.shrink_to_zero())
         await self._settle_leftovers()
         state.ledger.check()
 
@@ -98,6 +114,9 @@ class Controller:
         """The journal is flushed after every step, before the step is reported."""
         def step_done(record: dict) -> None:
             self.journal.flush()
+            if self.lease is not None:
+                record["replicas_awake"] = f"{self.lease.awake_replicas()}/{len(self.lease.replicas)}"
+                record["lease_wait_s"] = round(self.state.lease_wait_s, 3)
             if on_step is not None:
                 on_step(record)
 
@@ -112,7 +131,10 @@ class Controller:
 
     def pump_waits(self) -> dict[str, str]:
         """What each pump is doing or waiting on, now (the watchdog's words)."""
-        return {"rollout": self.rollout.describe(), "train": self.train.describe(), "sync": self.sync.phase}
+        waits = {"rollout": self.rollout.describe(), "train": self.train.describe(), "sync": self.sync.phase}
+        if self.lease is not None:
+            waits["leases"] = self.lease.phase
+        return waits
 
     def describe_waits(self) -> str:
         return " ; ".join(f"{pump} pump: {text}" for pump, text in self.pump_waits().items())
@@ -143,6 +165,8 @@ class Controller:
             asyncio.create_task(self.train.run(), name="train pump"),
             asyncio.create_task(self.sync.run(), name="sync pump"),
         ]
+        if self.lease is not None:
+            pumps.append(asyncio.create_task(self.lease.run(), name="lease pump"))
         watchdog = asyncio.create_task(self._watchdog(), name="watchdog")
         try:
             while not all(task.done() for task in pumps):

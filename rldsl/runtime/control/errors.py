@@ -36,3 +36,8 @@ class WorkerLost(RuntimeError):
 class TrainerLost(StepFailed):
     """A trainer rank died: its optimizer state is gone, so the run ends
     (resume it from the last checkpoint)."""
+
+
+class SchedulerLost(RuntimeError):
+    """The cluster's GPU lease scheduler is gone: no pipeline sharing GPUs can
+    know whose turn it is, so each stops (the run's summary names it)."""

@@ -56,9 +56,13 @@ class StageHandles:
       batches, so a push never stops the fleet.
     - ``generator_version() -> int``: the generators' weight version at start.
     - ``sleep_generators(replicas)`` / ``wake_generators(replicas, version)``:
-      release and reclaim the accelerator memory of the generator replicas
-      that share GPUs with the trainer; a woken replica is refreshed from
-      the host bucket cache to ``version`` before it serves.
+      release and reclaim the accelerator memory of those generator
+      replicas (they share GPUs with the trainer or another pipeline); a
+      woken replica is refreshed from the host bucket cache to ``version``
+      before it serves. Each returns once the memory is released or taken.
+    - ``sleep_trainer()`` / ``wake_trainer()``: the trainer offloads its
+      state for generation and takes its GPUs back for a step (engines
+      that cannot offload do nothing).
     - ``generator_replicas`` / ``train_replicas``: how many replicas the
       controller schedules over.
     - ``stage_slots``: reward or logprob stage -> how many calls it serves
@@ -79,6 +83,8 @@ class StageHandles:
     generator_version: Callable[[], Awaitable[int]]
     sleep_generators: Callable[[Sequence[int]], Awaitable[None]] = _nothing
     wake_generators: Callable[[Sequence[int], int], Awaitable[None]] = _nothing
+    sleep_trainer: Callable[[], Awaitable[None]] = _nothing
+    wake_trainer: Callable[[], Awaitable[None]] = _nothing
     generator_replicas: int = 1
     train_replicas: int = 1
     stage_slots: Mapping[str, int] = field(default_factory=dict)

@@ -79,6 +79,18 @@ class RolloutPump:
         )
         return plan.blocked, plan
 
+    def wants_capacity(self) -> bool:
+        """Groups could be dispatched now if a replica had room: the lease
+        pump asks for the GPUs of sleeping leased replicas on this."""
+        state, settings = self.state, self.state.settings
+        if state.training_done or state.prompts_exhausted or not state.buffer.has_room:
+            return False
+        if state.buffer.count(GroupState.RESERVED) >= settings.max_inflight:
+            return False
+        plan = state.sampler.plan_dispatch(state.buffer, state.train_progress(), state.exported_version,
+                                           state.groups_dispatched)
+        return plan.blocked is None
+
     def _pick_replica(self) -> GeneratorReplica | None:
         """The awake replica with the fewest groups in flight that has room."""
         state = self.state
@@ -97,6 +109,8 @@ class RolloutPump:
                 parts.append(f"{r.index} lost")
             elif r.asleep:
                 parts.append(f"{r.index} asleep")
+            elif r.yielding:
+                parts.append(f"{r.index} finishing {r.in_flight} before it gives its GPU back")
             elif state.draining_sleepers and r.shares_trainer_gpus:
                 parts.append(f"{r.index} finishing {r.in_flight} before it sleeps")
             else:

@@ -65,6 +65,11 @@ class RunSettings:
       trainer. They sleep while a step trains and are refreshed when they
       wake; the others keep generating (partial overlap). All of them:
       full colocation, generation and training take turns.
+    - ``replica_leases`` / ``trainer_lease``: the GPUs each generator replica
+      (by index; empty or missing: none) and the trainer share with other
+      pipelines. A replica with any serves only while it holds their lease,
+      and a step trains only while the trainer holds its own
+      (``leases.py``, ``lease_pump.py``).
     """
 
     pipeline: str
@@ -91,6 +96,8 @@ class RunSettings:
     advantage: str = "grpo"
     normalize: str = "group"
     dynamic_sampling: bool = False
+    replica_leases: tuple[tuple[str, ...], ...] = ()
+    trainer_lease: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _require(bool(self.pipeline), "pipeline name must not be empty")
@@ -112,6 +119,8 @@ class RunSettings:
         object.__setattr__(self, "logprob_stages", tuple(self.logprob_stages))
         object.__setattr__(self, "policy_logprob_stages", tuple(self.policy_logprob_stages))
         object.__setattr__(self, "sleeping_replicas", tuple(sorted(set(self.sleeping_replicas))))
+        object.__setattr__(self, "replica_leases", tuple(tuple(gpus) for gpus in self.replica_leases))
+        object.__setattr__(self, "trainer_lease", tuple(self.trainer_lease))
         if self.buffer_capacity == 0:
             object.__setattr__(self, "buffer_capacity", self.window_groups)
         if self.max_inflight == 0:
@@ -137,6 +146,19 @@ class RunSettings:
         that replica's generation take turns."""
         return bool(self.sleeping_replicas)
 
+    @property
+    def takes_turns(self) -> bool:
+        """A step waits for its groups, then takes the trainer's GPUs from
+        generation: colocated, or its GPUs are leased from other pipelines."""
+        return self.colocated or bool(self.trainer_lease)
+
+    @property
+    def leased(self) -> bool:
+        return bool(self.trainer_lease) or any(self.replica_leases)
+
+    def replica_lease(self, replica: int) -> tuple[str, ...]:
+        return self.replica_leases[replica] if replica < len(self.replica_leases) else ()
+
     def replica_concurrency(self, replicas: int) -> int:
         """Groups in flight per generator replica: the declared value, or a
         step's groups spread over the replicas."""
@@ -150,12 +172,16 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(f"RunSettings: {message}")
 
 
-def settings_from_plan(pipe: PipelinePlan, steps: int | None = None) -> RunSettings:
-    """The controller's settings for one pipeline of a plan; ``steps`` overrides the plan's."""
+def settings_from_plan(pipe: PipelinePlan, steps: int | None = None,
+                       shared_gpus: frozenset[tuple[int, int]] = frozenset()) -> RunSettings:
+    """The controller's settings for one pipeline of a plan; ``steps``
+    overrides the plan's; ``shared_gpus``: (node, gpu) this pipeline shares
+    with others, on which it takes leases."""
     stages = {s.name: s for s in pipe.stages}
     flow_order = [name for generation in pipe.generations for name in generation]
     sync = next((s for s in pipe.stages if s.kind == "sync"), None)
-    train_settings = pipe.stage(pipe.batch.train_stage).settings
+    train = pipe.stage(pipe.batch.train_stage)
+    train_settings = train.settings
     generators = [s for s in pipe.stages if s.kind == "generate"]
     return RunSettings(
         pipeline=pipe.name,
@@ -181,6 +207,8 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None) -> RunSetti
         advantage=train_settings.get("advantage", "grpo"),
         normalize=train_settings.get("normalize", "group"),
         dynamic_sampling=bool(train_settings.get("dynamic_sampling", False)),
+        replica_leases=tuple(replica_leases(pipe, shared_gpus)),
+        trainer_lease=_gpu_ids(train.ranks, shared_gpus),
     )
 
 
@@ -194,3 +222,19 @@ def sleeping_replicas(pipe: PipelinePlan) -> tuple[int, ...]:
     return tuple(index for index, (stage, rank) in enumerate(replicas)
                  if ({(rank.node, gpu) for gpu in rank.gpus} & trainer_gpus)
                  or (not rank.gpus and train.name in stage.colocated_with))
+
+
+def gpu_id(node: int, gpu: int) -> str:
+    """A GPU as the lease scheduler names it."""
+    return f"{node}:{gpu}"
+
+
+def _gpu_ids(ranks, shared_gpus: frozenset[tuple[int, int]]) -> tuple[str, ...]:
+    return tuple(sorted({gpu_id(*where) for rank in ranks for where in rank.all_gpus() if where in shared_gpus}))
+
+
+def replica_leases(pipe: PipelinePlan, shared_gpus: frozenset[tuple[int, int]]) -> list[tuple[str, ...]]:
+    """For each generator replica (ranks of the generate stages, in stage
+    order), the GPUs it shares with other pipelines."""
+    return [_gpu_ids([rank], shared_gpus) for stage in pipe.stages if stage.kind == "generate"
+            for rank in stage.ranks]

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 from rldsl.runtime.control.buffer import Group, ReplayBuffer
 from rldsl.runtime.control.handles import StageHandles
 from rldsl.runtime.control.journal import Journal
+from rldsl.runtime.control.leases import LeaseClient
 from rldsl.runtime.control.ledger import Ledger
 from rldsl.runtime.control.sampler import StalenessSampler, TrainProgress
 from rldsl.runtime.control.settings import RunSettings
@@ -34,6 +35,11 @@ class Notifier:
 
     async def wait(self) -> None:
         await self._event.wait()
+
+    def next_change(self) -> asyncio.Event:
+        """The event the next ``notify`` sets, taken now: a change made
+        before the caller gets round to waiting is not missed."""
+        return self._event
 
 
 class BusyMeter:
@@ -82,18 +88,21 @@ class GeneratorReplica:
     asleep: bool = False
     receiving: bool = False  # a push to it is in transit
     lost: bool = False  # its actor died and could not be replaced: it takes no more groups or pushes
+    leased: bool = False  # on GPUs shared with other pipelines: awake only while it holds their lease
+    yielding: bool = False  # its lease was asked back: it takes no new groups, then sleeps
 
     def can_take(self, draining_sleepers: bool) -> bool:
-        if self.lost or self.asleep or self.in_flight >= self.concurrency:
+        if self.lost or self.asleep or self.yielding or self.in_flight >= self.concurrency:
             return False
         return not (draining_sleepers and self.shares_trainer_gpus)
 
 
 class RunState:
     def __init__(self, settings: RunSettings, stages: StageHandles, dataplane: Any, clock: Callable[[], float],
-                 journal: Journal | None = None):
+                 journal: Journal | None = None, leases: LeaseClient | None = None):
         self.settings = settings
         self.stages = stages
+        self.leases = leases  # the GPU lease scheduler's client when the pipeline shares GPUs with others
         self.dataplane = dataplane
         self.clock = clock
         self.buffer = ReplayBuffer(settings.buffer_capacity)
@@ -108,6 +117,8 @@ class RunState:
         self.groups_dispatched = 0
         self.replicas: list[GeneratorReplica] = []  # set when the run starts (Controller.run)
         self.draining_sleepers = False  # the open step is covered: replicas that will sleep take no more groups
+        self.trainer_resident = False  # the trainer was woken onto its GPUs for a step (it takes turns)
+        self.lease_wait_s = 0.0  # time the trainer and the replicas waited for GPU leases, added up
         self.exported_version = 0  # the newest version in the host bucket cache
         self.receivers_version = 0  # the newest version pushed to the weight receivers besides generators
         self.receivers_incoming = 0  # the newest version a push to them has started with
@@ -122,7 +133,8 @@ class RunState:
     def start_replicas(self, count: int, version: int) -> None:
         concurrency = self.settings.replica_concurrency(count)
         sleeping = set(self.settings.sleeping_replicas)
-        self.replicas = [GeneratorReplica(i, version, concurrency, i in sleeping) for i in range(count)]
+        self.replicas = [GeneratorReplica(i, version, concurrency, i in sleeping,
+                                          leased=bool(self.settings.replica_lease(i))) for i in range(count)]
         self.exported_version = self.receivers_version = self.receivers_incoming = version
 
     @property
@@ -137,7 +149,15 @@ class RunState:
         return min(awake, default=self.trainer_version)
 
     def sleepers(self) -> list[GeneratorReplica]:
-        return [replica for replica in self.replicas if replica.shares_trainer_gpus and not replica.lost]
+        """The replicas the train pump puts to sleep for a step (a leased one
+        gives its GPU back through its lease instead)."""
+        return [r for r in self.replicas if r.shares_trainer_gpus and not r.lost and not r.leased]
+
+    async def acquire_lease(self, holder: str, gpus: Sequence[str], kind: str) -> None:
+        """Wait for a GPU lease; the wait counts in ``lease_wait_s``."""
+        asked = self.clock()
+        await self.leases.acquire(holder, gpus, kind)
+        self.lease_wait_s += self.clock() - asked
 
     def progress(self) -> None:
         self.last_progress = self.clock()

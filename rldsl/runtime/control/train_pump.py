@@ -14,10 +14,12 @@ from rldsl.runtime.control.advantages import compute_advantages, needs_whole_bat
 from rldsl.runtime.control.buffer import Group, GroupState
 from rldsl.runtime.control.errors import StepFailed, StopRequested, TrainCallFailed, TrainerLost, WorkerLost
 from rldsl.runtime.control.lanes import MicrobatchLanes
+from rldsl.runtime.control.leases import TRAIN
 from rldsl.runtime.control.state import RunState, resolve
 from rldsl.runtime.protocols import FIELD_ADVANTAGE, FIELD_REWARD, StepResult
 
 StepCallback = Callable[[dict], None]
+TRAINER_HOLDER = "trainer"  # the trainer's name with the lease scheduler
 
 
 @dataclass
@@ -97,7 +99,7 @@ class TrainPump:
         optimizer step after each mini-batch. Later passes replay the step's
         groups, still in the data plane, in a seeded order."""
         state = self.state
-        if state.settings.colocated:
+        if state.settings.takes_turns:
             await self._generation_phase(step)
         streaming = not needs_whole_batch(state.settings.normalize)
         self.lanes.open_step(state.settings.minibatch_groups)
@@ -179,9 +181,10 @@ class TrainPump:
 
     async def _generation_phase(self, step: StepBuild) -> None:
         """The step starts once all its groups are ready and the generator
-        replicas on the trainer's GPUs are idle; those then sleep until it
-        finishes. From the moment the step's groups are all dispatched they
-        take no new groups; the other replicas keep generating."""
+        replicas on the trainer's GPUs are idle; those then sleep (or give
+        their leases back) until it finishes, and the trainer takes its GPUs.
+        From the moment the step's groups are all dispatched those replicas
+        take no new groups; the others keep generating."""
         state, per_step = self.state, self.state.settings.prompts_per_step
         sleepers = state.sleepers()
         self.activity = "colocated: waiting for the step's groups before the generators on its GPUs sleep"
@@ -198,17 +201,38 @@ class TrainPump:
         for replica in sleepers:
             replica.asleep = True
         state.changed.notify()
-        self.activity = "colocated: putting the generators on the trainer's GPUs to sleep"
-        try:
-            await state.stages.sleep_generators([r.index for r in sleepers])
-        except WorkerLost as lost:  # a replica that is gone holds no GPU memory either
-            state.lose_replica(lost)
+        if sleepers:
+            self.activity = "colocated: putting the generators on the trainer's GPUs to sleep"
+            try:
+                await state.stages.sleep_generators([r.index for r in sleepers])
+            except WorkerLost as lost:  # a replica that is gone holds no GPU memory either
+                state.lose_replica(lost)
+        await self._take_trainer_gpus()
         self.activity = None
 
-    async def _wake_generators(self) -> None:
-        """Sleeping replicas wake, refreshed from the host bucket cache."""
+    async def _take_trainer_gpus(self) -> None:
+        """The trainer's GPU lease (when it shares them with other pipelines),
+        then its state back onto them."""
         state = self.state
-        asleep = [r for r in state.replicas if r.asleep]
+        if state.settings.trainer_lease:
+            self.activity = f"waiting for the lease of GPUs {', '.join(state.settings.trainer_lease)}"
+            await state.acquire_lease(TRAINER_HOLDER, state.settings.trainer_lease, TRAIN)
+        self.activity = "taking the trainer's GPUs back from generation"
+        state.trainer_resident = True
+        await state.stages.wake_trainer()
+
+    async def _wake_generators(self) -> None:
+        """The trainer offloads and gives its lease back; replicas it put to
+        sleep wake, refreshed from the host bucket cache (leased replicas
+        wake through their own leases, lease_pump.py)."""
+        state = self.state
+        if state.trainer_resident:
+            self.activity = "offloading the trainer for generation"
+            await state.stages.sleep_trainer()
+            state.trainer_resident = False
+        if state.settings.trainer_lease:
+            await state.leases.release(TRAINER_HOLDER)  # only once its memory is released
+        asleep = [r for r in state.replicas if r.asleep and not r.leased]
         if asleep:
             self.activity = f"colocated: waking the generators, refreshed to version {state.exported_version}"
             try:
@@ -218,7 +242,7 @@ class TrainPump:
             for replica in asleep:
                 replica.asleep = False
                 replica.version = max(replica.version, state.exported_version)
-            self.activity = None
+        self.activity = None
         state.draining_sleepers = False
         state.changed.notify()
 

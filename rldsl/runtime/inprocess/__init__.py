@@ -2,6 +2,6 @@
 engines on the controller's own event loop, for tests and benchmarks that
 drive a whole pipeline without Ray."""
 
-from rldsl.runtime.inprocess.sim_stages import TRAIN_FIELDS, SimConfig, SimStages, sim_stage_handles
+from rldsl.runtime.inprocess.sim_stages import TRAIN_FIELDS, GpuBoard, SimConfig, SimStages, sim_stage_handles
 
-__all__ = ["TRAIN_FIELDS", "SimConfig", "SimStages", "sim_stage_handles"]
+__all__ = ["TRAIN_FIELDS", "GpuBoard", "SimConfig", "SimStages", "sim_stage_handles"]

@@ -67,8 +67,10 @@ class SimStages:
     replica swaps weights mid-batch. ``microbatch_keys`` records
     (step, keys, replica) for every microbatch."""
 
-    def __init__(self, settings: RunSettings, dataplane: Any, config: SimConfig = SimConfig()) -> None:
+    def __init__(self, settings: RunSettings, dataplane: Any, config: SimConfig = SimConfig(),
+                 board: GpuBoard | None = None) -> None:
         self.settings, self.dataplane, self.config = settings, dataplane, config
+        self.board = board or GpuBoard()
         seed, c = settings.seed * 7919, config
         self.generators = [
             SimGenerator(c.generate, c.vocab_size, c.prompt_len, c.max_new_tokens, c.generate_fail_prob, seed + i,
@@ -95,10 +97,14 @@ class SimStages:
         self.handles = StageHandles(
             self.generate, self.reward, self.logprob, self.begin_train_step, self.train_microbatch,
             self.finish_train_step, self.abort_train_step, self.export_weights, self.push_weights,
-            self.generator_version, self.sleep_generators, self.wake_generators,
-            generator_replicas=len(self.replicas), train_replicas=len(self.trainers),
+            self.generator_version, self.sleep_generators, self.wake_generators, self.sleep_trainer,
+            self.wake_trainer, generator_replicas=len(self.replicas), train_replicas=len(self.trainers),
             optimizer_step=self.optimizer_step,
         )
+        self.trainer_resident = not settings.trainer_lease  # a leased trainer starts offloaded
+        for index, replica in enumerate(self.replicas):
+            if settings.replica_lease(index):  # as do replicas on GPUs shared with other pipelines
+                replica.engine.sleep()
 
     async def generate(
         self, replica: int, prompts: Sequence[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int
@@ -169,10 +175,12 @@ class SimStages:
     async def sleep_generators(self, replicas: Sequence[int]) -> None:
         for index in replicas:
             self.replicas[index].sleep()
+            self.board.vacate(self.settings.replica_lease(index), self._name(f"rollout[{index}]"))
 
     async def wake_generators(self, replicas: Sequence[int], version: int) -> None:
         for index in replicas:
             replica = self.replicas[index]
+            self.board.occupy(self.settings.replica_lease(index), self._name(f"rollout[{index}]"))
             replica.wake()
             if self._host_cache and replica.engine.version < version:
                 replica.refresh(*self._host_cache[::-1])
@@ -181,6 +189,19 @@ class SimStages:
         awake = [i for i in self.settings.sleeping_replicas if i < len(self.replicas) and not self.generators[i].asleep]
         if awake:
             raise SplitStepError(f"{call} while generator replicas {awake} on the trainer's GPUs are awake")
+        if not self.trainer_resident:
+            raise SplitStepError(f"{call} while the trainer is offloaded (it holds no GPU lease)")
+
+    async def sleep_trainer(self) -> None:
+        self.trainer_resident = False
+        self.board.vacate(self.settings.trainer_lease, self._name("trainer"))
+
+    async def wake_trainer(self) -> None:
+        self.board.occupy(self.settings.trainer_lease, self._name("trainer"))
+        self.trainer_resident = True
+
+    def _name(self, holder: str) -> str:
+        return f"{self.settings.pipeline}/{holder}"
 
     def _pool(self, name: str) -> asyncio.Queue:
         if not self._pools:  # built lazily: the queues belong to the controller's loop
@@ -281,6 +302,30 @@ class SimReplica:
             self.engine.update_weights(bucket, version, last=index == len(buckets) - 1)
         if not buckets:
             self.engine.version = version
+
+
+class GpuBoard:
+    """Which GPU-resident phase is on each shared GPU now. Pipelines that
+    share GPUs share one board; a phase that wakes onto a GPU another holds
+    raises, so a run that finishes never had two residents at once."""
+
+    def __init__(self) -> None:
+        self.resident: dict[str, str] = {}
+        self.moves = 0  # phases put on a GPU
+
+    def occupy(self, gpus: Sequence[str], who: str) -> None:
+        for gpu in gpus:
+            other = self.resident.get(gpu)
+            if other not in (None, who):
+                raise SplitStepError(f"{who} woke onto GPU {gpu} while {other} is resident there")
+        for gpu in gpus:
+            self.resident[gpu] = who
+        self.moves += bool(gpus)
+
+    def vacate(self, gpus: Sequence[str], who: str) -> None:
+        for gpu in gpus:
+            if self.resident.get(gpu) == who:
+                del self.resident[gpu]
 
 
 @asynccontextmanager

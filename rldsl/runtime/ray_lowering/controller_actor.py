@@ -21,7 +21,8 @@ from rldsl.runtime.control.settings import RunSettings
 
 class ControllerActor:
     def __init__(self, settings: RunSettings, pipe: PipelinePlan, workers: dict, specs: dict, dataplane_spec: dict,
-                 checkpoint: dict | None = None, resume: dict | None = None, observers: list | None = None):
+                 checkpoint: dict | None = None, resume: dict | None = None, observers: list | None = None,
+                 scheduler=None):
         from rldsl.runtime.dataplane import connect_dataplane
         from rldsl.runtime.ray_lowering.checkpoint import expand_indices
         from rldsl.runtime.ray_lowering.stage_handles import HostBucketCache, ray_stage_handles, reward_calls_per_worker
@@ -45,6 +46,11 @@ class ControllerActor:
                                          reward_calls={s.name: reward_calls_per_worker(s) for s in pipe.stages
                                                        if s.kind == "reward"})
         self.dataplane = _TracedDataPlane(connect_dataplane(dataplane_spec), self.tracers[0])
+        self.leases = None
+        if scheduler is not None:  # the pipeline shares GPUs: its turns come from the cluster's lease scheduler
+            from rldsl.runtime.ray_lowering.gpu_scheduler import RayLeases
+
+            self.leases = RayLeases(scheduler, pipe.name)
         self.checkpoint = checkpoint or {}
         resume = resume or {}
         self.step_offset = resume.get("steps_done", 0)
@@ -77,7 +83,7 @@ class ControllerActor:
 
         prompts = prompt_stream(self.pipe, self.settings.seed, *self.trained_before)
         self.controller = Controller(self.settings, self.handles, self.dataplane, prompts, on_step=self._on_step,
-                                     journal=self.journal)
+                                     journal=self.journal, leases=self.leases)
         if self.stop_requested:
             self.controller.request_stop()
         await self.controller.run()

@@ -50,6 +50,7 @@ class Driver:
                 pipeline.prepare_models()
             dataplane = _dataplane(session)
             reservation = self._reserve(session)
+            self._start_gpu_scheduler(session)
             for pipeline in self.pipelines:
                 pipeline.create_actors(dataplane.spec, reservation)
                 session.add_cleanup(pipeline.end_actors)  # a restart on the same cluster reuses their names
@@ -59,6 +60,26 @@ class Driver:
                 pipeline.restore()
                 pipeline.offload_for_generation()
             return self._drive()
+
+    def _start_gpu_scheduler(self, session) -> None:
+        """Pipelines that share GPUs take turns on them: one lease scheduler
+        actor for the cluster, each sharing pipeline registered with it."""
+        import ray
+
+        from rldsl.plan import LEASE_QUANTUM_S
+        from rldsl.runtime.control.settings import gpu_id
+        from rldsl.runtime.ray_lowering.gpu_scheduler import start_scheduler
+
+        shared = self.plan.gpus_shared_across_pipelines()
+        if not shared:
+            return
+        sharing = [p for p in self.pipelines if p.settings.leased]
+        scheduler = start_scheduler([gpu_id(*where) for where in shared], LEASE_QUANTUM_S,
+                                    {p.pipe.name: (p.pipe.sharing.weight, p.pipe.sharing.priority) for p in sharing})
+        session.add_cleanup(functools.partial(ray.kill, scheduler))
+        for pipeline in sharing:
+            pipeline.scheduler = scheduler
+        _say(f"GPU lease scheduler: {len(shared)} GPUs shared by {', '.join(p.pipe.name for p in sharing)}")
 
     def dry_run(self) -> int:
         """Reserve the placement groups, start a placeholder for every stage
@@ -174,9 +195,14 @@ class Driver:
         return 0
 
     def _stop(self, running: list[PipelineDriver]) -> int:
+        import ray
+
         _say("interrupted: stopping after the trainer call in flight (Ctrl-C again quits at once)")
         for pipeline in running:
             pipeline.request_stop()
+        # every controller at its safe point first: pipelines that take turns on GPUs have all given them
+        # back, so each trainer can come back onto its GPUs for its checkpoint, one after the other
+        ray.wait([p.result_ref for p in running], num_returns=len(running))
         for pipeline in running:
             try:
                 pipeline.checkpoint_on_interrupt(f"rldsl run --resume {self.run_dir}")

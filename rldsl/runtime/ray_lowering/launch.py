@@ -90,6 +90,22 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def check_shared_gpus(plan: ExecutionPlan) -> None:
+    """Pipelines take turns on shared GPUs through leases held by generator
+    replicas and train steps; a logprob stage on a shared GPU has no lease."""
+    for pipe in plan.pipelines:
+        shared = plan.shared_gpus_of(pipe.name)
+        for stage in pipe.stages_of("logprob"):
+            overlap = sorted(where for rank in stage.ranks for where in rank.all_gpus() if where in shared)
+            if overlap:
+                node, gpu = overlap[0]
+                raise PreflightError(
+                    f"pipeline `{pipe.name}`: logprob stage `{stage.name}` is on GPU {gpu} of node {node}, which "
+                    "another pipeline shares; the GPU lease scheduler gives turns to generator replicas and "
+                    "train steps only. Give the logprob stage GPUs of its own, or colocate it with its own "
+                    "pipeline's trainer on GPUs no other pipeline uses")
+
+
 def run_plan(plan: ExecutionPlan, args) -> int:
     from rldsl.runtime.control.controller import PipelineStalled, StepFailed
     from rldsl.runtime.control.errors import TrainerLost
@@ -102,20 +118,13 @@ def run_plan(plan: ExecutionPlan, args) -> int:
     try:
         for pipe in plan.pipelines if not dry_run else ():  # a dry run starts no engine
             preflight(pipe)
+        check_shared_gpus(plan)
         written, plan = plan, with_run_lengths(plan, args.steps)  # the run directory keeps the plan as given
     except PreflightError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    settings = {pipe.name: settings_from_plan(pipe) for pipe in plan.pipelines}
-    shared = plan.gpus_shared_across_pipelines()
-    if shared and (args.address or _has_cuda()):
-        (node, gpu), names = next(iter(shared.items()))
-        print(f"error: pipelines {' and '.join(names)} share GPU {gpu} of node {node}: on real GPUs pipelines that "
-              "share a GPU must take turns, which needs a cross-pipeline scheduler `rldsl run` does not have yet",
-              file=sys.stderr)
-        print("  = help: give each pipeline GPUs of its own, or run each pipeline from a file of its own "
-              "(`check` and `plan` cover the shared cluster)", file=sys.stderr)
-        return EXIT_USAGE
+    settings = {pipe.name: settings_from_plan(pipe, shared_gpus=plan.shared_gpus_of(pipe.name))
+                for pipe in plan.pipelines}
     name = plan.pipelines[0].name if len(plan.pipelines) == 1 else Path(plan.source_file or "pipelines").stem
     run_dir = Path(args.resume or args.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if dry_run:

@@ -43,6 +43,7 @@ class PipelineDriver:
         self.handles: dict[str, list] = {}
         self.specs: dict[str, list[ActorSpec]] = {}  # how each actor was made, for the controller to remake it
         self.controller = self.result_ref = self.progress = self.traces = None
+        self.scheduler = None  # the cluster's GPU lease scheduler, when this pipeline shares GPUs
         self._seen = 0
         self.summary: dict | None = None  # what summary.json says, once written
         self._evaluator_given_up = False
@@ -162,10 +163,11 @@ class PipelineDriver:
         self.say(f"resumed from {self.resume['dir'].name}: version {version}, {self.resume['steps_done']} steps done")
 
     def offload_for_generation(self) -> None:
-        """Colocated: generation comes first, so an offloading trainer starts offloaded."""
+        """Colocated, or on GPUs leased from other pipelines: generation comes
+        first, so an offloading trainer starts offloaded."""
         import ray
 
-        if self.settings.colocated:
+        if self.settings.takes_turns:
             ray.get([t.sleep.remote() for t in self.handles[self.pipe.batch.train_stage]])
 
     # ---------------------------------------------------------------- drive
@@ -186,7 +188,7 @@ class PipelineDriver:
         self.controller = ray.remote(ControllerActor).options(
             num_cpus=ACTOR_NUM_CPUS, name=f"{self.prefix}controller").remote(
             self._remaining_settings(), self.pipe, self.handles, self.specs, dataplane_spec, self.checkpoint,
-            self.resume_info(), self._observers())
+            self.resume_info(), self._observers(), self.scheduler)
 
     def begin(self, live: bool = True) -> bool:
         """Start the controller's loop; False when the resumed run has nothing left to do."""
@@ -317,8 +319,19 @@ class PipelineDriver:
         summary = summary if summary is not None else self._controller_summary()
         if summary is not None:
             summary.setdefault("wall_clock_s", time.monotonic() - self.started)
+            if self.scheduler is not None:
+                summary["gpu_sharing"] = self._lease_figures()
         self.summary = write_summary(self.run_dir, summary, self.pipe.name, root_cause(error) if error else None)
         return self.summary
+
+    def _lease_figures(self) -> dict:
+        """GPU-seconds held and waited, from the lease scheduler (or why not)."""
+        import ray
+
+        try:
+            return ray.get(self.scheduler.stats.remote(self.pipe.name), timeout=30)
+        except ray.exceptions.RayError as err:
+            return {"error": f"the GPU lease scheduler did not answer: {root_cause(err)}"}
 
     def _controller_summary(self) -> dict | None:
         import ray

@@ -80,8 +80,10 @@ class Progress:
     def _line(self, r: dict) -> str:
         reward = r.get("reward_mean")
         reward_text = f" reward {reward:.3f}" if isinstance(reward, (int, float)) else ""
+        leases = (f" replicas {r['replicas_awake']} lease waits {r['lease_wait_s']:.1f}s"
+                  if "replicas_awake" in r else "")
         return (f"step {r['step']}/{self.settings.steps} v{r['version']} lag {_hist(r['lag_histogram'])} "
-                f"{r['samples_per_s']:.1f} samples/s{reward_text} busy {_busy(r['busy'])}")
+                f"{r['samples_per_s']:.1f} samples/s{reward_text} busy {_busy(r['busy'])}{leases}")
 
     def _render(self):
         from rich.table import Table
@@ -98,6 +100,8 @@ class Progress:
             if isinstance(reward, (int, float)):
                 table.add_row("reward", f"{reward:.3f}")
             table.add_row("busy", _busy(r["busy"]))
+            if "replicas_awake" in r:
+                table.add_row("leases", f"replicas awake {r['replicas_awake']}, waited {r['lease_wait_s']:.1f}s")
         for note in self.notes[-2:]:
             table.add_row("eval", note)
         if self.now.get("active"):

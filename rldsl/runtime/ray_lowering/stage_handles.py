@@ -137,23 +137,23 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
         return await call(*generators[0], "version")
 
     async def sleep_generators(indices: Sequence[int]) -> None:
-        """The train phase: these replicas release the GPUs, an offloaded trainer takes them back."""
+        """These replicas release their GPU memory (the call returns once they have)."""
         asleep.update(indices)
-        try:
-            await on_generators(indices, "sleep")
-        finally:
-            if indices:
-                await on_every_trainer("wake")
+        await on_generators(indices, "sleep")
 
     async def wake_generators(indices: Sequence[int], version: int) -> None:
-        """The generation phase: the trainer offloads (if it does), the replicas
-        wake and, if they missed versions, load the newest from the host cache."""
-        if indices:
-            await on_every_trainer("sleep")
+        """These replicas take their GPU memory back and, if they missed
+        versions, load the newest from the host cache before they serve."""
         asleep.difference_update(indices)
         await on_generators(indices, "wake")
         if cache.holds(version):
             await on_generators([i for i in indices if syncs_generator[i]], "refresh", list(cache.refs), version)
+
+    async def sleep_trainer() -> None:
+        await on_every_trainer("sleep")
+
+    async def wake_trainer() -> None:
+        await on_every_trainer("wake")
 
     async def bring_up_to_date(spec: ActorSpec, actor) -> None:
         """A replacement actor: the newest exported weights if it receives
@@ -167,7 +167,8 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
     supervisor.on_replaced = bring_up_to_date
     return StageHandles(generate, reward, logprob, begin_train_step, train_microbatch, finish_train_step,
                         abort_train_step, export_weights, push_weights, generator_version, sleep_generators,
-                        wake_generators, generator_replicas=len(generators), train_replicas=len(train_replicas),
+                        wake_generators, sleep_trainer, wake_trainer, generator_replicas=len(generators),
+                        train_replicas=len(train_replicas),
                         stage_slots={name: pool.size for name, pool in free.items()}, optimizer_step=optimizer_step)
 
 

@@ -478,3 +478,18 @@ def test_group_advantages():
     values = group_advantages([0.0, 1.0], eps=0.0)
     assert values == pytest.approx([-0.7071068, 0.7071068])
     assert sum(group_advantages([0.0, 3.0, 1.0, 1.0])) == pytest.approx(0.0)
+
+
+def test_a_trainer_rank_lost_during_the_weight_export_ends_the_run_as_a_lost_trainer():
+    """Every trainer call names a lost rank the same way, the export too, so
+    the run restarts from its last checkpoint instead of failing unnamed."""
+    from rldsl.runtime.control.errors import TrainerLost, WorkerLost
+
+    def wrap(handles: StageHandles) -> StageHandles:
+        async def export_weights(version):
+            raise WorkerLost("actor", 0, "ActorDiedError: killed")
+
+        return dataclasses.replace(handles, export_weights=export_weights)
+
+    with pytest.raises(TrainerLost, match="trainer rank 0 of `actor` died during export_weights"):
+        run_controller(make_settings(), wrap=wrap)

@@ -335,7 +335,10 @@ class TrainPump:
         bucket cache that pushes and refreshes serve."""
         state = self.state
         self.activity = f"exporting weights version {version} to the host bucket cache"
-        await state.stages.export_weights(version)
+        try:
+            await state.stages.export_weights(version)
+        except WorkerLost as lost:
+            raise _trainer_lost(lost, "export_weights") from lost
         state.exported_version = version
         self.activity = None
 
@@ -345,9 +348,7 @@ class TrainPump:
         self.aborted_steps += 1
         self._aborted_in_row += 1
         if isinstance(failure.error, WorkerLost):  # a trainer rank died: no later step can succeed
-            lost = failure.error
-            raise TrainerLost(f"trainer rank {lost.rank} of `{lost.stage}` died during {failure.call} ({lost.detail}); "
-                              "its optimizer state is gone: resume from the run's last checkpoint") from lost
+            raise _trainer_lost(failure.error, failure.call) from failure.error
         if self._aborted_in_row >= self.state.settings.max_aborted_steps:
             message = f"{self._aborted_in_row} consecutive train steps aborted; last: {failure}"
             raise StepFailed(message) from failure.error
@@ -397,6 +398,11 @@ class TrainPump:
                 "trainer": dict(result.metrics),
             }
         )
+
+
+def _trainer_lost(lost: WorkerLost, call: str) -> TrainerLost:
+    return TrainerLost(f"trainer rank {lost.rank} of `{lost.stage}` died during {call} ({lost.detail}); "
+                       "its optimizer state is gone: resume from the run's last checkpoint")
 
 
 def _mean(values) -> float | None:

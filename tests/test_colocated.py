@@ -10,20 +10,11 @@ import pytest
 
 from rldsl.runtime.engines.sim import Latency
 from rldsl.runtime.inprocess import SimConfig
-from tests.test_controller import make_settings, run_controller
+from tests.test_controller import make_settings, run_controller, timed
 
 
 def recording(intervals: list, events: list):
     def wrap(handles):
-        def timed(name, fn):
-            async def call(*args):
-                start = time.monotonic()
-                try:
-                    return await fn(*args)
-                finally:
-                    intervals.append((name, start, time.monotonic()))
-            return call
-
         async def sleep(replicas):
             events.append(("sleep", time.monotonic()))
             await handles.sleep_generators(replicas)
@@ -34,9 +25,9 @@ def recording(intervals: list, events: list):
 
         return dataclasses.replace(
             handles,
-            generate=timed("generate", handles.generate),
-            train_microbatch=timed("train", handles.train_microbatch),
-            finish_train_step=timed("train", handles.finish_train_step),
+            generate=timed(intervals, "generate", handles.generate),
+            train_microbatch=timed(intervals, "train", handles.train_microbatch),
+            finish_train_step=timed(intervals, "train", handles.finish_train_step),
             sleep_generators=sleep, wake_generators=wake)
     return wrap
 
@@ -52,8 +43,8 @@ def test_generation_and_training_never_overlap_when_colocated(max_lag):
     assert summary["steps"] == 4
     ledger = summary["ledger"]
     assert ledger["generated"] == ledger["trained"] + sum(ledger["dropped"].values())
-    generate = [(s, e) for name, s, e in intervals if name == "generate"]
-    train = [(s, e) for name, s, e in intervals if name == "train"]
+    generate = [(s, e) for name, _, s, e in intervals if name == "generate"]
+    train = [(s, e) for name, _, s, e in intervals if name == "train"]
     assert generate and train
     for gs, ge in generate:
         for ts, te in train:
@@ -67,8 +58,8 @@ def test_streaming_overlaps_when_not_colocated():
     config = SimConfig(generate=Latency.constant(0.02), microbatch=Latency.constant(0.02), generators=2)
     intervals, events = [], []
     run_controller(settings, config, wrap=recording(intervals, events))
-    generate = [(s, e) for name, s, e in intervals if name == "generate"]
-    train = [(s, e) for name, s, e in intervals if name == "train"]
+    generate = [(s, e) for name, _, s, e in intervals if name == "generate"]
+    train = [(s, e) for name, _, s, e in intervals if name == "train"]
     overlapped = any(not (ge <= ts or te <= gs) for gs, ge in generate for ts, te in train)
     assert overlapped and not events  # the same recorder sees overlap without colocation
 

@@ -67,6 +67,18 @@ def run_controller(settings, config=SimConfig(), *, wrap=None, prompts=None, on_
     return summary, sim, dataplane
 
 
+def timed(intervals: list, name: str, fn, replica_arg: int | None = None):
+    """``fn`` recording (name, replica or None, start, end) of every call into ``intervals``."""
+    async def call(*args):
+        start = time.monotonic()
+        try:
+            return await fn(*args)
+        finally:
+            replica = args[replica_arg] if replica_arg is not None else None
+            intervals.append((name, replica, start, time.monotonic()))
+    return call
+
+
 def group_of(key: str) -> int:
     return parse_sample_key(key)[1]
 
@@ -326,23 +338,15 @@ def test_a_slow_weight_push_holds_neither_generation_nor_the_trainer():
     intervals = []
 
     def wrap(handles: StageHandles) -> StageHandles:
-        def timed(name, fn):
-            async def call(*args):
-                start = time.monotonic()
-                try:
-                    return await fn(*args)
-                finally:
-                    intervals.append((name, start, time.monotonic()))
-            return call
-        return dataclasses.replace(handles, generate=timed("generate", handles.generate),
-                                   push_weights=timed("push", handles.push_weights),
-                                   finish_train_step=timed("finish", handles.finish_train_step))
+        return dataclasses.replace(handles, generate=timed(intervals, "generate", handles.generate),
+                                   push_weights=timed(intervals, "push", handles.push_weights),
+                                   finish_train_step=timed(intervals, "finish", handles.finish_train_step))
 
     summary, sim, _ = run_controller(settings, config, wrap=wrap)
     assert summary["steps"] == 4 and summary["aborted_steps"] == 0
     assert summary["weight_pushes"] >= 2
-    pushes = [(s, e) for name, s, e in intervals if name == "push"]
-    others = [(s, e) for name, s, e in intervals if name != "push"]
+    pushes = [(s, e) for name, _, s, e in intervals if name == "push"]
+    others = [(s, e) for name, _, s, e in intervals if name != "push"]
     assert any(s < pe and ps < e for ps, pe in pushes for s, e in others), "nothing ran during a push"
 
 

@@ -9,7 +9,6 @@ and raise, which would abort steps: every test here expects none."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import Counter
 
 import pytest
@@ -18,18 +17,7 @@ from rldsl.runtime.control.controller import StageHandles
 from rldsl.runtime.control.lanes import MicrobatchLanes
 from rldsl.runtime.engines.sim import Latency
 from rldsl.runtime.inprocess import SimConfig
-from tests.test_controller import group_of, make_settings, run_controller
-
-
-def timed(intervals: list, name: str, fn, replica_arg: int | None = None):
-    async def call(*args):
-        start = time.monotonic()
-        try:
-            return await fn(*args)
-        finally:
-            replica = args[replica_arg] if replica_arg is not None else None
-            intervals.append((name, replica, start, time.monotonic()))
-    return call
+from tests.test_controller import group_of, make_settings, run_controller, timed
 
 
 def balanced_ledger(summary: dict) -> None:

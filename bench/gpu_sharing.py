@@ -46,7 +46,7 @@ def config(replicas: int) -> SimConfig:
                      finish=Latency.constant(0.02), train_replicas=2)
 
 
-def settings(name: str, steps: int, replicas: int, trainer_replicas: tuple[int, ...],
+def settings(name: str, steps: int, trainer_replicas: tuple[int, ...],
              leases: tuple[tuple[str, ...], ...] = (), trainer_lease: tuple[str, ...] = ()) -> RunSettings:
     return RunSettings(pipeline=name, prompts_per_step=GROUPS, samples_per_prompt=SAMPLES, steps=steps, max_lag=0,
                        reward_stages=("score",), watchdog_timeout_s=60, sleeping_replicas=trainer_replicas,
@@ -54,7 +54,7 @@ def settings(name: str, steps: int, replicas: int, trainer_replicas: tuple[int, 
 
 
 async def _alone(name: str, steps: int, replicas: int, trainer_replicas: tuple[int, ...]) -> dict:
-    run = settings(name, steps, replicas, trainer_replicas)
+    run = settings(name, steps, trainer_replicas)
     dataplane = InMemoryDataPlane()
     prompts = (Prompt(i, f"question {i}", "answer") for i in itertools.count())
     return await Controller(run, SimStages(run, dataplane, config(replicas)).handles, dataplane, prompts).run()
@@ -72,7 +72,7 @@ async def one_after_the_other(steps: int) -> dict[str, dict]:
 async def shared(steps: int) -> dict[str, dict]:
     every_gpu = tuple((f"0:{gpu}",) for gpu in range(4))
     trainers = {"a": (0, 1), "b": (2, 3)}
-    pipelines = [SharingPipeline(settings(name, steps, 4, trainers[name], every_gpu,
+    pipelines = [SharingPipeline(settings(name, steps, trainers[name], every_gpu,
                                           tuple(f"0:{gpu}" for gpu in trainers[name])), config(4))
                  for name in PIPELINES]
     summaries, board = await run_sharing(pipelines)

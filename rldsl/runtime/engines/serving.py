@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rldsl.runtime.engines.torch.common import left_align
+from rldsl.runtime.engines.torch.common import decode_responses, left_align
 from rldsl.runtime.protocols import (
     FIELD_PROMPT_IDS,
     FIELD_PROMPT_MASK,
@@ -85,6 +85,75 @@ class WeightSync:
     def require_consistent(self) -> None:
         if self.pending is not None:
             raise RuntimeError(f"weight sync to version {self.pending} is in progress (last bucket not received)")
+
+
+class ServingEngine:
+    """What the generation and logprob sides of a serving engine share: the
+    weight version and a sync in progress, sleeping, and the check that it
+    may compute. A subclass names itself and releases / resumes memory."""
+
+    NAME = "serving"
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._sync = WeightSync()
+        self._asleep = False
+
+    @property
+    def version(self) -> int:
+        return self._sync.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._sync.version = value
+
+    def sleep(self) -> None:
+        if self._sleeps() and not self._asleep:
+            self._release_memory()
+            self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self._resume_memory()
+            self._asleep = False
+
+    def _sleeps(self) -> bool:
+        raise NotImplementedError
+
+    def _release_memory(self) -> None:
+        raise NotImplementedError
+
+    def _resume_memory(self) -> None:
+        raise NotImplementedError
+
+    def _require_awake(self, call: str) -> None:
+        if self._asleep:
+            raise RuntimeError(f"{call} on a sleeping {self.NAME} engine; wake it first")
+
+    def _require_ready(self) -> None:
+        if self._asleep:
+            raise RuntimeError(f"the {self.NAME} engine is asleep; call wake() first")
+        self._sync.require_consistent()
+
+
+class ServingGeneration:
+    """The generation side's sampling settings, single-request ``generate``
+    and ``decode`` over the subclass's ``generate_groups``."""
+
+    def _set_sampling(self, max_new_tokens: int, temperature: float, top_p: float) -> None:
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+
+    def generate(self, prompts: list[Prompt], samples_per_prompt: int, seed: int) -> Batch:
+        """Rows prompt-major; each prompt's samples are seeded from ``seed``."""
+        (batch,) = self.generate_groups([(prompts, samples_per_prompt, seed)])
+        if isinstance(batch, ValueError):
+            raise batch
+        return batch
+
+    def decode(self, batch: Batch) -> list[str]:
+        return decode_responses(self.tokenizer, batch)
 
 
 def load_tokenizer(model_path: str):

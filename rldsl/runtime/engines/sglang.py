@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from rldsl.runtime.engines.serving import (
-    WeightSync,
+    ServingEngine,
+    ServingGeneration,
     bucket_items,
     encode_or_error,
     left_padded,
@@ -199,30 +200,21 @@ def create_engine(model_path: str, options: SGLangOptions, seed: int):
     return sglang.Engine(**options.engine_kwargs(model_path, seed))
 
 
-class _SGLangEngine:
+class _SGLangEngine(ServingEngine):
     """What generation and logprob engines share: the engine, weight sync, sleep."""
 
+    NAME = "SGLang"
+
     def __init__(self, engine, tokenizer, options: SGLangOptions):
+        super().__init__(tokenizer)
         self.engine = engine
-        self.tokenizer = tokenizer
         self.options = options
-        self._sync = WeightSync()
         self._staged: list[tuple[str, torch.Tensor]] = []
-        self._asleep = False
-
-    @property
-    def version(self) -> int:
-        return self._sync.version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        self._sync.version = value
 
     def update_weights(self, bucket: Mapping[str, Any], version: int, last: bool) -> None:
         """Stage the bucket; with the last one load all staged tensors in one
         call, so no request ever runs on half-updated weights."""
-        if self._asleep:
-            raise RuntimeError("update_weights on a sleeping SGLang engine; wake it first")
+        self._require_awake("update_weights")
         self._sync.check_accepts(version)
         self._staged.extend(bucket_items(bucket))
         if last:
@@ -231,20 +223,14 @@ class _SGLangEngine:
             _require_success(result, "update_weights_from_tensor")
         self._sync.receive(version, last)
 
-    def sleep(self) -> None:
-        if self.options.level and not self._asleep:
-            self.engine.release_memory_occupation()
-            self._asleep = True
+    def _sleeps(self) -> bool:
+        return bool(self.options.level)
 
-    def wake(self) -> None:
-        if self._asleep:
-            self.engine.resume_memory_occupation()
-            self._asleep = False
+    def _release_memory(self) -> None:
+        self.engine.release_memory_occupation()
 
-    def _require_ready(self) -> None:
-        if self._asleep:
-            raise RuntimeError("the SGLang engine is asleep; call wake() first")
-        self._sync.require_consistent()
+    def _resume_memory(self) -> None:
+        self.engine.resume_memory_occupation()
 
     def _generate(self, input_ids: list[list[int]], params: list[dict], **options) -> list[dict]:
         if not input_ids:
@@ -259,28 +245,17 @@ def _require_success(result: Any, what: str) -> None:
         raise RuntimeError(f"SGLang {what} failed: {result[1]}")
 
 
-class SGLangGenerator(_SGLangEngine):
-    """``protocols.GenerationEngine`` over SGLang."""
+class SGLangGenerator(ServingGeneration, _SGLangEngine):
+    """``protocols.GenerationEngine`` over SGLang (each sample its own request and seed)."""
 
     def __init__(self, engine, tokenizer, options: SGLangOptions = SGLangOptions(), *, max_new_tokens: int = 64,
                  temperature: float = 1.0, top_p: float = 1.0):
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        self._set_sampling(max_new_tokens, temperature, top_p)
         super().__init__(engine, tokenizer, options)
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_p = top_p
 
     @classmethod
     def from_path(cls, model_path: str, options: SGLangOptions = SGLangOptions(), seed: int = 0, **sampling):
         return cls(create_engine(model_path, options, seed), load_tokenizer(model_path), options, **sampling)
-
-    def generate(self, prompts: list[Prompt], samples_per_prompt: int, seed: int) -> Batch:
-        """Rows prompt-major; each sample is seeded from ``seed``."""
-        (batch,) = self.generate_groups([(prompts, samples_per_prompt, seed)])
-        if isinstance(batch, ValueError):
-            raise batch
-        return batch
 
     def generate_groups(self, requests: Sequence[tuple[Sequence[Prompt], int, int]]) -> list[Batch | ValueError]:
         """One batch per ``(prompts, samples_per_prompt, seed)`` request, all
@@ -308,9 +283,6 @@ class SGLangGenerator(_SGLangEngine):
         params = [sampling_params(self.max_new_tokens, 0.0, 1.0, None) for _ in ids]
         outputs = self._generate([list(row) for row in ids], params)
         return decode_responses(self.tokenizer, batch_from_outputs(ids, outputs, 1, self.version))
-
-    def decode(self, batch: Batch) -> list[str]:
-        return decode_responses(self.tokenizer, batch)
 
 
 # -- log-probabilities of given responses ------------------------------------------------

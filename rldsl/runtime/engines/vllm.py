@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from rldsl.runtime.engines.serving import (
-    WeightSync,
+    ServingEngine,
+    ServingGeneration,
     bucket_items,
     encode_or_error,
     left_padded,
@@ -259,28 +260,19 @@ def _sampling_params(**options):
     return SamplingParams(**options)
 
 
-class _VLLMEngine:
+class _VLLMEngine(ServingEngine):
     """What generation and logprob engines share: the LLM, weight sync, sleep."""
 
+    NAME = "vLLM"
+
     def __init__(self, llm, tokenizer, options: VLLMOptions, make_sampling_params=None):
+        super().__init__(tokenizer)
         self.llm = llm
-        self.tokenizer = tokenizer
         self.options = options
         self._make_sampling_params = make_sampling_params or _sampling_params
-        self._sync = WeightSync()
-        self._asleep = False
-
-    @property
-    def version(self) -> int:
-        return self._sync.version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        self._sync.version = value
 
     def update_weights(self, bucket: Mapping[str, Any], version: int, last: bool) -> None:
-        if self._asleep:
-            raise RuntimeError("update_weights on a sleeping vLLM engine; wake it first")
+        self._require_awake("update_weights")
         self._sync.check_accepts(version)
         self.llm.collective_rpc(STAGE_WEIGHTS_RPC, args=(pack_bucket(bucket_items(bucket)),))
         if last:
@@ -288,44 +280,27 @@ class _VLLMEngine:
             self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self._sync.receive(version, last)
 
-    def sleep(self) -> None:
-        if self.options.sleep and not self._asleep:
-            self.llm.sleep(level=self.options.level)
-            self._asleep = True
+    def _sleeps(self) -> bool:
+        return self.options.sleep
 
-    def wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def _release_memory(self) -> None:
+        self.llm.sleep(level=self.options.level)
 
-    def _require_ready(self) -> None:
-        if self._asleep:
-            raise RuntimeError("the vLLM engine is asleep; call wake() first")
-        self._sync.require_consistent()
+    def _resume_memory(self) -> None:
+        self.llm.wake_up()
 
 
-class VLLMGenerator(_VLLMEngine):
+class VLLMGenerator(ServingGeneration, _VLLMEngine):
     """``protocols.GenerationEngine`` over vLLM."""
 
     def __init__(self, llm, tokenizer, options: VLLMOptions = VLLMOptions(), *, max_new_tokens: int = 64,
                  temperature: float = 1.0, top_p: float = 1.0, make_sampling_params=None):
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        self._set_sampling(max_new_tokens, temperature, top_p)
         super().__init__(llm, tokenizer, options, make_sampling_params)
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_p = top_p
 
     @classmethod
     def from_path(cls, model_path: str, options: VLLMOptions = VLLMOptions(), seed: int = 0, **sampling):
         return cls(create_llm(model_path, options, seed), load_tokenizer(model_path), options, **sampling)
-
-    def generate(self, prompts: list[Prompt], samples_per_prompt: int, seed: int) -> Batch:
-        """Rows prompt-major; each prompt's samples are seeded from ``seed``."""
-        (batch,) = self.generate_groups([(prompts, samples_per_prompt, seed)])
-        if isinstance(batch, ValueError):
-            raise batch
-        return batch
 
     def generate_groups(self, requests: Sequence[tuple[Sequence[Prompt], int, int]]) -> list[Batch | ValueError]:
         """One batch per ``(prompts, samples_per_prompt, seed)`` request, all
@@ -351,9 +326,6 @@ class VLLMGenerator(_VLLMEngine):
         params = self._make_sampling_params(**sampling_options(1, self.max_new_tokens, 0.0, 1.0, None))
         outputs = self.llm.generate([{"prompt_token_ids": row} for row in ids], params, use_tqdm=False)
         return decode_responses(self.tokenizer, batch_from_outputs(ids, outputs, 1, self.version))
-
-    def decode(self, batch: Batch) -> list[str]:
-        return decode_responses(self.tokenizer, batch)
 
 
 # -- log-probabilities of given responses ------------------------------------------------

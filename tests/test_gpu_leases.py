@@ -210,25 +210,13 @@ def test_a_failing_pipeline_gives_its_leases_back_and_the_others_finish():
     failing = sharing_pipeline("a", (0, 1), steps=50, generate_fail_prob=1.0)  # every generate call fails
     failing = SharingPipeline(RunSettings(**{**vars(failing.settings), "watchdog_timeout_s": 1.0}), failing.config)
 
+    book = LeaseScheduler([f"0:{gpu}" for gpu in range(4)], quantum_s=0.05)
+
     async def scenario():
-        from rldsl.runtime.control.leases import LeaseScheduler as Book
+        with pytest.raises(Exception, match="no progress"):
+            await run_sharing([failing, sharing_pipeline("b", (2, 3))], scheduler=book)
 
-        made = []
-        original = Book.__init__
-
-        def remember(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            made.append(self)
-
-        Book.__init__ = remember
-        try:
-            with pytest.raises(Exception, match="no progress"):
-                await run_sharing([failing, sharing_pipeline("b", (2, 3))], quantum_s=0.05)
-        finally:
-            Book.__init__ = original
-        return made[0]
-
-    book = asyncio.run(scenario())
+    asyncio.run(scenario())
     assert book.stats("b")["grants"] >= 4 and not book.holder_of  # b ran on; a's shrink to zero freed all
 
 

@@ -28,12 +28,15 @@ def _prompts():
     return (Prompt(i, f"question {i}", "answer") for i in itertools.count())
 
 
-async def run_sharing(pipelines: list[SharingPipeline], quantum_s: float = 0.5) -> tuple[dict[str, dict], GpuBoard]:
-    """Run every pipeline to its end; each summary carries its lease
-    figures under ``gpu_sharing``. The first failure is raised once all ended."""
-    gpus = {gpu for p in pipelines for gpu in p.settings.trainer_lease} | \
-        {gpu for p in pipelines for leased in p.settings.replica_leases for gpu in leased}
-    scheduler = LeaseScheduler(gpus, quantum_s=quantum_s)
+async def run_sharing(pipelines: list[SharingPipeline], quantum_s: float = 0.5,
+                      scheduler: LeaseScheduler | None = None) -> tuple[dict[str, dict], GpuBoard]:
+    """Run every pipeline to its end on ``scheduler`` (by default one over
+    every GPU they lease); each summary carries its lease figures under
+    ``gpu_sharing``. The first failure is raised once all ended."""
+    if scheduler is None:
+        gpus = {gpu for p in pipelines for gpu in p.settings.trainer_lease} | \
+            {gpu for p in pipelines for leased in p.settings.replica_leases for gpu in leased}
+        scheduler = LeaseScheduler(gpus, quantum_s=quantum_s)
     board = GpuBoard()
     controllers = []
     for pipe in pipelines:

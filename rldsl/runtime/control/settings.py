@@ -137,10 +137,6 @@ class RunSettings:
         return self.prompts_per_step * self.samples_per_prompt
 
     @property
-    def optimizer_steps_per_pass(self) -> int:
-        return -(-self.prompts_per_step // self.minibatch_groups)
-
-    @property
     def colocated(self) -> bool:
         """Some generator replica shares GPUs with the trainer: steps and
         that replica's generation take turns."""

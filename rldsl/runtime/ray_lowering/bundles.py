@@ -56,7 +56,6 @@ class Bundle:
     index: int  # the bundle index inside its placement group
     gpus: tuple[int, ...]
     residents: list[ActorSlot] = field(default_factory=list)
-    reserved_for: list[ActorSlot] = field(default_factory=list)  # the replica whose engine workers use it
 
     def resources(self, actor_cpus: float) -> dict[str, float]:
         cpus = actor_cpus * len(self.residents)  # a filler or an engine worker's bundle holds no actor, no CPU
@@ -164,7 +163,7 @@ def layout_bundles(slots: list[ActorSlot], actor_cpus: float, gpus_per_node: int
 
 def _spanning_group(slot: ActorSlot) -> SpanningGroup:
     gpus = slot.all_gpus()
-    bundles = [Bundle(node, i, (gpu,), reserved_for=[slot]) for i, (node, gpu) in enumerate(gpus)]
+    bundles = [Bundle(node, i, (gpu,)) for i, (node, gpu) in enumerate(gpus)]  # its engine's workers use them
     return SpanningGroup(slot, bundles + [Bundle(slot.node, len(gpus), (), residents=[slot])])
 
 

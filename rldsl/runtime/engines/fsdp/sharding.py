@@ -60,11 +60,6 @@ def build_mesh(process_group, shard: int, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (size // shard, shard), mesh_dim_names=MESH_DIMS)
 
 
-def mesh_shard_size(mesh: DeviceMesh) -> int:
-    """Ranks one parameter is split over (the shard dimension of a 2D mesh)."""
-    return mesh.size(mesh.ndim - 1)
-
-
 def shard_module(module: nn.Module, mesh: DeviceMesh, dtype: str) -> None:
     """``fully_shard`` every layer, then the root. bf16 computes in bf16 but
     keeps fp32 sharded parameters (the optimizer's master copy) and reduces

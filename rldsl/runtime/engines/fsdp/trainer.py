@@ -40,7 +40,6 @@ from rldsl.runtime.engines.fsdp.sharding import (
     build_mesh,
     drop_unreduced_grads,
     ensure_process_group,
-    mesh_shard_size,
     reshard_all,
     shard_module,
     training_device,
@@ -68,10 +67,6 @@ class FsdpTrainer(TorchTrainer):
         self.offload = offload
         self.offloaded = Offloaded()
         super().__init__(model, process_group=process_group, **options)
-
-    @property
-    def shard_size(self) -> int:
-        return mesh_shard_size(self.mesh)
 
     # -- the split-step protocol (reductions moved to the mini-batch boundary) ---
 

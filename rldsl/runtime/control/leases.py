@@ -104,6 +104,7 @@ class LeaseScheduler:
         self.pending: dict[tuple[str, str], _Request] = {}
         self.history: list[tuple[str, str, str, float, float]] = []  # (gpu, pipeline, holder, from, to)
         self._seq = 0
+        self._scheduled_at = float("-inf")
 
     def register(self, pipeline: str, weight: float = 1.0, priority: int = 0) -> None:
         if weight <= 0:
@@ -116,13 +117,16 @@ class LeaseScheduler:
         key = (pipeline, holder)
         if key in self.leases:
             return
-        request = self.pending.get(key) or self._request(pipeline, holder, gpus, kind)
-        while not request.granted.done():
+        request = self.pending.get(key)
+        if request is None:
+            request = self._request(pipeline, holder, gpus, kind)
             self.schedule()
-            try:  # re-evaluated each tick: fair shares move as leases are held
+        while not request.granted.done():
+            try:
                 await asyncio.wait_for(asyncio.shield(request.granted), self.tick_s)
-            except asyncio.TimeoutError:
-                continue
+            except asyncio.TimeoutError:  # fair shares move as leases are held: re-evaluated once a tick,
+                if self.clock() - self._scheduled_at >= self.tick_s:  # however many wait
+                    self.schedule()
         request.granted.result()  # raises when the request was withdrawn
 
     def release(self, pipeline: str, holder: str) -> None:
@@ -181,6 +185,7 @@ class LeaseScheduler:
 
     def schedule(self) -> None:
         """Grant what can be granted, in policy order; ask back what blocks."""
+        self._scheduled_at = self.clock()
         claimed: set[str] = set()
         for request in sorted(self.pending.values(), key=self._order):
             busy = [gpu for gpu in request.gpus if gpu in self.holder_of]

@@ -124,12 +124,12 @@ class SimStages:
         await self._put(keys, {self.config.logprob_fields.get(stage, p.FIELD_REF_LOGPROBS): values})
 
     async def begin_train_step(self, step: int) -> None:
-        self._require_sleepers_asleep("begin_train_step")
+        self._require_trainer_turn("begin_train_step")
         for trainer in self.trainers:
             trainer.begin_train_step(step)
 
     async def train_microbatch(self, step: int, keys: Sequence[str], replica: int = 0) -> dict[str, float]:
-        self._require_sleepers_asleep("train_microbatch")
+        self._require_trainer_turn("train_microbatch")
         if self._microbatch_running[replica]:
             raise SplitStepError(f"trainer replica {replica} got a microbatch while one is running")
         self._microbatch_running[replica] = True
@@ -142,12 +142,12 @@ class SimStages:
 
     async def optimizer_step(self, step: int) -> dict[str, float]:
         """A mini-batch boundary: every replica steps its optimizer; the step stays open."""
-        self._require_sleepers_asleep("optimizer_step")
+        self._require_trainer_turn("optimizer_step")
         results = await asyncio.gather(*(t.optimizer_step_async(step) for t in self.trainers))
         return results[0]
 
     async def finish_train_step(self, step: int) -> p.StepResult:
-        self._require_sleepers_asleep("finish_train_step")
+        self._require_trainer_turn("finish_train_step")
         results = await asyncio.gather(*(t.finish_train_step_async(step) for t in self.trainers))
         return results[0]
 
@@ -156,7 +156,7 @@ class SimStages:
             trainer.abort_train_step(step)
 
     async def export_weights(self, version: int) -> None:
-        self._require_sleepers_asleep("export_weights")
+        self._require_trainer_turn("export_weights")
         buckets = list(self.trainer.weight_buckets(self.settings.sync_bucket_bytes))
         self._host_cache = (version, buckets)
 
@@ -185,7 +185,8 @@ class SimStages:
             if self._host_cache and replica.engine.version < version:
                 replica.refresh(*self._host_cache[::-1])
 
-    def _require_sleepers_asleep(self, call: str) -> None:
+    def _require_trainer_turn(self, call: str) -> None:
+        """A trainer call runs only while the replicas on its GPUs sleep and it is resident."""
         awake = [i for i in self.settings.sleeping_replicas if i < len(self.replicas) and not self.generators[i].asleep]
         if awake:
             raise SplitStepError(f"{call} while generator replicas {awake} on the trainer's GPUs are awake")

@@ -11,13 +11,17 @@ import torch
 
 from rldsl.runtime.engines.torch.common import decode_responses, left_align
 from rldsl.runtime.protocols import (
+    FIELD_BEHAVIOUR_LOGPROBS,
     FIELD_PROMPT_IDS,
     FIELD_PROMPT_MASK,
     FIELD_RESPONSE_IDS,
     FIELD_RESPONSE_MASK,
+    FIELD_VERSION,
     Batch,
     Prompt,
 )
+
+TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the language's -> the engines'
 
 
 def prompt_token_ids(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
@@ -85,6 +89,30 @@ class WeightSync:
     def require_consistent(self) -> None:
         if self.pending is not None:
             raise RuntimeError(f"weight sync to version {self.pending} is in progress (last bucket not received)")
+
+
+def sampled_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                  logprobs: Sequence[Sequence[float]], version: int) -> Batch:
+    """One row per sample (its prompt's ids, its response and the log-probability
+    of each sampled token) -> a batch: prompts left-padded, responses and
+    behaviour logprobs right-padded (0 off the mask), the version on every row."""
+    prompt_tensor, prompt_mask = left_padded(prompts)
+    width = max([1] + [len(row) for row in responses])
+    response_ids = torch.zeros(len(responses), width, dtype=torch.long)
+    response_mask = torch.zeros(len(responses), width, dtype=torch.long)
+    behaviour = torch.zeros(len(responses), width, dtype=torch.float32)
+    for row, (tokens, values) in enumerate(zip(responses, logprobs)):
+        response_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        response_mask[row, : len(tokens)] = 1
+        behaviour[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return {
+        FIELD_PROMPT_IDS: prompt_tensor,
+        FIELD_PROMPT_MASK: prompt_mask,
+        FIELD_RESPONSE_IDS: response_ids,
+        FIELD_RESPONSE_MASK: response_mask,
+        FIELD_BEHAVIOUR_LOGPROBS: behaviour,
+        FIELD_VERSION: torch.full((len(responses),), version, dtype=torch.long),
+    }
 
 
 class ServingEngine:

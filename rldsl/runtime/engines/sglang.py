@@ -41,29 +41,24 @@ from typing import Any
 import torch
 
 from rldsl.runtime.engines.serving import (
+    TORCH_DTYPE_NAMES,
     ServingEngine,
     ServingGeneration,
     bucket_items,
     encode_or_error,
-    left_padded,
     load_tokenizer,
     prompt_token_ids,
     request_seeds,
+    sampled_batch,
     scoring_rows,
 )
 from rldsl.runtime.engines.torch.common import decode_responses
 from rldsl.runtime.protocols import (
-    FIELD_BEHAVIOUR_LOGPROBS,
-    FIELD_PROMPT_IDS,
-    FIELD_PROMPT_MASK,
     FIELD_RESPONSE_IDS,
-    FIELD_RESPONSE_MASK,
-    FIELD_VERSION,
     Batch,
     Prompt,
 )
 
-SGLANG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 INSTALL_HINT = "the sglang engine needs SGLang on a GPU machine: pip install 'sglang[all]' (see docs/engines.md)"
 
 
@@ -126,29 +121,7 @@ def batch_from_outputs(prompt_ids: Sequence[Sequence[int]], outputs: Sequence[Ma
                            f"{samples_per_prompt} samples")
     prompts = [list(ids) for ids in prompt_ids for _ in range(samples_per_prompt)]
     responses, logprobs = zip(*(sampled_tokens_and_logprobs(output) for output in outputs))
-    prompt_tensor, prompt_mask = left_padded(prompts)
-    response_ids, response_mask, behaviour = right_padded_responses(responses, logprobs)
-    return {
-        FIELD_PROMPT_IDS: prompt_tensor,
-        FIELD_PROMPT_MASK: prompt_mask,
-        FIELD_RESPONSE_IDS: response_ids,
-        FIELD_RESPONSE_MASK: response_mask,
-        FIELD_BEHAVIOUR_LOGPROBS: behaviour,
-        FIELD_VERSION: torch.full((len(prompts),), version, dtype=torch.long),
-    }
-
-
-def right_padded_responses(responses: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]]):
-    """Response ids, mask and float32 logprobs, right-padded (0 off the mask)."""
-    width = max([1] + [len(row) for row in responses])
-    ids = torch.zeros(len(responses), width, dtype=torch.long)
-    mask = torch.zeros(len(responses), width, dtype=torch.long)
-    values = torch.zeros(len(responses), width, dtype=torch.float32)
-    for row, (tokens, row_logprobs) in enumerate(zip(responses, logprobs)):
-        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        mask[row, : len(tokens)] = 1
-        values[row, : len(row_logprobs)] = torch.tensor(row_logprobs, dtype=torch.float32)
-    return ids, mask, values
+    return sampled_batch(prompts, responses, logprobs, version)
 
 
 # -- the engines -------------------------------------------------------------------------
@@ -177,7 +150,7 @@ class SGLangOptions:
             "skip_tokenizer_init": True,  # requests and outputs are token ids
             "tp_size": self.tp,
             "mem_fraction_static": self.gpu_memory,
-            "dtype": SGLANG_DTYPES[self.dtype],
+            "dtype": TORCH_DTYPE_NAMES[self.dtype],
             "random_seed": seed,
             "enable_memory_saver": self.level > 0,
             "log_level": "error",

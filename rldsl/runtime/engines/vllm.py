@@ -38,29 +38,24 @@ from typing import Any
 import torch
 
 from rldsl.runtime.engines.serving import (
+    TORCH_DTYPE_NAMES,
     ServingEngine,
     ServingGeneration,
     bucket_items,
     encode_or_error,
-    left_padded,
     load_tokenizer,
     prompt_token_ids,
     request_seeds,
+    sampled_batch,
     scoring_rows,
 )
 from rldsl.runtime.engines.torch.common import decode_responses
 from rldsl.runtime.protocols import (
-    FIELD_BEHAVIOUR_LOGPROBS,
-    FIELD_PROMPT_IDS,
-    FIELD_PROMPT_MASK,
     FIELD_RESPONSE_IDS,
-    FIELD_RESPONSE_MASK,
-    FIELD_VERSION,
     Batch,
     Prompt,
 )
 
-VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 STAGE_WEIGHTS_RPC = "rldsl_stage_weights"
 APPLY_WEIGHTS_RPC = "rldsl_apply_weights"
 INSTALL_HINT = "the vllm engine needs vLLM on a GPU machine: pip install 'rldsl[gpu]' (see docs/engines.md)"
@@ -102,23 +97,7 @@ def batch_from_outputs(prompt_ids: Sequence[Sequence[int]], outputs: Sequence[An
             prompts.append(list(ids))
             responses.append(list(completion.token_ids))
             logprobs.append(sampled_logprobs(completion))
-    prompt_tensor, prompt_mask = left_padded(prompts)
-    width = max([1] + [len(row) for row in responses])
-    response_ids = torch.zeros(len(responses), width, dtype=torch.long)
-    response_mask = torch.zeros(len(responses), width, dtype=torch.long)
-    behaviour = torch.zeros(len(responses), width, dtype=torch.float32)
-    for row, (tokens, values) in enumerate(zip(responses, logprobs)):
-        response_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        response_mask[row, : len(tokens)] = 1
-        behaviour[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
-    return {
-        FIELD_PROMPT_IDS: prompt_tensor,
-        FIELD_PROMPT_MASK: prompt_mask,
-        FIELD_RESPONSE_IDS: response_ids,
-        FIELD_RESPONSE_MASK: response_mask,
-        FIELD_BEHAVIOUR_LOGPROBS: behaviour,
-        FIELD_VERSION: torch.full((len(responses),), version, dtype=torch.long),
-    }
+    return sampled_batch(prompts, responses, logprobs, version)
 
 
 # -- weight sync ------------------------------------------------------------------------
@@ -207,7 +186,7 @@ class VLLMOptions:
             "pipeline_parallel_size": self.pp,
             "gpu_memory_utilization": self.gpu_memory,
             "enable_sleep_mode": bool(self.sleep),
-            "dtype": VLLM_DTYPES[self.dtype],
+            "dtype": TORCH_DTYPE_NAMES[self.dtype],
             "seed": seed,
             "logprobs_mode": "raw_logprobs",
             "worker_extension_cls": f"{__name__}.{VLLMWeightLoader.__name__}",

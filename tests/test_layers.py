@@ -91,6 +91,9 @@ def test_no_import_cycles():
     ("rldsl.runtime.engines", ("rldsl.runtime.control", "rldsl.runtime.ray_lowering", "rldsl.runtime.inprocess",
                                "rldsl.runtime.dataplane")),
     ("rldsl.runtime.inprocess", ("external:ray", "rldsl.runtime.ray_lowering")),
+    # the weight transport knows torch only: the lowering forms its groups and wires it to engines
+    ("rldsl.runtime.transport", ("external:ray", "rldsl.runtime.control", "rldsl.runtime.engines",
+                                 "rldsl.runtime.ray_lowering", "rldsl.runtime.dataplane", "rldsl.runtime.inprocess")),
     ("rldsl.runtime.protocols", ("rldsl.runtime.control", "rldsl.runtime.engines", "rldsl.runtime.ray_lowering",
                                  "rldsl.runtime.dataplane", "rldsl.runtime.inprocess")),
     # models and tasks never import engines

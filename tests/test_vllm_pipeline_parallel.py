@@ -152,7 +152,7 @@ def test_run_no_longer_refuses_a_replica_across_nodes(tmp_path, monkeypatch):
     pipe = compile_source(text.replace("/models/tiny", str(model)).replace("data/train.jsonl", str(data))).plan
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name))
-    monkeypatch.setattr(launch, "_has_cuda", lambda: True)  # as on a GPU machine with vLLM
+    monkeypatch.setattr(launch, "has_cuda", lambda: True)  # as on a GPU machine with vLLM
     launch.preflight(pipe.pipeline())
 
 

@@ -1,23 +1,37 @@
-"""Per-GPU memory estimates from parameter counts and placement.
+"""Per-GPU memory estimates of a placed program, and RLP506.
 
-Deliberately coarse (no activations, no fragmentation): the point is to
-catch a 7B trainer on a 24 GiB GPU before launch, not to predict the peak.
+Each placed stage's peak on one of its GPUs comes from
+rldsl.compiler.memory_model (per engine and phase, from the model's shape
+and the stage's microbatch); a GPU counts the largest peak among its
+stages that sleep plus every stage that cannot. A setting the estimate
+needs that did not resolve leaves that stage out (its parameter count) or
+its activations out (its token counts): the estimate stays a lower bound
+rather than a guess.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from rldsl.compiler.decls import Decl, Program
+from rldsl.compiler import memory_model as mm
+from rldsl.compiler.decls import Decl, Pipeline, Program
 from rldsl.compiler.diagnostics import ERROR, Diagnostic
 from rldsl.compiler.placement import Placement, StagePlacement
 from rldsl.compiler.schema import can_sleep
 from rldsl.compiler.units import format_bytes
 
-# Builtin models' parameter counts (kept in sync by a test against the model).
+# Builtin models' parameter counts (kept in sync by a test against the model) and shapes.
 BUILTIN_PARAMS = {"tiny-lm": 107_712}
+BUILTIN_SHAPES = {"tiny-lm": mm.ModelShape(hidden=64, layers=2, ffn=256, vocab=55, kv=64, tied=True, context=64)}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Prompt tokens assumed in a row when no generator's `max_model_len` bounds
+# prompt + response (the language has no prompt length).
+PROMPT_TOKENS = 1024
+# What reading a config.json written by anyone can raise: the estimate then
+# falls back (parameter count unknown, reference shape).
+_CONFIG_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError)
 
 
 @dataclass(frozen=True)
@@ -25,8 +39,9 @@ class GpuMemory:
     gpu: int
     used: float  # bytes
     capacity: float | None
-    by_stage: tuple[tuple[str, float], ...]  # (pipeline/stage, bytes)
-    shared_by_sleep: bool  # residents take turns, so the max counts, not the sum
+    by_stage: tuple[tuple[str, float], ...]  # (pipeline/stage, peak bytes)
+    shared_by_sleep: bool  # several residents, some taking turns
+    details: tuple[mm.StageMemory, ...] = ()  # per entry of by_stage
 
 
 def model_params(model: Decl, base_dir: Path) -> int | None:
@@ -35,72 +50,128 @@ def model_params(model: Decl, base_dir: Path) -> int | None:
     source: str = model["source"]
     if source.startswith("builtin:"):
         return BUILTIN_PARAMS.get(source.removeprefix("builtin:"))
-    path = Path(source.removeprefix("hf:"))
-    config = (path if path.is_absolute() else base_dir / path) / "config.json"
-    import json
-
     try:
-        return _params_from_hf_config(json.loads(config.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+        return _params_from_hf_config(_hf_config(model, base_dir))
+    except _CONFIG_ERRORS:
         return None
 
 
+def model_shape(model: Decl, base_dir: Path, params: float) -> mm.ModelShape:
+    """The builtin model's own shape, an `hf:` model's config.json, else the
+    reference shape nearest in parameter count."""
+    name = model["source"].removeprefix("builtin:")
+    if name in BUILTIN_SHAPES and params == BUILTIN_PARAMS.get(name):
+        return BUILTIN_SHAPES[name]
+    try:
+        return mm.shape_from_hf_config(_hf_config(model, base_dir))
+    except _CONFIG_ERRORS:
+        return mm.nearest_shape(params)
+
+
+def _hf_config(model: Decl, base_dir: Path) -> dict:
+    source: str = model["source"]
+    if not source.startswith("hf:"):
+        raise ValueError("not a Hugging Face model")
+    path = Path(source.removeprefix("hf:"))
+    return json.loads(((path if path.is_absolute() else base_dir / path) / "config.json").read_text())
+
+
 def _params_from_hf_config(cfg: dict) -> int:
-    hidden, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    inter = cfg.get("intermediate_size", 4 * hidden)
-    heads = cfg.get("num_attention_heads", 1)
-    kv = cfg.get("num_key_value_heads", heads)
-    attn = hidden * hidden * 2 + 2 * hidden * (hidden * kv // heads)
-    embeddings = vocab * hidden * (1 if cfg.get("tie_word_embeddings", False) else 2)
-    return embeddings + layers * (attn + 3 * hidden * inter)
-
-
-def stage_bytes_per_gpu(stage: Decl, model: Decl, sp: StagePlacement, params: int,
-                        gpu_capacity: float | None) -> float:
-    engine = stage["engine"]
-    dtype = model.get("dtype") or engine.args.get("dtype", "fp32")  # the model's dtype wins over the engine's
-    shard = max(1, sp.tp * sp.pp)
-    weights = params * _DTYPE_BYTES[dtype] / shard
-    if stage.stage_kind == "train" and engine.name == "fsdp":
-        return fsdp_trainer_bytes(params, engine.args.get("shard") or sp.dp, _DTYPE_BYTES[dtype])
-    if stage.stage_kind == "train":
-        grads = params * 4 / shard  # fp32 main grads
-        optimizer = params * (12 if dtype != "fp32" else 8) / shard  # (master +) AdamW m and v
-        if engine.args.get("distributed_optimizer"):
-            optimizer /= max(1, sp.dp)
-        return weights + grads + optimizer
-    if engine.name in ("vllm", "sglang") and gpu_capacity:  # both reserve a share of each GPU up front
-        return max(weights, engine.args["gpu_memory"] * gpu_capacity)
-    return weights
-
-
-def fsdp_trainer_bytes(params: int, shard_group: int, dtype_bytes: int) -> float:
-    """An fsdp trainer rank: fp32 parameter shards (the master copy, whatever
-    the compute dtype) and AdamW m and v, divided by the ranks a copy is
-    sharded over; plus, during a step, the parameters gathered in the
-    compute dtype and one full fp32 gradient (a mini-batch's microbatches
-    run without collectives, so both stay whole until it ends)."""
-    return params * (4 + 8) / max(1, shard_group) + params * (dtype_bytes + 4)
+    """Every parameter, each expert of a mixture-of-experts layer included."""
+    shape, text = mm.shape_from_hf_config(cfg), cfg.get("text_config", cfg)
+    layer = shape.layer_params
+    if text.get("num_experts") and text.get("moe_intermediate_size"):
+        experts = int(text["moe_intermediate_size"]) * int(text["num_experts"])
+        layer += 3 * shape.hidden * (experts - shape.ffn)
+    return shape.embedding_params + shape.layers * layer
 
 
 def estimate(program: Program, placement: Placement, base_dir: Path) -> list[GpuMemory]:
     capacity = program.cluster.get("gpu_memory")
-    per_stage: dict[tuple[str, str], float] = {}
+    per_stage = stage_estimates(program, placement, base_dir)
+    out = []
+    for gpu, residents in sorted(placement.residents().items()):
+        here = [(f"{sp.pipeline}/{sp.stage}", per_stage[(sp.pipeline, sp.stage)]) for sp in residents
+                if (sp.pipeline, sp.stage) in per_stage]
+        awake_alone = max((m.total - m.asleep for _, m in here), default=0.0)
+        used = sum(m.asleep for _, m in here) + awake_alone
+        out.append(GpuMemory(gpu, used, capacity, tuple((name, m.total) for name, m in here),
+                             len(residents) > 1 and any(m.sleeps for _, m in here), tuple(m for _, m in here)))
+    return out
+
+
+def stage_estimates(program: Program, placement: Placement, base_dir: Path) -> dict[tuple[str, str], mm.StageMemory]:
+    """(pipeline, stage) -> its peak on one of its GPUs, for every placed
+    stage whose model and engine resolved (sim engines hold no model)."""
+    capacity = program.cluster.get("gpu_memory")
+    out = {}
     for pipe in program.pipelines:
         for sp in (s for s in placement.stages.values() if s.pipeline == pipe.name and s.gpus):
             stage = pipe.stages[sp.stage]
             model = _model(pipe, stage)
-            params = model_params(model, base_dir) if model and stage["engine"].name != "sim" else None
-            if params is not None:  # sim engines hold no model
-                per_stage[(sp.pipeline, sp.stage)] = stage_bytes_per_gpu(stage, model, sp, params, capacity)
-    out = []
-    for gpu, residents in sorted(placement.residents().items()):
-        sizes = [(f"{sp.pipeline}/{sp.stage}", per_stage[(sp.pipeline, sp.stage)]) for sp in residents
-                 if (sp.pipeline, sp.stage) in per_stage]
-        sleepers = all(can_sleep(_decl(program, sp)["engine"]) for sp in residents)
-        used = max((b for _, b in sizes), default=0.0) if sleepers else sum(b for _, b in sizes)
-        out.append(GpuMemory(gpu, used, capacity, tuple(sizes), sleepers and len(residents) > 1))
+            if model is None or not stage.valid("engine") or stage["engine"].name == "sim":
+                continue
+            params = model_params(model, base_dir)
+            if params is not None:
+                out[(sp.pipeline, sp.stage)] = _stage_memory(pipe, stage, sp, model, params, base_dir, capacity)
     return out
+
+
+def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, params: int, base_dir: Path,
+                  capacity: float | None) -> mm.StageMemory:
+    engine, kind = stage["engine"], stage.stage_kind
+    c = _DTYPE_BYTES[model.get("dtype") or engine.args.get("dtype", "fp32")]  # the model's dtype wins
+    shape = model_shape(model, base_dir, params)
+    sleeps = can_sleep(engine)
+    if engine.name in ("vllm", "sglang"):
+        return mm.reserving_generator(params, c, sp.tp * sp.pp, engine.args["gpu_memory"], capacity, sleeps)
+    if kind == "generate":
+        rows = stage["samples_per_prompt"] * max(1, stage.get("concurrency", 0)) \
+            if stage.valid("samples_per_prompt", "concurrency") else None
+        return mm.torch_generator(params, shape, c, rows, _row_tokens(pipe, shape), sleeps)
+    if kind == "logprob":
+        rows = stage["micro_batch"] if stage.valid("micro_batch") else None
+        row = _row_tokens(pipe, shape)
+        return mm.logprob_stage(params, shape, c, sp.tp * sp.pp, rows * row if rows and row else None, sleeps)
+    tokens, bucket = _train_tokens(pipe, stage, shape), _sync_bucket(pipe, stage)
+    if engine.name == "fsdp":
+        return mm.fsdp_trainer(params, shape, c, engine.args.get("shard") or sp.dp, tokens, bucket, sleeps)
+    if engine.name == "megatron":
+        return mm.megatron_trainer(params, shape, c, sp.tp, sp.pp, sp.dp,
+                                   bool(engine.args.get("distributed_optimizer")), tokens, bucket, sleeps)
+    return mm.torch_trainer(params, shape, c, tokens, bucket, sleeps)
+
+
+def _generators(pipe: Pipeline) -> list[Decl]:
+    return [g for g in pipe.stages_of("generate") if g.valid("engine", "max_new_tokens", "samples_per_prompt")]
+
+
+def _row_tokens(pipe: Pipeline, shape: mm.ModelShape) -> int | None:
+    """The longest row a generator of the pipeline writes: its engine's
+    `max_model_len` (prompt + response), else `max_new_tokens` plus
+    PROMPT_TOKENS; never past the model's context."""
+    rows = [g["engine"].args.get("max_model_len") or g["max_new_tokens"] + PROMPT_TOKENS for g in _generators(pipe)]
+    if not rows:
+        return None
+    return min(max(rows), shape.context) if shape.context else max(rows)
+
+
+def _train_tokens(pipe: Pipeline, train: Decl, shape: mm.ModelShape) -> int | None:
+    """Tokens in one forward on one rank: `micro_batch_tokens`, else
+    `micro_batch` rows (default one group) of the longest row."""
+    if not train.valid("micro_batch", "micro_batch_tokens"):
+        return None
+    if train.get("micro_batch_tokens"):
+        return train["micro_batch_tokens"]
+    groups = [g["samples_per_prompt"] for g in _generators(pipe)]
+    rows, row = train.get("micro_batch") or max(groups, default=0), _row_tokens(pipe, shape)
+    return rows * row if rows and row else None
+
+
+def _sync_bucket(pipe: Pipeline, train: Decl) -> float:
+    """The largest bucket a sync from this stage exports in (0: no sync)."""
+    syncs = [s for s in pipe.stages_of("sync") if s.valid("from", "bucket") and s["from"].name == train.name]
+    return max((s["bucket"] for s in syncs), default=0.0)
 
 
 def _model(pipe, stage: Decl) -> Decl | None:
@@ -108,10 +179,6 @@ def _model(pipe, stage: Decl) -> Decl | None:
     ref = stage.get("model") if stage.valid("model") else None
     model = pipe.models.get(ref.name) if ref else None
     return model if model is not None and model.valid("source", "params", "dtype") else None
-
-
-def _decl(program: Program, sp: StagePlacement) -> Decl:
-    return program.pipeline(sp.pipeline).stages[sp.stage]
 
 
 def check_memory(program: Program, placement: Placement, base_dir: Path) -> list[Diagnostic]:
@@ -129,15 +196,26 @@ def check_memory(program: Program, placement: Placement, base_dir: Path) -> list
         reported.add(biggest)
         pipeline, stage = biggest.split("/")
         decl = program.pipeline(pipeline).stages[stage]
-        parts = ", ".join(f"{name if program.multi else name.split('/')[1]} {format_bytes(b)}"
-                          for name, b in mem.by_stage)
-        how = "" if len(mem.by_stage) == 1 else "the largest of " if mem.shared_by_sleep else "the sum of "
         out.append(Diagnostic(
             "RLP506", ERROR, f"GPU {mem.gpu} needs about {format_bytes(mem.used)}, more than its "
             f"{format_bytes(capacity)}", decl.name_span,
-            notes=(f"estimate: {how}{parts}",),
-            help=_memory_help(decl)))
+            notes=_memory_notes(program, mem), help=_memory_help(decl)))
     return out
+
+
+def _memory_notes(program: Program, mem: GpuMemory) -> tuple[str, ...]:
+    """One line per stage on the GPU (its peak phase, split by what holds
+    the bytes), then how the stages add up."""
+    notes = []
+    for (name, _), detail in zip(mem.by_stage, mem.details):
+        parts = " + ".join(f"{what} {format_bytes(b)}" for what, b in detail.parts)
+        notes.append(f"{name if program.multi else name.split('/')[1]} ({detail.phase}): {parts}")
+    if len(mem.details) > 1:
+        sleeping = sum(d.sleeps for d in mem.details)
+        notes.append("they sleep in turn: the GPU counts the largest" if sleeping == len(mem.details) else
+                     "none of them sleeps: they add up" if not sleeping else
+                     "the GPU counts the largest of those that sleep plus every one that cannot")
+    return tuple(notes)
 
 
 def _memory_help(stage: Decl) -> str:
@@ -148,4 +226,6 @@ def _memory_help(stage: Decl) -> str:
         return "shard it with `engine = fsdp` over more GPUs, offload, or use a larger GPU"
     if engine == "megatron":
         return "shard it wider (more GPUs, tp/pp), enable the distributed optimizer or offload, or use a larger GPU"
+    if stage.stage_kind == "train":
+        return "shard it wider (more GPUs, tp/pp), cut `micro_batch_tokens`, offload, or use a larger GPU"
     return "shard it wider (more GPUs, tp/pp), offload, or use a larger GPU"

@@ -30,6 +30,7 @@ def render_plan(result: CompileResult) -> str:
            + (f" ({plan.cluster.gpu_type})" if plan.cluster.gpu_type else "")
            + (f", {format_bytes(plan.cluster.gpu_memory_bytes)} each" if plan.cluster.gpu_memory_bytes else ""), ""]
     out += _gpu_map(plan, result)
+    out += _stage_memory(result, len(plan.pipelines) > 1)
     out += _sharing(plan)
     for pipe in plan.pipelines:
         out += ["", f"pipeline {pipe.name}"]
@@ -67,6 +68,23 @@ def _gpu_map(plan: ExecutionPlan, result: CompileResult) -> list[str]:
     evaluators = [f"{p.name + '/' if many else ''}evaluator" for p in plan.pipelines if p.evaluates]
     out.append(f"  cpu: {', '.join(cpu + evaluators + ['controller' + ('s' if many else '')])}")
     return out
+
+
+def _stage_memory(result: CompileResult, many: bool) -> list[str]:
+    """Each stage's peak on one of its GPUs, the phase that sets it and what
+    holds the bytes (rldsl.compiler.memory_model)."""
+    seen: dict[str, object] = {}
+    for mem in result.memory:
+        for (name, _), detail in zip(mem.by_stage, mem.details):
+            seen.setdefault(name if many else name.split("/")[1], detail)
+    if not seen:
+        return []
+    width = max(len(name) for name in seen)
+    return ["", "memory per GPU (peak phase: parts):"] + [
+        f"  {name:<{width}}  {d.phase} {format_bytes(d.total)}: "
+        + ", ".join(f"{what} {format_bytes(b)}" for what, b in d.parts)
+        + ("" if d.sleeps else ", kept while another stage runs")
+        for name, d in seen.items()]
 
 
 def _sharing(plan: ExecutionPlan) -> list[str]:

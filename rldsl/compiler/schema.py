@@ -178,6 +178,10 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
         "from": Key(RefTo(("stage",)), REQUIRED, "the train stage whose weights are sent"),
         "to": Key(ListOf(RefTo(("stage",))), REQUIRED, "the generate (or policy logprob) stages receiving them"),
         "bucket": Key(SIZE, 256 * 2**20, "bytes per transfer bucket"),
+        "transport": Key(Enum(("auto", "collective", "object_store")), "auto",
+                         "how weights travel: rank to rank in a process group of their own (`collective`), "
+                         "through Ray's object store, or `auto` (collective where the receivers allow it and "
+                         "the GPUs are real)"),
     },
 }
 

@@ -246,13 +246,22 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "rollout gpus = 0..3 with vllm(tp = 2); actor gpus = 1..2",
        "the placement of both stages and the generate stage's replicas."),
     _r("RLP506", ERROR, "estimated memory above GPU memory",
-       "With `gpu_memory` declared, the plan estimates each GPU's memory: training weights + gradients + "
-       "AdamW state (18 bytes per parameter in bf16, 16 in fp32, / (tp x pp); `fsdp`: 12 bytes / its shard group plus "
-       "the gathered weights and a full fp32 gradient), other weights (their dtype's "
-       "bytes per parameter), vLLM's reserved share; sim engines count nothing. Colocated stages that sleep count as their maximum, others as their sum.",
+       "With `gpu_memory` declared, the plan estimates each stage's peak on one of its GPUs, per engine and "
+       "phase (docs/performance.md#memory-model): an `fsdp` trainer holds fp32 master, gradient and AdamW "
+       "shards (16 bytes per parameter / its shard group), two gathered layers and the embedding and head in "
+       "the compute dtype, and a microbatch's checkpointed activations and fp32 logits, or during a weight "
+       "sync two of its buckets; `megatron` holds weights and fp32 gradients / (tp x pp) and AdamW state also "
+       "/ dp with the distributed optimizer, activations / tp; `torch` holds all of it unsharded with every "
+       "layer's activations; vLLM and SGLang reserve their share; sim engines count nothing. A GPU counts "
+       "the largest peak of its stages that sleep plus every stage that cannot. The notes split each "
+       "stage's peak into params, gathered layers, grads, optimizer, activations and buckets.",
        "cluster { gpu_memory = 24GiB }   # training a 7B model on one GPU",
        "the cluster's `gpu_memory`, the placement of each GPU's stages, their engines and their models' "
-       "`source`, `params` and `dtype`; a stage left unplaced is left out."),
+       "`source`, `params` and `dtype` (an `hf:` model's config.json for its shape); a trainer's "
+       "`micro_batch` and `micro_batch_tokens`, a logprob stage's `micro_batch`, the generators' "
+       "`samples_per_prompt`, `max_new_tokens` and `max_model_len` and the bucket of a sync from the trainer "
+       "for its activations and buckets; a stage left unplaced is left out, activations whose token count "
+       "did not resolve are."),
     _r("RLP507", ERROR, "invalid placement groups",
        "`placement { groups, ratios }` splits the cluster's GPUs: one ratio per group, ratios summing to 100%, "
        "each share a whole, non-zero number of GPUs (every group's share is checked), each stage in at most one "
@@ -276,7 +285,15 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "the groups (hybrid sharding), so S must divide the trainer's data-parallel size; `shard = 0` shards "
        "over all of them.",
        "engine = fsdp(shard = 3)   # on 2 GPUs",
-       "the train stage's `engine` and its data-parallel size (as RLP302 reads it)."),]}
+       "the train stage's `engine` and its data-parallel size (as RLP302 reads it)."),
+    _r("RLP511", ERROR, "`transport = collective` where a receiver cannot take part",
+       "A collective sync streams each new version rank to rank to every receiver at once, in a process group "
+       "of their own: the trainer's engine must stream buckets (torch, fsdp, megatron, sim), and every receiver "
+       "must be a generate stage on the torch (or sim) engine that is awake whenever a version is ready, so not "
+       "on the trainer's GPUs. vLLM and SGLang receivers take weights through the object store. "
+       "`transport = auto` uses the collective only where it can.",
+       "stage sync weights { from = actor  to = rollout  transport = collective }   # rollout: engine = vllm",
+       "the sync's `transport`, `from` and `to`, the stages' engines and kinds, and their placement."),]}
 
 
 DEPENDENCIES = """\
@@ -311,7 +328,7 @@ So the rule families depend on each other only through these inputs:
 | declarations | RLP101-RLP107 | the syntax tree |
 | engines | RLP108 | each stage's engine |
 | dataflow | RLP201-RLP204, RLP207, RLP208 | the flows and the declarations |
-| weights | RLP205, RLP206, RLP209 | syncs, models, and the flows for RLP209 |
+| weights | RLP205, RLP206, RLP209, RLP511 | syncs, models, and the flows for RLP209; RLP511 the placement |
 | batch sizes | RLP301-RLP303, RLP510 | trainer and generator sizes; RLP302 and RLP510 the trainer's GPU count |
 | training | RLP307-RLP312 | the trainer's loss, sampling and schedule keys, the run length, the datasets |
 | buffer | RLP304-RLP306 | the trainer's prompts_per_step, staleness and buffer |

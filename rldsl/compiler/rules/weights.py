@@ -137,3 +137,47 @@ def check_trained_generation(ctx: Context) -> list[Diagnostic]:
 
 
 PASSES = (check_sync, check_missing_syncs, check_trained_generation)
+
+# The engines that stream weights rank to rank (rldsl.runtime.ray_lowering.weight_group keeps the same lists).
+COLLECTIVE_TRAINERS = ("torch", "fsdp", "megatron", "sim")
+COLLECTIVE_RECEIVERS = ("torch", "sim")
+
+
+def check_transport(ctx: Context) -> list[Diagnostic]:
+    """RLP511: `transport = collective` only where every receiver can take
+    part in a collective whenever a version is ready."""
+    out = []
+    for sync in ctx.pipe.stages_of("sync"):
+        if not sync.valid("transport", "from", "to") or sync.get("transport") != "collective":
+            continue
+        blocker = _collective_blocker(ctx, sync)
+        if blocker:
+            out.append(Diagnostic(
+                "RLP511", ERROR, f"sync {ctx.label(sync.name)} asks for `transport = collective`, but {blocker}",
+                sync.span_of("transport"),
+                notes=("a collective push streams each version to every receiver at once; a receiver must be a "
+                       "generate stage on an engine that applies a stream between two batches, and awake",),
+                help="use `transport = auto`, which goes rank to rank only where it can, or `object_store`"))
+    return out
+
+
+def _collective_blocker(ctx: Context, sync: Decl) -> str | None:
+    source = ctx.pipe.stages[sync["from"].name]
+    if source.valid("engine") and source["engine"].name not in COLLECTIVE_TRAINERS:
+        return f"trainer `{source.name}` uses engine `{source['engine'].name}`, which does not stream buckets"
+    trainer_gpus = _gpus(ctx, source.name)
+    for ref in sync["to"]:
+        target = ctx.pipe.stages[ref.name]
+        if target.stage_kind != "generate":
+            return f"`{target.name}` is a {target.stage_kind} stage, which takes weights only between its calls"
+        if target.valid("engine") and target["engine"].name not in COLLECTIVE_RECEIVERS:
+            return f"`{target.name}` uses engine `{target['engine'].name}`, which takes weights only through the " \
+                   "object store"
+        if trainer_gpus & _gpus(ctx, target.name):
+            return f"`{target.name}` shares GPUs with the trainer, so it sleeps while the trainer runs"
+    return None
+
+
+def _gpus(ctx: Context, stage: str) -> set[int]:
+    placed = ctx.placement.stages.get((ctx.pipe.name, stage)) if ctx.placement else None
+    return set(placed.gpus) if placed else set()

@@ -283,3 +283,12 @@ def _check_authentication(host_port: str, address: str, timeout_s: float) -> Non
             raise ClusterError(
                 f"the Ray cluster at {address!r} refused the authentication token found here (RAY_AUTH_TOKEN, "
                 "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token): use that cluster's token") from None
+
+
+def has_cuda() -> bool:
+    """Whether this process sees a CUDA GPU (False without torch)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()

@@ -22,7 +22,7 @@ from rldsl.runtime.control.settings import RunSettings
 class ControllerActor:
     def __init__(self, settings: RunSettings, pipe: PipelinePlan, workers: dict, specs: dict, dataplane_spec: dict,
                  checkpoint: dict | None = None, resume: dict | None = None, observers: list | None = None,
-                 scheduler=None):
+                 scheduler=None, transport: dict | None = None):
         from rldsl.runtime.dataplane import connect_dataplane
         from rldsl.runtime.ray_lowering.checkpoint import expand_indices
         from rldsl.runtime.ray_lowering.stage_handles import HostBucketCache, ray_stage_handles, reward_calls_per_worker
@@ -40,9 +40,11 @@ class ControllerActor:
         self.supervisor = Supervisor(specs, workers)  # replaces dead generator, reward and logprob actors
         self.observers = list(observers or [])  # the evaluator; replaced in place (adopt_observer)
         self.cache = HostBucketCache()
+        self.transport = transport or {"transport": "object_store", "why": "not chosen"}
+        self.collective = _collective_sync(pipe, self.transport)
         self.handles = ray_stage_handles(self.supervisor, kinds, receiver_stages, settings.sync_bucket_bytes,
                                          train.name, replicas, self.observers, tracer=self.tracers[1],
-                                         cache=self.cache,
+                                         cache=self.cache, collective=self.collective,
                                          reward_calls={s.name: reward_calls_per_worker(s) for s in pipe.stages
                                                        if s.kind == "reward"})
         self.dataplane = _TracedDataPlane(connect_dataplane(dataplane_spec), self.tracers[0])
@@ -68,6 +70,19 @@ class ControllerActor:
 
     def ready(self) -> bool:
         return True
+
+    async def settle_transport(self) -> dict:
+        """How weights will travel, decided now that the trainer runs (an
+        open `auto` asks it whether it sees CUDA)."""
+        from rldsl.runtime.ray_lowering.weight_group import COLLECTIVE, settle
+
+        if self.collective is not None:
+            sees_cuda = await self.supervisor.call(self.pipe.batch.train_stage, 0, "sees_cuda")
+            self.transport = settle(self.transport, sees_cuda)
+            self.collective.enabled = self.transport["transport"] == COLLECTIVE
+            if not self.collective.enabled:
+                self.collective = None
+        return self.transport
 
     def adopt_observer(self, actor) -> int | None:
         """A replacement evaluator: it gets every later push, and the newest
@@ -97,7 +112,18 @@ class ControllerActor:
         summary = self.controller.summary()
         summary["steps"] += self.step_offset
         summary["recoveries"] = [vars(r) for r in self.supervisor.recoveries]
+        summary["weight_transport"] = self._transport_figures()
         return summary
+
+    def _transport_figures(self) -> dict:
+        """How weights travelled: the transport, why, and for a collective
+        one its failed pushes (each fell back to the object store) and the
+        last push's buckets, bytes, seconds and the most payload held."""
+        figures = {"transport": self.transport["transport"], "why": self.transport["why"]}
+        if self.collective is not None and self.collective.enabled:
+            figures.update(failed_pushes=self.collective.failures, lost_receivers=len(self.collective.lost),
+                           last_push=self.collective.last_stats)
+        return figures
 
     def request_stop(self) -> None:
         """Ctrl-C: finish the trainer call in flight, abort an open step, return."""
@@ -180,6 +206,20 @@ class TrainedPrompts:
         while self.below in self.above:
             self.above.discard(self.below)
             self.below += 1
+
+
+def _collective_sync(pipe: PipelinePlan, transport: dict):
+    """The pipeline's weight group, when its sync goes rank to rank."""
+    from rldsl.runtime.ray_lowering.weight_group import OBJECT_STORE, CollectiveSync
+
+    if transport["transport"] == OBJECT_STORE:
+        return None
+    members = [(s.name, rank.index) for s in pipe.stages if s.kind == "generate" and s.name in pipe.weight_receivers()
+               for rank in s.ranks]
+    import uuid
+
+    # a restarted run's controller meets in the same store directory: its groups get names of their own
+    return CollectiveSync(f"{transport['group']}-{uuid.uuid4().hex[:8]}", members, transport.get("store_dir"))
 
 
 def _replicas(stage) -> list[list[int]]:

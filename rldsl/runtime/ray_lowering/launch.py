@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rldsl.plan import ExecutionPlan, PipelinePlan
 from rldsl.runtime.control.settings import settings_from_plan
+from rldsl.runtime.ray_lowering.cluster import has_cuda
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED = 0, 2, 3
 
@@ -37,10 +38,10 @@ def preflight(pipe: PipelinePlan) -> None:
         engine = stage.engine.name if stage.engine else None
         if engine in ("vllm", "sglang", "megatron"):
             module = {"vllm": "vllm", "sglang": "sglang"}.get(engine, "megatron.core")
-            if importlib.util.find_spec(module.split(".")[0]) is None or not _has_cuda():
+            if importlib.util.find_spec(module.split(".")[0]) is None or not has_cuda():
                 raise PreflightError(
                     f"stage `{stage.name}` uses engine `{engine}`, which needs a CUDA GPU and {module}; "
-                    "this machine has " + ("no CUDA GPU" if not _has_cuda() else f"no {module}")
+                    "this machine has " + ("no CUDA GPU" if not has_cuda() else f"no {module}")
                     + ". Install the GPU extras (pip install 'rldsl[run,gpu]', docs/engines.md) on a GPU machine, "
                     "or use `engine = torch` / `sim(...)` here")
         if stage.kind == "reward":
@@ -82,14 +83,6 @@ def with_run_lengths(plan: ExecutionPlan, steps: int | None) -> ExecutionPlan:
     return replace(plan, pipelines=pipes)
 
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
 def check_shared_gpus(plan: ExecutionPlan) -> None:
     """Pipelines take turns on shared GPUs through leases held by generator
     replicas and train steps; a logprob stage on a shared GPU has no lease."""
@@ -106,6 +99,18 @@ def check_shared_gpus(plan: ExecutionPlan) -> None:
                     "pipeline's trainer on GPUs no other pipeline uses")
 
 
+def check_transports(plan: ExecutionPlan) -> None:
+    """`transport = collective` where a receiver sleeps on GPUs leased from
+    another pipeline (the compiler's RLP511 sees only this pipeline's GPUs)."""
+    from rldsl.runtime.ray_lowering.weight_group import choose_transport, receivers_sleep
+
+    for pipe in plan.pipelines:
+        try:
+            choose_transport(pipe, receivers_sleep(settings_from_plan(pipe, shared_gpus=plan.shared_gpus_of(pipe.name))))
+        except ValueError as err:
+            raise PreflightError(f"pipeline `{pipe.name}`: {err}") from None
+
+
 def run_plan(plan: ExecutionPlan, args) -> int:
     from rldsl.runtime.control.controller import PipelineStalled, StepFailed
     from rldsl.runtime.control.errors import TrainerLost
@@ -119,6 +124,7 @@ def run_plan(plan: ExecutionPlan, args) -> int:
         for pipe in plan.pipelines if not dry_run else ():  # a dry run starts no engine
             preflight(pipe)
         check_shared_gpus(plan)
+        check_transports(plan)
         written, plan = plan, with_run_lengths(plan, args.steps)  # the run directory keeps the plan as given
     except PreflightError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -100,7 +100,7 @@ class PipelineDriver:
                 self.specs[stage.name].append(ActorSpec(stage.name, stage.kind, rank.index, classes[stage.kind],
                                                         tuple(args), options, _replaceable(stage)))
         self._create_evaluator()
-        self._create_controller(spec)
+        self._create_controller(spec, self._weight_transport(reservation))
 
     def _generator_concurrency(self) -> int:
         replicas = sum(len(s.ranks) for s in self.pipe.stages if s.kind == "generate")
@@ -176,7 +176,15 @@ class PipelineDriver:
         done_before = self.resume["steps_done"] if self.resume else 0
         return replace(self.settings, steps=self.settings.steps - done_before)
 
-    def _create_controller(self, dataplane_spec: dict) -> None:
+    def _weight_transport(self, reservation) -> dict:
+        """How the sync moves weights (weight_group.py); the controller settles an open `auto`."""
+        from rldsl.runtime.ray_lowering.weight_group import choose_transport, receivers_sleep
+
+        transport, why = choose_transport(self.pipe, receivers_sleep(self.settings))
+        return {"transport": transport, "why": why, "group": f"{self.prefix}weights",
+                "store_dir": reservation.store_dir}
+
+    def _create_controller(self, dataplane_spec: dict, transport: dict | None = None) -> None:
         """The controller actor, started with the stage actors so that its
         process comes up (imports, data-plane client) in parallel with theirs."""
         import ray
@@ -188,7 +196,7 @@ class PipelineDriver:
         self.controller = ray.remote(ControllerActor).options(
             num_cpus=ACTOR_NUM_CPUS, name=f"{self.prefix}controller").remote(
             self._remaining_settings(), self.pipe, self.handles, self.specs, dataplane_spec, self.checkpoint,
-            self.resume_info(), self._observers(), self.scheduler)
+            self.resume_info(), self._observers(), self.scheduler, transport)
 
     def begin(self, live: bool = True) -> bool:
         """Start the controller's loop; False when the resumed run has nothing left to do."""
@@ -196,12 +204,20 @@ class PipelineDriver:
             done_before = self.resume["steps_done"] if self.resume else 0
             self.say(f"nothing to do: {done_before} of {self.settings.steps} steps are done")
             return False
+        self._say_transport()
         self.progress = Progress(self.settings, self.run_dir, prefix=self.prefix, live=live)
         if self.evaluations and not self.resume:
             self.evaluations.request(step=0, version=0)
         self.result_ref = self.controller.run.remote()
         self.traces = TraceCollector(self.run_dir, self._traced_actors(), self.pipe.name)
         return True
+
+    def _say_transport(self) -> None:
+        import ray
+
+        transport = ray.get(self.controller.settle_transport.remote())
+        if any(s.kind == "sync" for s in self.pipe.stages):
+            self.say(f"weights: {transport['transport'].replace('_', ' ')} ({transport['why']})")
 
     def _traced_actors(self) -> dict:
         actors = {self.actor_name(name, rank): actor for name, handles in self.handles.items()

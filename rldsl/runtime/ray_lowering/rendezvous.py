@@ -42,6 +42,7 @@ class RendezvousBoard:
     def __init__(self) -> None:
         self._addresses: dict[str, str] = {}
         self._arrived: dict[str, set[int]] = {}
+        self._called_off: set[str] = set()
 
     def arrive(self, group: str, rank: int) -> None:
         self._arrived.setdefault(group, set()).add(rank)
@@ -54,6 +55,13 @@ class RendezvousBoard:
 
     def arrived(self, group: str) -> list[int]:
         return sorted(self._arrived.get(group, ()))
+
+    def call_off(self, group: str) -> None:
+        """A transfer in ``group`` failed somewhere: its members stop waiting for it."""
+        self._called_off.add(group)
+
+    def called_off(self, group: str) -> bool:
+        return group in self._called_off
 
 
 def create_board():
@@ -71,24 +79,11 @@ def join_process_group(group: str, rank: int, world_size: int, store_dir: str | 
     """Join ``group`` as ``rank`` of ``world_size`` (gloo on CPU, NCCL for CUDA
     tensors when there is a GPU); returns torch's default group. With
     ``store_dir`` the ranks meet in a file there (one machine only)."""
-    import ray
     import torch
     import torch.distributed as dist
 
-    board = ray.get_actor(BOARD_NAME)
-    ray.get(board.arrive.remote(group, rank))
-    limit = timeout_s()
-    deadline = time.monotonic() + limit
-    if store_dir is not None:
-        address = str(Path(store_dir) / group.replace("/", "_"))
-        init_method = f"file://{address}"
-    elif rank == 0:
-        address = f"{_host()}:{_free_port()}"
-        ray.get(board.publish.remote(group, address))
-        init_method = f"tcp://{address}"
-    else:
-        address = _wait_for_address(board, group, world_size, deadline, limit)
-        init_method = f"tcp://{address}"
+    board, deadline, limit = _arrive(group, rank)
+    init_method, address = _meeting_point(board, group, rank, world_size, store_dir, deadline, limit)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
@@ -97,6 +92,50 @@ def join_process_group(group: str, rank: int, world_size: int, store_dir: str | 
         raise RendezvousTimeout(_missing(board, group, world_size, limit, address, err)) from None
     _set_collective_timeout(dist)
     return dist.group.WORLD
+
+
+def group_store(group: str, rank: int, world_size: int, store_dir: str | None = None):
+    """A store every rank of ``group`` shares, for a group built beside the
+    default one (a weight group): a file in ``store_dir`` locally, else a TCP
+    store hosted by rank 0 at the address it publishes on the board."""
+    import torch.distributed as dist
+
+    board, deadline, limit = _arrive(group, rank)
+    init_method, address = _meeting_point(board, group, rank, world_size, store_dir, deadline, limit)
+    try:
+        if init_method.startswith("file://"):
+            return dist.FileStore(address, world_size)
+        host, port = address.rsplit(":", 1)
+        return dist.TCPStore(host, int(port), world_size, is_master=rank == 0, wait_for_workers=False,
+                             timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    except (RuntimeError, ValueError) as err:
+        raise RendezvousTimeout(_missing(board, group, world_size, limit, address, err)) from None
+
+
+def _arrive(group: str, rank: int):
+    """Sign in on the board; returns it, the rendezvous deadline and its length."""
+    import ray
+
+    board = ray.get_actor(BOARD_NAME)
+    ray.get(board.arrive.remote(group, rank))
+    limit = timeout_s()
+    return board, time.monotonic() + limit, limit
+
+
+def _meeting_point(board, group: str, rank: int, world_size: int, store_dir: str | None, deadline: float,
+                   limit: float) -> tuple[str, str]:
+    """``(init_method, address)``: a file in ``store_dir``, or rank 0's address and a free port there."""
+    import ray
+
+    if store_dir is not None:
+        address = str(Path(store_dir) / group.replace("/", "_"))
+        return f"file://{address}", address
+    if rank == 0:
+        address = f"{_host()}:{_free_port()}"
+        ray.get(board.publish.remote(group, address))
+    else:
+        address = _wait_for_address(board, group, world_size, deadline, limit)
+    return f"tcp://{address}", address
 
 
 def collective_timeout_s() -> float:

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Sequence
 
 from rldsl.runtime.control.errors import WorkerLost
 from rldsl.runtime.control.handles import StageHandles
 from rldsl.runtime.ray_lowering.supervision import ActorSpec, Supervisor
+from rldsl.runtime.ray_lowering.weight_group import CollectiveSync
+
+log = logging.getLogger(__name__)
 
 
 class HostBucketCache:
@@ -39,8 +43,8 @@ class HostBucketCache:
 def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_stages: set[str],
                       bucket_bytes: int, train_stage: str, replicas: dict[str, list[list[int]]],
                       observers: list | None = None, tracer=None,
-                      reward_calls: dict[str, int] | None = None, cache: HostBucketCache | None = None
-                      ) -> StageHandles:
+                      reward_calls: dict[str, int] | None = None, cache: HostBucketCache | None = None,
+                      collective: CollectiveSync | None = None) -> StageHandles:
     """``supervisor``: every stage's actors by rank (one per replica for
     generate stages), replaced when they die; ``kinds``: stage name -> stage
     kind; ``receiver_stages``: the stages on sync edges; ``replicas``: for
@@ -50,7 +54,9 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
     evaluator: it must never hold up generation); ``tracer``: records each
     weight push as a span; ``reward_calls``: reward stage -> calls one of its
     workers serves at once (one per reward process); ``cache``: the host
-    bucket cache, when the caller keeps it too."""
+    bucket cache, when the caller keeps it too; ``collective``: the
+    pipeline's weight group, when its sync goes rank to rank
+    (weight_group.py): an export is then the push itself."""
     reward_calls = reward_calls or {}
     actors = supervisor.actors
     generators = [(name, rank) for name in actors if kinds[name] == "generate" for rank in range(len(actors[name]))]
@@ -115,6 +121,21 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
         await on_every_trainer("abort_train_step", step, return_exceptions=True)
 
     async def export_weights(version: int) -> None:
+        if collective is not None and collective.enabled:
+            try:
+                with tracer.span("weight push", version=version, transport="collective") if tracer \
+                        else contextlib.nullcontext():
+                    cache.version, cache.refs = version, await collective.push(
+                        call, trainer_ranks, train_stage, bucket_bytes, version, to_store=bool(observers))
+                return
+            except WorkerLost as lost:
+                if lost.stage == train_stage:
+                    raise
+                reason = str(lost)
+            except Exception as error:  # noqa: BLE001 - any broken push falls back the same way
+                reason = f"{type(error).__name__}: {error}"
+            log.warning("the collective push of weights version %d failed (%s); this version goes through the "
+                        "object store and the weight group forms anew at the next export", version, reason)
         # every rank takes part (gathering TP/PP shards is a collective); rank 0 returns the references
         refs = (await on_every_trainer("export_buckets", bucket_bytes))[0]
         cache.version, cache.refs = version, refs
@@ -122,16 +143,22 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
     async def push_weights(version: int, replicas_to_push: Sequence[int]) -> None:
         if not cache.holds(version):
             raise RuntimeError(f"push of weights version {version}, but the host bucket cache holds {cache.version}")
+        if collective is not None and collective.enabled and collective.delivered == version:  # the export delivered it to every member
+            feed_observers(version, list(cache.refs))
+            return
         pushed = [i for i in replicas_to_push if syncs_generator[i]]
         span = tracer.span("weight push", version=version, receivers=len(pushed) + len(other_receivers)) \
             if tracer else None
         with span or contextlib.nullcontext():
             refs = list(cache.refs)
-            for observer in observers or ():  # not awaited; in order per caller, so its buckets arrive in sequence
-                for index, ref in enumerate(refs):
-                    observer.update_weights.remote(ref, version, index == len(refs) - 1)
+            feed_observers(version, refs)
             await asyncio.gather(on_generators(pushed, "receive_weights", refs, version),
                                  *(call(*target, "receive_weights", refs, version) for target in other_receivers))
+
+    def feed_observers(version: int, refs: list) -> None:
+        for observer in observers or ():  # not awaited; in order per caller, so its buckets arrive in sequence
+            for index, ref in enumerate(refs):
+                observer.update_weights.remote(ref, version, index == len(refs) - 1)
 
     async def generator_version() -> int:
         return await call(*generators[0], "version")
@@ -158,6 +185,12 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
     async def bring_up_to_date(spec: ActorSpec, actor) -> None:
         """A replacement actor: the newest exported weights if it receives
         them, and asleep if its replica is."""
+        if collective is not None and collective.enabled and (spec.stage, spec.rank) in collective.members:
+            collective.replaced((spec.stage, spec.rank))
+            if cache.version is not None and not cache.refs:
+                raise RuntimeError(
+                    f"the collective weight transport keeps no host copy of weights version {cache.version} to bring "
+                    "a replacement up to date; set `transport = object_store` on the sync to replace dead generators")
         if cache.version is not None and spec.stage in receiver_stages:
             method = "refresh" if spec.kind == "generate" else "receive_weights"
             await getattr(actor, method).remote(list(cache.refs), cache.version)

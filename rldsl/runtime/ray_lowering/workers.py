@@ -17,6 +17,7 @@ from rldsl.runtime import protocols as p
 from rldsl.runtime.dataplane.base import align_to_responses, refuse_stale_logprobs
 from rldsl.runtime.ray_lowering.actor_process import setup_worker_process, where
 from rldsl.runtime.ray_lowering.trace import Tracer, prompt_groups
+from rldsl.runtime.ray_lowering.weight_group import WeightGroupMember
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class _Worker:
             self.dataplane.put(list(keys), self.partition, fields)
 
 
-class GeneratorWorker(_Worker):
+class GeneratorWorker(_Worker, WeightGroupMember):
     """One generator replica, a threaded actor: every call of ``generate`` (one
     prompt group) waits in its own thread while the engine's batcher decodes
     all the groups in flight together; weights arrive on another thread and
@@ -95,6 +96,15 @@ class GeneratorWorker(_Worker):
             buckets = ray.get(bucket_refs)
             for index, bucket in enumerate(buckets):
                 self.batcher.update_weights(bucket, version, index == len(buckets) - 1)
+
+    def receive_stream(self, version: int) -> dict:
+        """A collective push: once the rows in flight have ended, every
+        bucket is applied in place as it arrives; decoding resumes after."""
+        self._member_group()  # a replacement not yet in the group says so at once
+        with self.tracer.span("weight receive", version=version, transport="collective") as args:
+            stats = self.batcher.run_idle(lambda engine: self._receive_into(engine, version))
+            args.update(stats)
+        return stats
 
     def refresh(self, bucket_refs: list, version: int) -> None:
         """A replica that slept through pushes: load ``version`` from the host cache."""
@@ -217,7 +227,7 @@ class LogprobWorker(_Worker):
             self.version = version
 
 
-class TrainerWorker(_Worker):
+class TrainerWorker(_Worker, WeightGroupMember):
     """One data-parallel rank of the split-step trainer."""
 
     def __init__(self, pipe, stage, rank, dataplane_spec, dist: dict | None = None,
@@ -282,6 +292,41 @@ class TrainerWorker(_Worker):
                        for b in self.engine.weight_buckets(bucket_bytes)]
             args["buckets"] = len(buckets)
         return [ray.put(bucket) for bucket in buckets] if self.rank == 0 else []
+
+    def stream_weights(self, bucket_bytes: int, version: int, to_store: bool) -> dict:
+        """A collective push (every rank takes part in the gathers; rank 0
+        sends each bucket while the next is gathered). A failed send is
+        reported, not raised: the trainer itself is fine, and every rank
+        still finishes its gathers. ``to_store``: rank 0 also puts each
+        bucket into the object store (the evaluator's copy)."""
+        import ray
+
+        from rldsl.runtime.transport.stream import BucketSender
+
+        sender = BucketSender(self._member_group(), version) if self.rank == 0 else None
+        refs, failure, stats = [], None, {}
+        with self.tracer.span("weight export", version=version, transport="collective") as args, self._awake():
+            try:
+                for bucket in self.engine.weight_buckets(bucket_bytes):
+                    if to_store and self.rank == 0:
+                        refs.append(ray.put(bucket))
+                    if sender is not None:
+                        try:
+                            sender.send(bucket)
+                        except RuntimeError as error:  # a receiver is gone: keep gathering, report it
+                            failure, sender = error, None
+                    del bucket
+            except BaseException:
+                if sender is not None:
+                    sender.abort()
+                raise
+            if sender is not None:
+                try:
+                    stats = sender.finish().as_dict()
+                except RuntimeError as error:
+                    failure = error
+            args.update(stats)
+        return {"refs": refs, "stats": stats, "failed": f"{type(failure).__name__}: {failure}" if failure else None}
 
     @contextlib.contextmanager
     def _awake(self):

@@ -1,0 +1,204 @@
+"""The collective weight transport: trainer and receivers in separate
+processes, joined by a gloo group of their own (rldsl.runtime.transport)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import resource
+import traceback
+
+import pytest
+import torch
+
+from rldsl.runtime.transport.group import form_group
+from rldsl.runtime.transport.stream import TransportAborted, receive_buckets, send_buckets
+
+MIB = 2**20
+
+
+def _spawn(target, world: int, tmp_path, *args) -> list:
+    """Run ``target(rank, store_path, *args)`` in ``world`` spawned processes; their results by rank."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    store = str(tmp_path / "store")
+    processes = [context.Process(target=_run, args=(target, rank, world, store, results, *args)) for rank in range(world)]
+    for process in processes:
+        process.start()
+    out = dict(results.get(timeout=240) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+    failures = [v for v in out.values() if isinstance(v, str) and v.startswith("Traceback")]
+    assert not failures, failures[0]
+    return [out[rank] for rank in range(world)]
+
+
+def _run(target, rank, world, store_path, results, *args):
+    try:
+        store = torch.distributed.FileStore(store_path, world)
+        results.put((rank, target(form_group(store, "edge/0", rank, world, timeout_s=120), *args)))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((rank, traceback.format_exc()))
+
+
+def _tiny(seed: int):
+    from rldsl.models.tiny import build_tiny_lm
+
+    return build_tiny_lm(seed, d_model=32, n_layers=2, n_heads=2, d_ff=64)
+
+
+def _trainer_or_generator(group, bucket_bytes: int):
+    """Rank 0 trains one split step and streams its weights; the others are
+    generators that start from other weights and apply the stream."""
+    from rldsl.runtime.control.advantages import batch_advantages
+    from rldsl.runtime.engines.torch import TorchGenerator, TorchTrainer
+    from rldsl.runtime.protocols import Prompt
+
+    if group.rank == 0:
+        trainer = TorchTrainer(_tiny(0), lr=1e-2)
+        batch = TorchGenerator(_tiny(0), max_new_tokens=4).generate([Prompt(0, "12+7=", "19")], 4, seed=1)
+        batch["advantage"] = batch_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4)
+        trainer.begin_train_step(0)
+        trainer.train_microbatch(0, batch)
+        result = trainer.finish_train_step(0)
+        stats = send_buckets(group, trainer.weight_buckets(bucket_bytes), result.version)
+        return {"state": _as_bytes(trainer.model.module.state_dict()), "version": result.version,
+                "stats": stats.as_dict()}
+    generator = TorchGenerator(_tiny(group.rank + 10), max_new_tokens=4)
+    for bucket, last in receive_buckets(group, version=1):
+        generator.update_weights(bucket, 1, last)
+    return {"state": _as_bytes(generator.model.module.state_dict()), "version": generator.version}
+
+
+def _as_bytes(state: dict) -> dict:
+    """Exact contents, as plain bytes (tensors do not outlive their process through a queue)."""
+    return {name: (str(t.dtype), tuple(t.shape), t.detach().cpu().numpy().tobytes()) for name, t in state.items()}
+
+
+def test_a_trained_version_reaches_every_generator_bit_identical(tmp_path):
+    trainer, *generators = _spawn(_trainer_or_generator, 3, tmp_path, 4096)
+    assert trainer["version"] == 1 and trainer["stats"]["buckets"] > 3  # several buckets, streamed
+    for generator in generators:
+        assert generator["version"] == 1
+        assert generator["state"].keys() == trainer["state"].keys()
+        assert generator["state"] == trainer["state"]
+
+
+def _big_model_buckets(count: int, tensor_bytes: int):
+    """``count`` fp32 tensors made one at a time (what a sharded trainer's gather yields)."""
+    for index in range(count):
+        yield {f"layer{index}.weight": torch.full((tensor_bytes // 4,), float(index))}
+
+
+def _peak_rss_growth(group, count: int, tensor_bytes: int):
+    """How much this process's peak resident memory grew during one push of
+    ``count`` x ``tensor_bytes`` (bucket = one tensor), and what arrived."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if group.rank == 0:
+        stats = send_buckets(group, _big_model_buckets(count, tensor_bytes), version=7)
+        checks = None
+    else:
+        checks = []
+        for bucket, _ in receive_buckets(group, version=7):
+            (name, tensor), = bucket.items()
+            checks.append((name, float(tensor[0]), float(tensor[-1])))  # applied, then let go
+        stats = None
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return {"grown": grown, "checks": checks, "stats": stats and stats.as_dict()}
+
+
+def test_host_memory_stays_near_two_buckets_not_the_model(tmp_path, monkeypatch):
+    """A 256 MiB "model" in 16 MiB buckets: neither side's peak resident
+    memory grows by more than a few buckets (the object-store path holds
+    the whole model on both). glibc's adaptive mmap threshold would keep
+    freed buffers in the heap and let the peak measure the allocator, so the
+    processes get a fixed one."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MIB))
+    count, tensor_bytes = 16, 16 * MIB
+    sender, receiver = _spawn(_peak_rss_growth, 2, tmp_path, count, tensor_bytes)
+    assert receiver["checks"] == [(f"layer{i}.weight", float(i), float(i)) for i in range(count)]
+    model = count * tensor_bytes
+    assert sender["stats"]["peak_held_bytes"] <= 2 * tensor_bytes
+    for side in (sender, receiver):
+        assert side["grown"] < 5 * tensor_bytes < model, f"peak RSS grew {side['grown'] / MIB:.0f} MiB"
+
+
+def _failing_sender(group):
+    if group.rank == 0:
+        def buckets():
+            yield {"a": torch.ones(4)}
+            raise RuntimeError("gather failed")
+        with pytest.raises(RuntimeError, match="gather failed"):
+            send_buckets(group, buckets(), version=3)
+        return "raised"
+    received = []
+    try:
+        for bucket, _ in receive_buckets(group, version=3):
+            received.append(list(bucket))
+    except TransportAborted as aborted:
+        return f"aborted after {len(received)}: {aborted}"
+    return "completed"
+
+
+def test_a_sender_that_fails_half_way_aborts_the_receivers(tmp_path):
+    sender, receiver = _spawn(_failing_sender, 2, tmp_path)
+    assert sender == "raised"
+    assert receiver.startswith("aborted after 0: the sender of weights version 3 failed")
+
+
+def _one_receiver_dies(group, flag: str):
+    """Rank 2 dies before the push; rank 0's send fails on it and calls the
+    push off (here a file, in a run the rendezvous board); rank 1 returns at
+    once instead of at the group's timeout: with the error itself where the
+    broadcast relayed through the dead rank, else called off."""
+    import os
+    import time
+    from pathlib import Path
+
+    group.should_abort = lambda: Path(flag).exists()
+    if group.rank == 2:
+        time.sleep(0.5)  # once every pair is connected
+        os._exit(0)
+    started = time.monotonic()
+    if group.rank == 0:
+        time.sleep(1.5)
+        try:
+            send_buckets(group, ({"x": torch.ones(2**20)} for _ in range(4)), version=5)
+        except RuntimeError as error:
+            Path(flag).touch()
+            return f"send failed: {type(error).__name__}"
+        return "sent"
+    try:
+        for _ in receive_buckets(group, version=5):
+            pass
+    except RuntimeError:  # TransportAborted, or gloo's own error
+        return f"stopped after {time.monotonic() - started:.1f}s"
+    return "received"
+
+
+def test_a_dead_member_does_not_hold_the_others_until_the_timeout(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    results, store, flag = context.Queue(), str(tmp_path / "store"), str(tmp_path / "called-off")
+    processes = [context.Process(target=_run, args=(_one_receiver_dies, rank, 3, store, results, flag))
+                 for rank in range(3)]
+    for process in processes:
+        process.start()
+    out = dict(results.get(timeout=100) for _ in range(2))  # rank 2 reports nothing
+    for process in processes:
+        process.join(timeout=30)
+    assert out[0] == "send failed: RuntimeError"
+    assert out[1].startswith("stopped after "), out[1]
+    assert float(out[1].split()[-1].rstrip("s")) < 10  # the group's timeout is 120 s
+
+
+def test_a_wait_that_is_called_off_raises_instead_of_waiting():
+    from rldsl.runtime.transport.group import WeightGroup
+
+    class NeverCompletes:
+        def is_completed(self):
+            return False
+
+    calls = []
+    group = WeightGroup(None, 1, 2, torch.device("cpu"), should_abort=lambda: calls.append(1) or len(calls) > 2)
+    with pytest.raises(TransportAborted, match="called off"):
+        group.wait(NeverCompletes())
+    assert len(calls) == 3  # asked every poll interval, not on every spin

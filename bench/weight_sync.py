@@ -134,7 +134,8 @@ def measure(size: int, bucket: int, reps: int) -> dict:
         del refs
         trainer, generator = pairs["collective"]
         started = time.perf_counter()
-        sent_growth, received_growth = ray.get([trainer.stream.remote(version), generator.receive_stream.remote(version)])
+        sent_growth, received_growth = ray.get([trainer.stream.remote(version),
+                                                generator.receive_stream.remote(version)])
         rows["collective"].append((time.perf_counter() - started, sent_growth, received_growth))
     for actor in (a for pair in pairs.values() for a in pair):
         ray.kill(actor)

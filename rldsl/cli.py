@@ -88,6 +88,35 @@ def cmd_check(args) -> int:
     return max(_exit_code(r, args.strict) for r in results)
 
 
+def cmd_fmt(args) -> int:
+    """Rewrite files to the current language (renamed settings, regular layout);
+    without --fix, show what would change and exit 1 if anything would."""
+    import difflib
+
+    from rldsl.compiler.fmt import format_source
+
+    changed = 0
+    for path in args.files:
+        result = _compile(path, want_plan=False)
+        if result.program is None:  # a syntax error: nothing can be rewritten safely
+            _print_diagnostics(result, args)
+            return EXIT_FINDINGS
+        text, renamed = format_source(result.source, result.diagnostics)
+        if text == result.source:
+            continue
+        changed += 1
+        if args.fix:
+            Path(path).write_text(text)
+            print(f"formatted: {path}" + (f" ({renamed} renamed setting{'s' * (renamed != 1)})" if renamed else ""))
+        else:
+            sys.stdout.writelines(difflib.unified_diff(result.source.splitlines(keepends=True),
+                                                       text.splitlines(keepends=True), path, f"{path} (formatted)"))
+    if changed and not args.fix:
+        print(f"{changed} file(s) would change; `rldsl fmt --fix` rewrites them", file=sys.stderr)
+        return EXIT_FINDINGS
+    return EXIT_OK
+
+
 def cmd_plan(args) -> int:
     from rldsl.compiler.plan_view import render_plan
 
@@ -196,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="warnings fail too (exit 1)")
     p.set_defaults(func=cmd_check)
 
+    p = sub.add_parser("fmt", parents=[common], help="rewrite files to the current language (renamed settings, "
+                                                     "regular layout), comments kept")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--fix", action="store_true", help="write the files (default: show the diff, exit 1 if any)")
+    p.set_defaults(func=cmd_fmt)
+
     p = sub.add_parser("plan", parents=[common], help="show where every rank of every stage lands")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--format", choices=("text", "json"), default="text")
@@ -234,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_CHECKED_COMMANDS = ("check", "plan", "graph", "explain", "audit")  # never a traceback, whatever the input
+_CHECKED_COMMANDS = ("check", "plan", "graph", "explain", "audit", "fmt")  # never a traceback, whatever the input
 
 
 def main(argv: list[str] | None = None) -> int:

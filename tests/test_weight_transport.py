@@ -21,7 +21,8 @@ def _spawn(target, world: int, tmp_path, *args) -> list:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     store = str(tmp_path / "store")
-    processes = [context.Process(target=_run, args=(target, rank, world, store, results, *args)) for rank in range(world)]
+    processes = [context.Process(target=_run, args=(target, rank, world, store, results, *args))
+                 for rank in range(world)]
     for process in processes:
         process.start()
     out = dict(results.get(timeout=240) for _ in processes)

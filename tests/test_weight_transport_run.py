@@ -24,7 +24,7 @@ def collective_pipeline(eval_size: int) -> str:
     source = (ROOT / "pipelines" / "grpo_async.rlp").read_text()
     return (source.replace("gpus_per_node = 2 ", "gpus_per_node = 3 ")
             .replace("  gpus = 1\n  samples_per_prompt = 8", "  gpus = 2\n  samples_per_prompt = 8")
-            .replace("bucket = 64MiB }", f"bucket = 64KiB  transport = collective }}")
+            .replace("bucket = 64MiB }", "bucket = 64KiB  transport = collective }")
             .replace("eval_size = 128", f"eval_size = {eval_size}")
             .replace("steps = 40", f"steps = {STEPS}").replace("eval_every = 10", "eval_every = 2")
             .replace("checkpoint_every = 20", "checkpoint_every = 0"))

@@ -39,6 +39,8 @@ class Diagnostic(NamedTuple):
     notes: tuple[str, ...] = ()
     # Secondary places worth showing (for example where a name was first declared).
     related: tuple[tuple[Span, str], ...] = ()
+    # A mechanical fix (`rldsl fmt --fix` applies it): this span's text becomes this text.
+    edit: tuple[Span, str] | None = None
 
     @property
     def is_error(self) -> bool:

@@ -13,7 +13,8 @@ from collections import Counter
 from typing import Any, Callable, NamedTuple
 
 from rldsl.compiler import ast
-from rldsl.compiler.diagnostics import ERROR, Diagnostic, Span, did_you_mean
+from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic, Span, did_you_mean
+from rldsl.compiler.renames import RenamedArgument, renamed_argument
 from rldsl.compiler.units import COUNT_UNITS, DURATION_UNITS, PERCENT_UNITS, SIZE_UNITS
 
 INVALID = object()
@@ -347,13 +348,17 @@ class CallOf:
 
     def _arguments(self, func: ast.Word, args, span: Span) -> Result:
         signature = self.signatures[func.text]
-        converted, spans, diags = {}, {}, []
+        converted, spans, diags, warnings = {}, {}, [], []
         for arg in args:
             if arg.name is None:
                 diags += _err("RLP104", f"{self.what} arguments are named", arg.span,
                               f"write `{func.text}({next(iter(signature), 'key')} = ...)`")
                 continue
             key = arg.name.text
+            renamed = renamed_argument(self.what, func.text, key)
+            if renamed is not None and renamed.new in signature:
+                arg, key, notice = _read_renamed(arg, renamed, func.text)
+                warnings += notice
             if key not in signature:
                 diags += _err("RLP103", f"`{func.text}` has no argument `{key}`", arg.name.span,
                               did_you_mean(key, signature) or f"arguments: {', '.join(signature) or 'none'}")
@@ -365,6 +370,23 @@ class CallOf:
             diags += errs
             if got is not INVALID:
                 converted[key], spans[key] = got, arg.span
-        if diags:
-            return INVALID, diags
-        return self.build(func.text, converted, span, spans, func.span), []
+        if any(d.is_error for d in diags):
+            return INVALID, diags + warnings
+        return self.build(func.text, converted, span, spans, func.span), diags + warnings
+
+
+def _read_renamed(arg: ast.Arg, renamed: RenamedArgument, callee: str) -> tuple[ast.Arg, str, list[Diagnostic]]:
+    """An argument under its old name, read as the new one (RLP109); a value
+    the old name did not take is left for the new name's own check."""
+    old = arg.name.text
+    written = arg.value.id if isinstance(arg.value, ast.Name) else \
+        arg.value.value if isinstance(arg.value, ast.String) else None
+    value = renamed.values.get(written, written)
+    new_value = ast.Name(value, arg.value.span) if written is not None else arg.value
+    rewrite = f"{renamed.new} = {value}" if written is not None else None
+    warning = Diagnostic("RLP109", WARNING, f"`{callee}({old} = ...)` was renamed `{renamed.new}`"
+                         + (f": read as `{rewrite}`" if rewrite else ""), arg.span,
+                         help=f"write `{rewrite or renamed.new + ' = ...'}`; `rldsl fmt --fix FILE` rewrites every "
+                              "renamed setting",
+                         edit=(arg.span, rewrite) if rewrite else None)
+    return ast.Arg(ast.Word(renamed.new, arg.name.span), new_value, arg.span), renamed.new, [warning]

@@ -85,6 +85,14 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "stage train actor { model = policy  engine = vllm(tp = 1)  prompts_per_step = 2 }",
        "the stage's `engine`; for a GPU-only engine also the cluster's `gpus_per_node` (or, for a stage "
        "without GPUs, its placement)."),
+    _r("RLP109", WARNING, "renamed setting",
+       "A setting written under a name the language has since renamed still works: it is read under its new "
+       "name (its value translated where the values changed too) and every rule checks it as if it had been "
+       "written so; the warning names the new spelling. `rldsl fmt --fix FILE` rewrites every renamed setting, "
+       "comments kept. Renamed so far: the loss argument `level` (`token`, `sequence`) is `agg` (`token_mean`, "
+       "`seq_mean_token_mean`).",
+       "loss = grpo(clip = 0.2, level = sequence)   # now: agg = seq_mean_token_mean",
+       _KEYS),
     _r("RLP201", ERROR, "dataflow cycle",
        "Data edges (`flow`) must form a DAG; the cycle is named. Weight edges (`sync`) close the RL loop and "
        "are not part of this check.",
@@ -325,7 +333,7 @@ So the rule families depend on each other only through these inputs:
 | family | rules | reads |
 |---|---|---|
 | syntax | RLP001, RLP002, RLP003 | the text |
-| declarations | RLP101-RLP107 | the syntax tree |
+| declarations | RLP101-RLP107, RLP109 | the syntax tree |
 | engines | RLP108 | each stage's engine |
 | dataflow | RLP201-RLP204, RLP207, RLP208 | the flows and the declarations |
 | weights | RLP205, RLP206, RLP209, RLP511 | syncs, models, and the flows for RLP209; RLP511 the placement |

@@ -106,7 +106,8 @@ def check_transports(plan: ExecutionPlan) -> None:
 
     for pipe in plan.pipelines:
         try:
-            choose_transport(pipe, receivers_sleep(settings_from_plan(pipe, shared_gpus=plan.shared_gpus_of(pipe.name))))
+            settings = settings_from_plan(pipe, shared_gpus=plan.shared_gpus_of(pipe.name))
+            choose_transport(pipe, receivers_sleep(settings))
         except ValueError as err:
             raise PreflightError(f"pipeline `{pipe.name}`: {err}") from None
 

@@ -143,7 +143,8 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
     async def push_weights(version: int, replicas_to_push: Sequence[int]) -> None:
         if not cache.holds(version):
             raise RuntimeError(f"push of weights version {version}, but the host bucket cache holds {cache.version}")
-        if collective is not None and collective.enabled and collective.delivered == version:  # the export delivered it to every member
+        if collective is not None and collective.enabled and collective.delivered == version:
+            # the export itself delivered this version to every member: only the evaluator is left
             feed_observers(version, list(cache.refs))
             return
         pushed = [i for i in replicas_to_push if syncs_generator[i]]

@@ -25,10 +25,13 @@ def _color(args) -> bool:
     return sys.stderr.isatty()
 
 
-def _compile(path: str, want_plan: bool = True):
+def _compile(path: str, want_plan: bool = True, overrides: list[str] | None = None):
+    """The file compiled, with any `--set` overrides written into its source first."""
     from rldsl.compiler.driver import compile_file
 
     try:
+        if overrides:
+            return _compile_overridden(Path(path), want_plan, overrides)
         return compile_file(path, want_plan=want_plan)
     except FileNotFoundError:
         _usage_error(f"no such file: {path}", "check the path; pipelines live in pipelines/*.rlp")
@@ -36,6 +39,22 @@ def _compile(path: str, want_plan: bool = True):
         _usage_error(f"{path} is a directory", "give a .rlp file")
     except (OSError, UnicodeDecodeError) as err:
         _usage_error(f"cannot read {path}: {err}", "the file must be readable UTF-8 text")
+
+
+def _compile_overridden(path: Path, want_plan: bool, overrides: list[str]):
+    import dataclasses
+
+    from rldsl.compiler.driver import compile_source
+    from rldsl.compiler.overrides import OverrideError, apply_overrides
+
+    try:
+        text = apply_overrides(path.read_text(encoding="utf-8"), overrides)
+    except OverrideError as err:
+        _usage_error(str(err), "`rldsl plan FILE` lists the stages; blocks: run, staleness, buffer, placement, cluster")
+    result = compile_source(text, str(path), base_dir=path.parent, want_plan=want_plan)
+    if result.plan is not None:
+        result.plan = dataclasses.replace(result.plan, overrides=list(overrides))
+    return result
 
 
 def _usage_error(message: str, help_text: str | None = None):
@@ -50,6 +69,13 @@ def _print_diagnostics(result, args) -> None:
 
     if result.diagnostics:
         sys.stderr.write(render_text(result.diagnostics, result.source, result.filename, color=_color(args)))
+        _note_overrides(args)
+
+
+def _note_overrides(args) -> None:
+    if getattr(args, "overrides", None):
+        print("note: checked with " + " ".join(f"--set {o}" for o in args.overrides) + " written into the file",
+              file=sys.stderr)
 
 
 def _exit_code(result, strict: bool) -> int:
@@ -66,7 +92,7 @@ def cmd_check(args) -> int:
 
     from rldsl.compiler.diagnostics import render_text, to_json, to_sarif
 
-    results = [_compile(path, want_plan=False) for path in args.files]
+    results = [_compile(path, want_plan=False, overrides=args.overrides) for path in args.files]
     if args.format == "json":
         payload = [to_json(r.diagnostics, r.filename) for r in results]
         print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
@@ -83,6 +109,7 @@ def cmd_check(args) -> int:
         for r in results:
             if r.diagnostics:
                 sys.stderr.write(render_text(r.diagnostics, r.source, r.filename, color=_color(args)))
+                _note_overrides(args)
             else:
                 print(f"{r.filename}: ok")
     return max(_exit_code(r, args.strict) for r in results)
@@ -120,7 +147,7 @@ def cmd_fmt(args) -> int:
 def cmd_plan(args) -> int:
     from rldsl.compiler.plan_view import render_plan
 
-    result = _compile(args.file)
+    result = _compile(args.file, overrides=args.overrides)
     _print_diagnostics(result, args) if not result.ok else None
     if not result.ok:
         return EXIT_FINDINGS
@@ -138,7 +165,7 @@ def cmd_plan(args) -> int:
 def cmd_graph(args) -> int:
     from rldsl.compiler.plan_view import render_graph
 
-    result = _compile(args.file)
+    result = _compile(args.file, overrides=args.overrides)
     if not result.ok:
         _print_diagnostics(result, args)
         return EXIT_FINDINGS
@@ -164,6 +191,9 @@ def cmd_explain(args) -> int:
 def cmd_run(args) -> int:
     from rldsl.plan import ExecutionPlan, PlanFormatError
 
+    if args.overrides and (args.plan or args.resume):
+        _usage_error("--set changes a pipeline file; a saved plan (and a resumed run's) is run as it was made",
+                     "give the file: `rldsl run FILE --set ...` (a resumed run keeps the overrides it started with)")
     if args.resume:  # the run's own saved plan: a resumed run executes exactly what it started with
         if not (Path(args.resume) / "plan.json").exists():
             _usage_error(f"{args.resume} is not a run directory (it has no plan.json)",
@@ -177,7 +207,7 @@ def cmd_run(args) -> int:
         except (PlanFormatError, ValueError, KeyError, TypeError) as err:
             _usage_error(f"{args.plan} is not a valid plan: {err}", "re-create it with `rldsl plan FILE --out`")
     elif args.file:
-        result = _compile(args.file)
+        result = _compile(args.file, overrides=args.overrides)
         _print_diagnostics(result, args)
         if not result.ok:
             return EXIT_FINDINGS
@@ -217,9 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                         help="colour diagnostics (auto: only on a terminal)")
+    settable = argparse.ArgumentParser(add_help=False)
+    settable.add_argument("--set", action="append", default=[], dest="overrides", metavar="TARGET.KEY=VALUE",
+                          help="change a setting as if the file said so (repeatable): `actor.lr=1e-5`, "
+                               "`run.steps=100`")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("check", parents=[common], help="prove a pipeline file sane")
+    p = sub.add_parser("check", parents=[common, settable], help="prove a pipeline file sane")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--format", choices=("text", "json", "sarif"), default="text")
     p.add_argument("--strict", action="store_true", help="warnings fail too (exit 1)")
@@ -231,13 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", action="store_true", help="write the files (default: show the diff, exit 1 if any)")
     p.set_defaults(func=cmd_fmt)
 
-    p = sub.add_parser("plan", parents=[common], help="show where every rank of every stage lands")
+    p = sub.add_parser("plan", parents=[common, settable], help="show where every rank of every stage lands")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--out", metavar="PLAN_JSON", help="save the plan for `rldsl run --plan`")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("graph", parents=[common], help="the dataflow as a diagram")
+    p = sub.add_parser("graph", parents=[common, settable], help="the dataflow as a diagram")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--format", choices=("mermaid", "dot"), default="mermaid")
     p.set_defaults(func=cmd_graph)
@@ -246,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("code", metavar="CODE")
     p.set_defaults(func=cmd_explain)
 
-    p = sub.add_parser("run", parents=[common], help="compile and run a pipeline on Ray")
+    p = sub.add_parser("run", parents=[common, settable], help="compile and run a pipeline on Ray")
     p.add_argument("file", nargs="?", metavar="FILE")
     p.add_argument("--plan", metavar="PLAN_JSON", help="run a saved plan exactly")
     p.add_argument("--steps", type=int, help="override the file's run.steps")

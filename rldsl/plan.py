@@ -227,6 +227,7 @@ class ExecutionPlan:
     source_sha256: str = ""
     warnings: list[str] = field(default_factory=list)
     schema_version: int = PLAN_SCHEMA_VERSION
+    overrides: list[str] = field(default_factory=list)  # `--set` settings written into the source before compiling
 
     def pipeline(self, name: str | None = None) -> PipelinePlan:
         if name is None:

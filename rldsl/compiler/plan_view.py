@@ -37,6 +37,8 @@ def render_plan(result: CompileResult) -> str:
         out += _indent(_stages(pipe))
         out += _indent(_dataflow(pipe))
         out += _indent(_staleness(pipe))
+    if plan.overrides:
+        out += ["", "overrides (--set):"] + [f"  {o}" for o in plan.overrides]
     if plan.warnings:
         out += ["", "warnings:"] + [f"  {w}" for w in plan.warnings]
     out += ["", summary_line(plan)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import math
+import sys
 import threading
 from typing import Callable
 
@@ -42,14 +43,20 @@ class RewardLoadError(ValueError):
 
 
 def load_reward(spec: str) -> RewardFn:
-    """Resolve ``"package.module:function"`` to a callable."""
+    """Resolve ``"package.module:function"`` to a callable; a ``@DIR`` suffix
+    (the plan adds it for a module beside the pipeline file) is searched first."""
+    spec, _, directory = spec.partition("@")
     module_name, sep, function_name = spec.partition(":")
     if not sep or not module_name or not function_name:
         raise RewardLoadError(f"reward {spec!r}: expected 'module:function', e.g. 'rldsl.rewards:exact_match'")
+    if directory and directory not in sys.path:
+        sys.path.insert(0, directory)
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise RewardLoadError(f"reward {spec!r}: cannot import module {module_name!r}: {error}") from error
+        where = f"beside the pipeline file in {directory}" if directory else \
+            "installed, on PYTHONPATH, or beside the pipeline file"
+        raise RewardLoadError(f"reward {spec!r}: cannot import module {module_name!r} ({where}): {error}") from error
     function = getattr(module, function_name, None)
     if function is None:
         public = [name for name in dir(module) if not name.startswith("_")]

@@ -5,7 +5,10 @@
 - ``builtin:arith``   additions such as ``"12+7="`` -> ``"19"``;
 - ``builtin:reverse`` ``"reverse abc:"`` -> ``"cba"``;
 - ``jsonl:<path>``    one JSON object per line; ``{split}`` in the path is
-  replaced by the split name (``jsonl:data/{split}.jsonl``).
+  replaced by the split name (``jsonl:data/{split}.jsonl``). A path
+  without ``{split}`` is one file for both splits: read whole, or with
+  ``hold_out`` split by the builtins' prompt-hash rule, so a dataset that
+  evaluates on its own training file never sees its eval rows in training.
 
 Builtin splits are decided by a hash of the prompt text, so train and eval
 are disjoint for every seed and every size; the seed only orders (and, for
@@ -83,8 +86,12 @@ def reverse_prompts(
     raise DatasetError(f"builtin:reverse found only {len(pairs)} distinct {split} strings; lower size")
 
 
-def jsonl_prompts(path: str, split: str, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Prompt]:
-    """Rows of a JSON-lines file, in file order; blank lines are skipped."""
+def jsonl_prompts(path: str, split: str, prompt_field: str = "prompt", answer_field: str = "answer",
+                  hold_out: bool = False) -> list[Prompt]:
+    """Rows of a JSON-lines file, in file order; blank lines are skipped.
+    ``hold_out`` (a path without ``{split}``): only the rows of ``split`` by
+    the prompt-hash rule (about 5% eval)."""
+    hold_out = hold_out and "{split}" not in path
     path = path.replace("{split}", split)
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -94,8 +101,14 @@ def jsonl_prompts(path: str, split: str, prompt_field: str = "prompt", answer_fi
     for line_number, line in enumerate(lines, start=1):
         if line.strip():
             row = _parse_row(path, line_number, line, (prompt_field, answer_field))
+            if hold_out and not _in_split(str(row[prompt_field]), split):
+                continue
             meta = {"file": path, "line": line_number}
             prompts.append(Prompt(len(prompts), str(row[prompt_field]), str(row[answer_field]), meta))
+    if not prompts and hold_out:
+        raise DatasetError(f"{path}: none of its rows falls in the {split} split (about {EVAL_PER_MILLE / 10:g}% "
+                           "of prompts, by a hash of the text, are held out for evaluation); give `eval_source`, "
+                           "a `{split}` path, more rows, or `eval_size = 0`")
     if not prompts:
         raise DatasetError(f"{path}: the file has no rows")
     return prompts

@@ -22,7 +22,8 @@ def codes(text: str) -> list[str]:
 
 
 def test_an_old_spelling_runs_as_the_new_one_with_a_warning():
-    old, new = compile_source(OLD, "old.rlp"), compile_source(OLD.replace("level = sequence", "agg = seq_mean_token_mean"))
+    old = compile_source(OLD, "old.rlp")
+    new = compile_source(OLD.replace("level = sequence", "agg = seq_mean_token_mean"))
     assert old.ok and [d.code for d in old.diagnostics] == ["RLP109"]
     assert old.plan.pipelines == new.plan.pipelines
     assert "agg = seq_mean_token_mean" in old.diagnostics[0].help

@@ -141,7 +141,7 @@ def test_reward_worker_returns_failures_with_reasons():
 
     from rldsl.compiler.driver import compile_source
     from rldsl.runtime import protocols as p
-    from rldsl.runtime.ray_lowering.workers import ANSWER_IDS, RewardWorker
+    from rldsl.runtime.ray_lowering.workers import ANSWER_IDS, ANSWER_MASK, RewardWorker
 
     source = (ROOT / "pipelines" / "grpo_async.rlp").read_text().replace(
         '"rldsl.rewards:exact_match"  workers = 1  timeout = 5s',
@@ -160,12 +160,40 @@ def test_reward_worker_returns_failures_with_reasons():
             rows = [worker.tokenizer.encode(text) for text in texts]
             return torch.tensor([row + [0] * (8 - len(row)) for row in rows])
 
+        def mask(texts):
+            return torch.tensor([[1] * len(worker.tokenizer.encode(t)) + [0] * (8 - len(worker.tokenizer.encode(t)))
+                                 for t in texts])
+
         keys = ["k0", "k1", "k2"]
+        answers = ["12", "12", "12"]
         worker.dataplane.put(keys, worker.partition, {p.FIELD_RESPONSE_IDS: ids(responses),
+                                                      p.FIELD_RESPONSE_MASK: mask(responses),
                                                       p.FIELD_PROMPT_IDS: ids(["5+7="] * 3),
-                                                      ANSWER_IDS: ids(["12", "12", "12"])})
+                                                      p.FIELD_PROMPT_MASK: mask(["5+7="] * 3),
+                                                      ANSWER_IDS: ids(answers), ANSWER_MASK: mask(answers)})
         rewards = worker.reward(keys)
         assert rewards[0] == 1.0 and rewards[2] == 0.0
         assert rewards[1].reason == REWARD_TIMEOUT
     finally:
         worker.pool.close()
+
+
+def test_token_id_zero_is_decoded_where_the_mask_says_it_is_a_token():
+    """Padding is told by the masks, not by id 0, which is a real token in
+    Llama-3's and Qwen's vocabularies (there, "!")."""
+    import torch
+
+    from rldsl.runtime import protocols as p
+    from rldsl.runtime.ray_lowering.workers import ANSWER_IDS, ANSWER_MASK, RewardWorker
+
+    class ZeroIsBang:
+        def decode(self, ids, stop_at_eos=True):
+            return "".join("!" if i == 0 else chr(ord("a") + i - 1) for i in ids)
+
+    worker = RewardWorker.__new__(RewardWorker)
+    worker.tokenizer = ZeroIsBang()
+    fields = {p.FIELD_RESPONSE_IDS: torch.tensor([[1, 0, 2, 0, 0]]),
+              p.FIELD_RESPONSE_MASK: torch.tensor([[1, 1, 1, 0, 0]]),
+              ANSWER_IDS: torch.tensor([[0, 0]]), ANSWER_MASK: torch.tensor([[1, 0]])}
+    assert worker._decode(fields, p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, 0) == "a!b"
+    assert worker._decode(fields, ANSWER_IDS, ANSWER_MASK, 0) == "!"

@@ -28,7 +28,8 @@ from rldsl.compiler.rules import batching, dataflow, engines, sharing, training,
 
 PIPELINE_PASSES = dataflow.PASSES + weights.PASSES + engines.PASSES + training.PASSES
 PROGRAM_PLACED_PASSES = (sharing.check_sharing, sharing.check_pipeline_sharing)
-PLACED_PASSES = batching.PASSES + (sharing.check_on_policy_disjoint, weights.check_transport)  # read the placement when there is one
+# these read the placement when there is one
+PLACED_PASSES = batching.PASSES + (sharing.check_on_policy_disjoint, weights.check_transport)
 
 
 @dataclass

@@ -41,7 +41,8 @@ def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None],
         models=[ModelPlan(m.name, _anchored(m["source"], base_dir), params.get(f"{pipe.name}/{m.name}"), m.get("dtype"))
                 for m in pipe.models.values()],
         datasets=[_dataset(d, base_dir) for d in pipe.datasets.values()],
-        stages=[_stage(s, placement.of(pipe.name, s.name), placement, shares) for s in pipe.stages.values()],
+        stages=[_stage(s, placement.of(pipe.name, s.name), placement, shares, base_dir)
+                for s in pipe.stages.values()],
         edges=[EdgePlan(u, v, d["kind"], list(d.get("fields", ())), d.get("sync"))
                for u, v, d in ctx.graph.edges(data=True)],
         generations=generations(ctx.graph),
@@ -71,7 +72,7 @@ def _dataset(decl: Decl, base_dir: Path) -> DatasetPlan:
         options["sources"] = sources
     if decl.get("eval_source"):
         options["eval_source"] = _anchored(decl["eval_source"], base_dir)
-    return DatasetPlan(decl.name, sources[0], options)
+    return DatasetPlan(decl.name, sources[0], _anchored_function(options, "eval_metric", base_dir))
 
 
 def _anchored(source: str, base_dir: Path) -> str:
@@ -83,11 +84,26 @@ def _anchored(source: str, base_dir: Path) -> str:
     return f"{scheme}:{(base_dir / path).resolve()}"
 
 
+def _anchored_function(settings: dict, key: str, base_dir: Path) -> dict:
+    """A `module:function` whose module sits beside the .rlp file is found
+    there whatever the working directory (`rldsl.rewards.load_reward` reads
+    the `@DIR` suffix); an installed module is left to the import system."""
+    spec = settings.get(key)
+    module, sep, _ = (spec or "").partition(":")
+    top = module.split(".")[0]
+    if not sep or not top or "@" in spec:
+        return settings
+    if (base_dir / f"{top}.py").is_file() or (base_dir / top).is_dir():
+        settings = {**settings, key: f"{spec}@{base_dir.resolve()}"}
+    return settings
+
+
 def _gpu_shares(placement: Placement) -> dict[int, int]:
     return {gpu: len(residents) for gpu, residents in placement.residents().items()}
 
 
-def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement, shares: dict[int, int]) -> StagePlan:
+def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement, shares: dict[int, int],
+           base_dir: Path = Path(".")) -> StagePlan:
     engine = stage.get("engine")
     ranks = []
     for rank in (sp.ranks if sp else ()):
@@ -101,7 +117,8 @@ def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement, shares:
         kind=stage.stage_kind,
         engine=EnginePlan(engine.name, dict(engine.args)) if engine else None,
         model=stage["model"].name if stage.get("model") else None,
-        settings=_derived(stage, _settings(stage, skip=("engine", "model", "gpus", "colocate"))),
+        settings=_anchored_function(_derived(stage, _settings(stage, skip=("engine", "model", "gpus", "colocate"))),
+                                    "fn", base_dir),
         ranks=ranks,
         tp=sp.tp if sp else 1, pp=sp.pp if sp else 1, dp=sp.dp if sp else 1,
         colocated_with=_sharing(sp, placement) if sp else [],

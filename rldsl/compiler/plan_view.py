@@ -191,7 +191,26 @@ def _staleness(pipe: PipelinePlan) -> list[str]:
     out += [f"  = {system}: {text}" for system, text in staleness_equivalents(pipe)]
     out.append(f"run: {_run_length(pipe)}, seed {pipe.run.seed}, watchdog {format_duration(pipe.run.watchdog_s)}, "
                f"restarts {pipe.run.restarts}")
+    out.append(f"evaluation: {_evaluation(pipe)}")
     return out
+
+
+def _evaluation(pipe: PipelinePlan) -> str:
+    """Where the held-out prompts come from (said, so nobody takes training accuracy for held-out)."""
+    if not pipe.datasets:
+        return "none"
+    dataset = pipe.datasets[0]
+    size, source = dataset.options.get("eval_size", 0), dataset.options.get("eval_source")
+    if not size:
+        return "off (eval_size = 0)"
+    if not pipe.evaluates:
+        return "none (the trainer's engine holds no weights)"
+    if source:
+        return f"{size} prompts of {source}"
+    if dataset.source.startswith("jsonl:") and "{split}" not in dataset.source:
+        return (f"{size} prompts held out of {dataset.source}: the rows whose prompt hashes into the eval share "
+                "(about 5%), which training never reads")
+    return f"{size} prompts of the held-out split of {dataset.source}"
 
 
 def _run_length(pipe: PipelinePlan) -> str:

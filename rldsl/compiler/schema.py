@@ -214,6 +214,10 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "eval_samples": Key(Int(low=1), 1, "responses per evaluation prompt; accuracy is their mean"),
         "eval_temperature": Key(Float(low=0), 0.0, "evaluation sampling temperature (0: greedy)"),
         "eval_top_p": Key(Fraction(), 1.0, "evaluation nucleus sampling share"),
+        "eval_metric": Key(Str(r"reward|[\w.]+:\w+", "`reward` or a `module:function`",
+                               'use "reward" or "rldsl.rewards:exact_match"'), "reward",
+                           "how evaluation scores a response: `reward` (the pipeline's reward functions, summed) "
+                           "or a `module:function` (`rldsl.rewards:exact_match`)"),
     },
     "staleness": {
         "max_lag": Key(Int(low=0), StalenessPlan.max_lag,

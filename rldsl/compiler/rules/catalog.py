@@ -221,6 +221,13 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "`min_lr`, so `min_lr` must not exceed `lr`.",
        "loss = grpo(dual_clip = 0.5)",
        "the train stage's `loss`; for `min_lr`, its `lr`, `min_lr` and `lr_schedule`."),
+    _r("RLP313", WARNING, "evaluation on the training prompts",
+       "Held-out evaluation reads the dataset's `eval_source`, or else the eval split of its first source (a "
+       "`jsonl:` file without `{split}` in its path is split by a hash of each prompt: about 5% of its rows are "
+       "held out and never trained on). An `eval_source` that names a training file is read whole for both, "
+       "so the held-out accuracy `rldsl run` reports would be accuracy on training prompts.",
+       'dataset prompts { source = "jsonl:data/math.jsonl"  eval_source = "jsonl:data/math.jsonl" }',
+       "each dataset's `source`, `sources`, `eval_source` and `eval_size`."),
     _r("RLP401", WARNING, "on-policy with disjoint generate and train GPUs",
        "With max_lag = 0 generation of step t+1 must wait for the weights of step t, so on separate GPUs each "
        "side idles while the other works. Allow max_lag = 1 or colocate the stages.",
@@ -338,7 +345,7 @@ So the rule families depend on each other only through these inputs:
 | dataflow | RLP201-RLP204, RLP207, RLP208 | the flows and the declarations |
 | weights | RLP205, RLP206, RLP209, RLP511 | syncs, models, and the flows for RLP209; RLP511 the placement |
 | batch sizes | RLP301-RLP303, RLP510 | trainer and generator sizes; RLP302 and RLP510 the trainer's GPU count |
-| training | RLP307-RLP312 | the trainer's loss, sampling and schedule keys, the run length, the datasets |
+| training | RLP307-RLP313 | the trainer's loss, sampling and schedule keys, the run length, the datasets |
 | buffer | RLP304-RLP306 | the trainer's prompts_per_step, staleness and buffer |
 | placement | RLP501-RLP503, RLP507, RLP508 | cluster, `gpus`, `colocate`, placement groups, engines |
 | sharing | RLP401, RLP504, RLP505, RLP509 | placed stages |

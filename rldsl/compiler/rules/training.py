@@ -155,4 +155,24 @@ def check_warmup(ctx: Context) -> list[Diagnostic]:
                        help=f"set warmup below {total} (a few percent of the run is typical)")]
 
 
-PASSES = (check_loss_arguments, check_decoupled_loss, check_dynamic_sampling, check_run_length, check_datasets, check_warmup)
+def check_held_out(ctx: Context) -> list[Diagnostic]:
+    """RLP313: an `eval_source` that is one of the training files."""
+    out = []
+    for dataset in ctx.pipe.datasets.values():
+        if not dataset.valid("source", "sources", "eval_source", "eval_size") or not dataset.get("eval_size"):
+            continue
+        evaluated, trained = dataset.get("eval_source"), dataset.get("sources") or [dataset.get("source")]
+        if evaluated is None or evaluated not in trained or "{split}" in evaluated:
+            continue
+        out.append(Diagnostic(
+            "RLP313", WARNING, f"dataset `{dataset.name}` evaluates on its training prompts: `eval_source` is "
+            f"`{evaluated}`, which training reads whole", dataset.span_of("eval_source"),
+            notes=("the reported held-out accuracy would be accuracy on prompts the policy trained on",),
+            help="leave `eval_source` out (a file without `{split}` then holds out about 5% of its rows, by "
+                 'prompt hash, which training never sees), name a held-out file (`eval_source = '
+                 '"jsonl:heldout.jsonl"`), or set `eval_size = 0`'))
+    return out
+
+
+PASSES = (check_loss_arguments, check_decoupled_loss, check_dynamic_sampling, check_run_length, check_datasets,
+          check_warmup, check_held_out)

@@ -39,7 +39,17 @@ def source_options(pipe: PipelinePlan, source: str, seed: int) -> dict:
     if source.startswith("builtin:"):
         return {"seed": seed}
     options = pipe.datasets[0].options
-    return {k: v for k, v in options.items() if k in ("prompt_field", "answer_field")}
+    fields = {k: v for k, v in options.items() if k in ("prompt_field", "answer_field")}
+    return {**fields, "hold_out": evaluates_from(pipe) == source}
+
+
+def evaluates_from(pipe: PipelinePlan) -> str | None:
+    """The training source the held-out prompts are split from: the first
+    source, unless an `eval_source` is given or evaluation is off."""
+    dataset = pipe.datasets[0]
+    if dataset.options.get("eval_source") or not dataset.options.get("eval_size"):
+        return None
+    return dataset.source
 
 
 def dataset_options(pipe: PipelinePlan, seed: int) -> dict:

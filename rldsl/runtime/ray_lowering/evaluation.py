@@ -58,15 +58,49 @@ class EvalSampling:
         return self.temperature == 0
 
 
-def score(responses: list[list[str]], prompts: list) -> dict:
-    """``accuracy``: exact-match reward averaged over every response;
-    ``pass_at_k``: the share of prompts with at least one right among its k."""
+def score(responses: list[list[str]], prompts: list, metric=None) -> dict:
+    """``accuracy``: the metric (exact match by default) averaged over every
+    response; ``pass_at_k``: the share of prompts with at least one response
+    scoring full marks (1 or more) among its k; ``failed``: responses the
+    metric could not score (counted as 0)."""
     from rldsl.rewards import exact_match
 
-    rewards = [[exact_match(r, p.answer) for r in group] for group, p in zip(responses, prompts)]
+    metric = metric or (lambda response, prompt: (exact_match(response, prompt.answer, prompt.text), None))
+    scored = [[metric(r, p) for r in group] for group, p in zip(responses, prompts)]
+    rewards = [[value or 0.0 for value, _ in group] for group in scored]
     total = sum(len(group) for group in rewards)
-    return {"accuracy": sum(map(sum, rewards)) / max(total, 1),
-            "pass_at_k": sum(any(group) for group in rewards) / max(len(rewards), 1)}
+    out = {"accuracy": sum(map(sum, rewards)) / max(total, 1),
+           "pass_at_k": sum(any(r >= 1.0 for r in group) for group in rewards) / max(len(rewards), 1)}
+    failed = sum(reason is not None for group in scored for _, reason in group)
+    return {**out, "failed": failed} if failed else out
+
+
+class EvalMetric:
+    """The dataset's `eval_metric`: the pipeline's reward functions (summed)
+    or one `module:function`, each bounded by the reward stage's timeout; a
+    response the metric cannot score counts 0 and is reported as failed."""
+
+    def __init__(self, pipe: PipelinePlan):
+        from rldsl.rewards import load_reward
+
+        named = pipe.datasets[0].options.get("eval_metric") or "reward"
+        rewards = [s for s in pipe.stages if s.kind == "reward"]
+        self.specs = [s.settings["fn"] for s in rewards] if named == "reward" else [named]
+        self.specs = self.specs or ["rldsl.rewards:exact_match"]
+        self.name = "reward" if named == "reward" else named.partition("@")[0]
+        self.functions = [load_reward(spec) for spec in self.specs]
+        self.timeout_s = float(rewards[0].settings.get("timeout", 10.0)) if rewards else 10.0
+
+    def __call__(self, response: str, prompt) -> tuple[float | None, str | None]:
+        from rldsl.rewards import safe_reward
+
+        total = 0.0
+        for function in self.functions:
+            value, reason = safe_reward(function, response, prompt.answer, prompt.text, self.timeout_s)
+            if reason is not None:
+                return None, reason
+            total += value
+        return total, None
 
 
 class Evaluator:
@@ -92,6 +126,7 @@ class Evaluator:
                                       max_new_tokens=generate.settings["max_new_tokens"],
                                       temperature=self.sampling.temperature, top_p=self.sampling.top_p)
         self.prompts = held_out_prompts(pipe)
+        self.metric = EvalMetric(pipe)
         self._lock = threading.Lock()  # guards the two fields below
         self._incoming: tuple[int, dict] | None = None  # a push in progress
         self._latest: tuple[int, dict] | None = None  # the newest complete push
@@ -126,9 +161,9 @@ class Evaluator:
                 latest, self._latest = self._latest, None
             if latest is not None:
                 self.decoder.update_weights(latest[1], latest[0], last=True)
-            scores = score(self.responses(), self.prompts)
+            scores = score(self.responses(), self.prompts, self.metric)
             args.update(version=self.decoder.version, **scores)
-        return {**scores, "version": self.decoder.version, "prompts": len(self.prompts),
+        return {**scores, "metric": self.metric.name, "version": self.decoder.version, "prompts": len(self.prompts),
                 "samples": 1 if self.sampling.greedy else self.sampling.samples}
 
     def responses(self) -> list[list[str]]:

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 GENERATED_FIELDS = [p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK, p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK]
 ANSWER_IDS = "answer_ids"  # the reference answer, tokenised, for reward workers
+ANSWER_MASK = "answer_mask"  # which of ANSWER_IDS are tokens: id 0 is a real token in many vocabularies
 
 
 class _Worker:
@@ -76,17 +77,20 @@ class GeneratorWorker(_Worker, WeightGroupMember):
             batch = self.batcher.submit(prompts, samples_per_prompt, seed)
             version = int(batch[p.FIELD_VERSION][0]) if len(keys) else self.batcher.version
             args["version"] = version
-            batch[ANSWER_IDS] = self._answers(prompts, samples_per_prompt)
+            batch[ANSWER_IDS], batch[ANSWER_MASK] = self._answers(prompts, samples_per_prompt)
             self._put(keys, batch)
         return p.Generated(version, int(batch[p.FIELD_RESPONSE_MASK].sum()))
 
     def _answers(self, prompts, samples_per_prompt):
+        """The answers' token ids, right-padded, and the mask of real tokens."""
         import torch
 
         tokenizer = getattr(self.engine, "tokenizer", None)
-        rows = [tokenizer.encode(pr.answer) if tokenizer else [0] for pr in prompts for _ in range(samples_per_prompt)]
+        rows = [tokenizer.encode(pr.answer) if tokenizer else [] for pr in prompts for _ in range(samples_per_prompt)]
         width = max(1, max(len(r) for r in rows))
-        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+        return ids, mask
 
     def receive_weights(self, bucket_refs: list, version: int) -> None:
         """A push: stage every bucket while generation goes on."""
@@ -156,9 +160,11 @@ class RewardWorker(_Worker):
             return self._score(keys)
 
     def _score(self, keys: Sequence[str]) -> list[float | p.RewardFailure]:
-        fields = self._get(keys, [p.FIELD_RESPONSE_IDS, p.FIELD_PROMPT_IDS, ANSWER_IDS])
-        samples = [(self._decode(fields[p.FIELD_RESPONSE_IDS][row]), self._decode(fields[ANSWER_IDS][row]),
-                    self._decode(fields[p.FIELD_PROMPT_IDS][row])) for row in range(len(keys))]
+        fields = self._get(keys, [p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_PROMPT_IDS,
+                                  p.FIELD_PROMPT_MASK, ANSWER_IDS, ANSWER_MASK])
+        samples = [(self._decode(fields, p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, row),
+                    self._decode(fields, ANSWER_IDS, ANSWER_MASK, row),
+                    self._decode(fields, p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK, row)) for row in range(len(keys))]
         results = self.pool.score(samples)
         failures = [(key, r) for key, r in zip(keys, results) if isinstance(r, p.RewardFailure)]
         if failures:
@@ -167,10 +173,13 @@ class RewardWorker(_Worker):
                         len(keys), key, first.detail, first.reason)
         return results
 
-    def _decode(self, ids) -> str:
+    def _decode(self, fields: dict, ids_field: str, mask_field: str, row: int) -> str:
+        """The tokens the mask marks (padding is masked, never guessed from
+        the id: 0 is a real token in Llama-3's and Qwen's vocabularies)."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode([int(i) for i in ids if int(i) != 0])
+        ids, mask = fields[ids_field][row], fields[mask_field][row]
+        return self.tokenizer.decode([int(i) for i, keep in zip(ids, mask) if int(keep)])
 
 
 def _tokenizer_for(pipe: PipelinePlan):

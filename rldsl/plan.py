@@ -158,6 +158,7 @@ class RunPlan:
     restarts: int = 2  # the language's default: a lost trainer restarts from the last checkpoint this often
     epochs: int = 0  # the run's length in passes over the training prompts, when written so
     samples: int = 0  # ... in trained samples, when written so
+    log: list[str] = field(default_factory=lambda: ["tensorboard"])  # metric backends besides metrics.jsonl
 
     def resolved(self, train_prompts: int, prompts_per_step: int) -> "RunPlan":
         """Steps from epochs, once the number of training prompts is known

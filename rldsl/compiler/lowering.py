@@ -60,7 +60,7 @@ def _run(run: Decl, rollout_batch: int) -> RunPlan:
     epochs, samples = run.get("epochs", 0), int(run.get("samples", 0))
     steps = -(-samples // rollout_batch) if samples else 0 if epochs else run["steps"]
     return RunPlan(steps, run["seed"], run["eval_every"], run["checkpoint_every"], run["watchdog"], run["restarts"],
-                   epochs, samples)
+                   epochs, samples, list(run["log"]))
 
 
 def _dataset(decl: Decl, base_dir: Path) -> DatasetPlan:

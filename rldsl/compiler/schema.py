@@ -249,6 +249,8 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "watchdog": Key(DURATION, 120.0, "stop with a report when no pump progresses this long"),
         "restarts": Key(Int(low=0), RunPlan.restarts, "times a lost trainer rank is restarted, with every actor, "
                                                       "from the last checkpoint before the run gives up"),
+        "log": Key(ListOf(Enum(("tensorboard", "wandb", "mlflow"))), ["tensorboard"],
+                   "where step metrics go besides metrics.jsonl: `tensorboard`, `wandb`, `mlflow` (`[]`: none)"),
     },
 }
 

@@ -49,6 +49,7 @@ def preflight(pipe: PipelinePlan) -> None:
                 load_reward(stage.settings["fn"])
             except RewardLoadError as err:
                 raise PreflightError(f"stage `{stage.name}`: {err}") from None
+    _check_libraries(pipe)
     for model in pipe.models:
         path = model.source.removeprefix("hf:")
         if model.source.startswith("hf:") and not Path(path).is_dir():
@@ -60,6 +61,20 @@ def preflight(pipe: PipelinePlan) -> None:
             path = source.removeprefix("jsonl:")
             if source.startswith("jsonl:") and "{split}" not in path and not Path(path).exists():
                 raise PreflightError(f"dataset `{dataset.name}`: no such file {path}")
+
+
+def _check_libraries(pipe: PipelinePlan) -> None:
+    """Optional libraries the plan needs, named before Ray starts (not
+    minutes later inside an actor)."""
+    import importlib.util
+
+    from rldsl.runtime.ray_lowering.loggers import missing_libraries
+
+    missing = missing_libraries(pipe.run.log)
+    if any(m.source.startswith("hf:") for m in pipe.models) and importlib.util.find_spec("transformers") is None:
+        missing.append("`hf:` models need the transformers package: pip install 'rldsl[hf]'")
+    if missing:
+        raise PreflightError(f"pipeline `{pipe.name}`: " + "; ".join(missing))
 
 
 def with_run_lengths(plan: ExecutionPlan, steps: int | None) -> ExecutionPlan:

@@ -205,7 +205,8 @@ class PipelineDriver:
             self.say(f"nothing to do: {done_before} of {self.settings.steps} steps are done")
             return False
         self._say_transport()
-        self.progress = Progress(self.settings, self.run_dir, prefix=self.prefix, live=live)
+        self.progress = Progress(self.settings, self.run_dir, prefix=self.prefix, live=live, log=self.pipe.run.log,
+                                 name=self.pipe.name, config=_logged_config(self.pipe))
         if self.evaluations and not self.resume:
             self.evaluations.request(step=0, version=0)
         self.result_ref = self.controller.run.remote()
@@ -451,3 +452,11 @@ def root_cause(err: BaseException) -> str:
     cause = cause or err
     lines = [line for line in str(cause).strip().splitlines() if line.strip()]
     return f"{type(cause).__name__}: {lines[-1] if lines else ''}"
+
+
+def _logged_config(pipe: PipelinePlan) -> dict:
+    """The settings a metric logger records with the run (what differs between runs one compares)."""
+    train = pipe.stage(pipe.batch.train_stage)
+    return {"pipeline": pipe.name, "trainer_engine": train.engine.name, "prompts_per_step": pipe.batch.prompts_per_step,
+            "samples_per_prompt": pipe.batch.samples_per_prompt, "max_lag": pipe.staleness.max_lag,
+            **{f"train.{k}": v for k, v in train.settings.items() if isinstance(v, (int, float, str, bool))}}

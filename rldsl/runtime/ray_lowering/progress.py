@@ -1,5 +1,6 @@
 """Live progress of a run (rich on a terminal, a line per step otherwise),
-metrics as JSONL and TensorBoard events, and the final summary table."""
+metrics as JSONL and to the run's metric loggers (loggers.py), and the
+final summary table."""
 
 from __future__ import annotations
 
@@ -11,14 +12,19 @@ from rldsl.runtime.control.settings import RunSettings
 
 
 class Progress:
-    def __init__(self, settings: RunSettings, run_dir: Path, prefix: str = "", live: bool = True):
+    def __init__(self, settings: RunSettings, run_dir: Path, prefix: str = "", live: bool = True,
+                 log: tuple[str, ...] = ("tensorboard",), name: str = "rldsl", config: dict | None = None):
         """``prefix`` starts every line (several pipelines in one run);
-        ``live=False`` keeps the line-per-step output on a terminal too."""
+        ``live=False`` keeps the line-per-step output on a terminal too;
+        ``log``: the metric backends (loggers.py), ``name`` and ``config``
+        what they call and record the run."""
         from rich.console import Console
+
+        from rldsl.runtime.ray_lowering.loggers import MetricLoggers
 
         self.settings, self.prefix, self.want_live = settings, prefix, live
         self.metrics_path = run_dir / "metrics.jsonl"
-        self.tensorboard = _tensorboard(run_dir / "tensorboard")
+        self.loggers = MetricLoggers(log, run_dir, name, config)
         self.console = Console(stderr=True)
         if not self.console.is_terminal:  # logs: one unwrapped line per step
             self.console = Console(stderr=True, width=400)
@@ -40,8 +46,7 @@ class Progress:
         if self.live is not None:
             self.live.update(self._render())
             self.live.__exit__(*exc)
-        if self.tensorboard is not None:
-            self.tensorboard.flush()
+        self.loggers.close()
 
     def _append(self, record: dict) -> None:
         with open(self.metrics_path, "a") as f:
@@ -49,9 +54,7 @@ class Progress:
 
     def eval(self, step: int, accuracy: float) -> None:
         self._append({"eval": True, "step": step, "accuracy": accuracy})
-        if self.tensorboard is not None:
-            self.tensorboard.add_scalar("eval/accuracy", accuracy, step)
-            self.tensorboard.flush()
+        self.loggers.log({"eval/accuracy": accuracy}, step)
 
     def step(self, record: dict) -> None:
         self.last = record
@@ -130,27 +133,9 @@ class Progress:
 
 
     def _scalars(self, record: dict) -> None:
-        if self.tensorboard is None:
-            return
-        step = record["step"]
-        for name, value in record.get("trainer", {}).items():
-            if isinstance(value, (int, float)):
-                self.tensorboard.add_scalar(f"train/{name}", value, step)
-        for name in ("samples_per_s", "step_time_s", "reward_mean"):
-            if isinstance(record.get(name), (int, float)):
-                self.tensorboard.add_scalar(f"run/{name}", record[name], step)
-        lags = record["lag_histogram"]
-        total = sum(lags.values()) or 1
-        self.tensorboard.add_scalar("run/mean_lag", sum(int(k) * v for k, v in lags.items()) / total, step)
+        from rldsl.runtime.ray_lowering.loggers import step_scalars
 
-
-def _tensorboard(path: Path):
-    """A TensorBoard writer, or None when tensorboard is not installed."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(path))
+        self.loggers.log(step_scalars(record), record["step"])
 
 
 def _hist(histogram: dict) -> str:

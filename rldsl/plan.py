@@ -83,6 +83,7 @@ class ModelPlan:
     source: str
     params: int | None = None
     dtype: str | None = None
+    chat_template: bool = False  # prompts go through the tokenizer's chat template (hf: models)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None],
     shares = _gpu_shares(placement)
     return PipelinePlan(
         name=pipe.name,
-        models=[ModelPlan(m.name, _anchored(m["source"], base_dir), params.get(f"{pipe.name}/{m.name}"), m.get("dtype"))
+        models=[ModelPlan(m.name, _anchored(m["source"], base_dir), params.get(f"{pipe.name}/{m.name}"), m.get("dtype"),
+                          bool(m.get("chat_template")))
                 for m in pipe.models.values()],
         datasets=[_dataset(d, base_dir) for d in pipe.datasets.values()],
         stages=[_stage(s, placement.of(pipe.name, s.name), placement, shares, base_dir)

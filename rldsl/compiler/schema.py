@@ -198,6 +198,8 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
                           'use "builtin:tiny-lm" or "hf:/path/to/model"'), REQUIRED, "`builtin:tiny-lm` or `hf:<local path>`"),
         "params": Key(COUNT, None, "parameter count (read from the model when omitted)"),
         "dtype": Key(_DTYPE, None, "weights dtype (default: the engine's)"),
+        "chat_template": Key(Bool(), False, "format each prompt with the tokenizer's chat template, as a user turn "
+                                            "with the assistant's turn opened (`hf:` instruct models)"),
     },
     "dataset": {
         "source": Key(_DATA_SOURCE, DERIVED, "`builtin:arith`, `builtin:reverse` or `jsonl:<path>` "

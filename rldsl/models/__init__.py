@@ -37,4 +37,18 @@ def load_tokenizer(source: str):
     return CharTokenizer()
 
 
-__all__ = ["BUILTIN_TINY", "CharTokenizer", "load_model", "load_tokenizer"]
+def chat_formatter(source: str):
+    """``text -> text`` through the model's chat template: the prompt as a
+    user turn, the assistant's turn opened. Only `hf:` models have one; a
+    tokenizer without a template is refused rather than silently skipped."""
+    if not source.startswith("hf:"):
+        raise ValueError(f"`chat_template = true` needs an `hf:` model with a chat template; {source} has none")
+    inner = load_tokenizer(source).inner
+    if not getattr(inner, "chat_template", None):
+        raise ValueError(f"`chat_template = true`, but the tokenizer of {source} has no chat template "
+                         "(tokenizer_config.json `chat_template`)")
+    return lambda text: inner.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                  add_generation_prompt=True)
+
+
+__all__ = ["BUILTIN_TINY", "CharTokenizer", "chat_formatter", "load_model", "load_tokenizer"]

@@ -26,7 +26,8 @@ class HFTokenizer:
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids = self.inner(text, add_special_tokens=False)["input_ids"]
-        prefix = [self.bos_id] if add_bos and self.bos_id is not None else []
+        templated = bool(ids) and ids[0] == self.bos_id  # a chat template already opened with BOS
+        prefix = [self.bos_id] if add_bos and self.bos_id is not None and not templated else []
         return prefix + ids + ([self.eos_id] if add_eos else [])
 
     def decode(self, ids, stop_at_eos: bool = True) -> str:

@@ -10,6 +10,7 @@ a resumed run walks the same stream and skips what it already trained.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import random
 from typing import Iterator
@@ -63,10 +64,24 @@ def load_source(pipe: PipelinePlan, source: str, split: str, seed: int) -> list[
     from rldsl.tasks import DatasetError, load_dataset
 
     try:
-        return load_dataset(source, split, **source_options(pipe, source, seed))
+        return _templated(pipe, load_dataset(source, split, **source_options(pipe, source, seed)))
     except DatasetError as error:
         detail = str(error) if source.split(":", 1)[-1] in str(error) else f"{source}: {error}"
         raise DatasetError(f"dataset {pipe.datasets[0].name!r}: {detail}") from error
+
+
+def _templated(pipe: PipelinePlan, prompts: list[Prompt]) -> list[Prompt]:
+    """With the policy's `chat_template`, each prompt as the model's chat
+    template writes it (every engine then encodes the same text); the text
+    as written stays in ``meta["raw_prompt"]``."""
+    model = next((m for m in pipe.models if m.name == pipe.stage(pipe.batch.train_stage).model), None)
+    if model is None or not model.chat_template:
+        return prompts
+    from rldsl.models import chat_formatter
+
+    formatted = chat_formatter(model.source)
+    return [dataclasses.replace(p, text=formatted(p.text), meta={**(p.meta or {}), "raw_prompt": p.text})
+            for p in prompts]
 
 
 def train_prompt_count(pipe: PipelinePlan, seed: int) -> int:

@@ -75,6 +75,13 @@ def _check_libraries(pipe: PipelinePlan) -> None:
         missing.append("`hf:` models need the transformers package: pip install 'rldsl[hf]'")
     if missing:
         raise PreflightError(f"pipeline `{pipe.name}`: " + "; ".join(missing))
+    for model in (m for m in pipe.models if m.chat_template):
+        from rldsl.models import chat_formatter
+
+        try:
+            chat_formatter(model.source)
+        except (ValueError, OSError) as err:
+            raise PreflightError(f"model `{model.name}`: {err}") from None
 
 
 def with_run_lengths(plan: ExecutionPlan, steps: int | None) -> ExecutionPlan:

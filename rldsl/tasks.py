@@ -27,6 +27,8 @@ from rldsl.runtime.protocols import Prompt
 
 SPLITS = ("train", "eval")
 EVAL_PER_MILLE = 50  # share of the prompt space held out for evaluation
+# the shortest and longest answer of each builtin task, in characters (a test checks them against the data)
+ANSWER_CHARACTERS = {"builtin:arith": (1, 3), "builtin:reverse": (3, 5)}
 
 
 class DatasetError(ValueError):

@@ -24,9 +24,9 @@ from rldsl.compiler.ir import build_ir
 from rldsl.compiler.parser import parse
 from rldsl.compiler.placement import Placement, place
 from rldsl.compiler.resolve import resolve
-from rldsl.compiler.rules import batching, dataflow, engines, sharing, training, weights
+from rldsl.compiler.rules import batching, dataflow, engines, learning, sharing, training, weights
 
-PIPELINE_PASSES = dataflow.PASSES + weights.PASSES + engines.PASSES + training.PASSES
+PIPELINE_PASSES = dataflow.PASSES + weights.PASSES + engines.PASSES + training.PASSES + learning.PASSES
 PROGRAM_PLACED_PASSES = (sharing.check_sharing, sharing.check_pipeline_sharing)
 # these read the placement when there is one
 PLACED_PASSES = batching.PASSES + (sharing.check_on_policy_disjoint, weights.check_transport)

@@ -228,6 +228,21 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "so the held-out accuracy `rldsl run` reports would be accuracy on training prompts.",
        'dataset prompts { source = "jsonl:data/math.jsonl"  eval_source = "jsonl:data/math.jsonl" }',
        "each dataset's `source`, `sources`, `eval_source` and `eval_size`."),
+    _r("RLP314", ERROR, "the pipeline cannot learn",
+       "The run would go to its end and train nothing. Two cases are certain from the file: one sample per "
+       "prompt with `advantage = reinforce_pp` and `normalize = group` (a one-sample group has no spread: "
+       "every advantage is zero, so is every loss; the group-baseline estimators are RLP303's), and exact "
+       "match on a builtin task with responses shorter than every answer (the reward is a constant 0).",
+       "loss ...  advantage = reinforce_pp  normalize = group   # with samples_per_prompt = 1",
+       "the train stage's `advantage` and `normalize` and its generator's `samples_per_prompt`; for the "
+       "reward case the reward's `fn`, the dataset's builtin source, the policy's source and `max_new_tokens`."),
+    _r("RLP315", WARNING, "responses shorter than some answers",
+       "With exact match as the only reward on a builtin task, a response must be as long as the answer. "
+       "`max_new_tokens` below the task's longest answer leaves those prompts unrewardable: they train "
+       "nothing and cap the reachable accuracy.",
+       "stage generate rollout { model = policy  max_new_tokens = 2 }   # builtin:arith answers run to 3",
+       "the reward's `fn`, the dataset's builtin source, the policy's source and the generator's "
+       "`max_new_tokens`."),
     _r("RLP401", WARNING, "on-policy with disjoint generate and train GPUs",
        "With max_lag = 0 generation of step t+1 must wait for the weights of step t, so on separate GPUs each "
        "side idles while the other works. Allow max_lag = 1 or colocate the stages.",
@@ -345,6 +360,7 @@ So the rule families depend on each other only through these inputs:
 | dataflow | RLP201-RLP204, RLP207, RLP208 | the flows and the declarations |
 | weights | RLP205, RLP206, RLP209, RLP511 | syncs, models, and the flows for RLP209; RLP511 the placement |
 | batch sizes | RLP301-RLP303, RLP510 | trainer and generator sizes; RLP302 and RLP510 the trainer's GPU count |
+| learning | RLP314, RLP315 | the estimator, samples per prompt, the reward, the builtin task and `max_new_tokens` |
 | training | RLP307-RLP313 | the trainer's loss, sampling and schedule keys, the run length, the datasets |
 | buffer | RLP304-RLP306 | the trainer's prompts_per_step, staleness and buffer |
 | placement | RLP501-RLP503, RLP507, RLP508 | cluster, `gpus`, `colocate`, placement groups, engines |

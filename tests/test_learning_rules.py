@@ -1,0 +1,47 @@
+"""Pipelines that cannot learn (RLP314) or cannot learn from every prompt (RLP315)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rldsl.compiler.driver import compile_source
+from rldsl.tasks import ANSWER_CHARACTERS, load_dataset
+
+BASE = (Path(__file__).parent / "golden" / "base.rlp").read_text()
+
+
+def codes(text: str) -> list[str]:
+    return sorted(d.code for d in compile_source(text, "p.rlp").diagnostics)
+
+
+def test_the_builtin_answer_lengths_are_the_datas():
+    for source, (shortest, longest) in ANSWER_CHARACTERS.items():
+        lengths = {len(p.answer) for split in ("train", "eval") for p in load_dataset(source, split)}
+        assert (min(lengths), max(lengths)) == (shortest, longest), source
+
+
+def test_responses_shorter_than_every_answer_get_a_constant_reward():
+    text = BASE.replace('"builtin:arith"', '"builtin:reverse"').replace(
+        "  samples_per_prompt = 4\n", "  samples_per_prompt = 4\n  max_new_tokens = 2\n")
+    assert codes(text) == ["RLP314"]
+
+
+@pytest.mark.parametrize(("tokens", "expected"), [(2, ["RLP315"]), (3, []), (64, [])])
+def test_responses_shorter_than_some_answers(tokens, expected):
+    assert codes(BASE.replace("  samples_per_prompt = 4\n",
+                              f"  samples_per_prompt = 4\n  max_new_tokens = {tokens}\n")) == expected
+
+
+def test_only_certain_cases_are_reported():
+    short = BASE.replace("  samples_per_prompt = 4\n", "  samples_per_prompt = 4\n  max_new_tokens = 1\n")
+    assert codes(short.replace('"rldsl.rewards:exact_match"', '"rldsl.rewards:char_match"')) == []  # partial credit
+    assert codes(short.replace('"builtin:arith"', '"jsonl:data.jsonl"')) == []  # unknown answers
+
+
+@pytest.mark.parametrize(("normalize", "expected"), [("group", ["RLP314"]), ("batch", []), ("none", [])])
+def test_one_sample_per_prompt_normalised_by_its_group(normalize, expected):
+    text = BASE.replace("  samples_per_prompt = 4\n", "  samples_per_prompt = 1\n").replace(
+        "  prompts_per_step = 8\n", f"  prompts_per_step = 8\n  advantage = reinforce_pp\n  normalize = {normalize}\n")
+    assert codes(text) == expected

@@ -206,6 +206,8 @@ def cmd_run(args) -> int:
             _usage_error(f"no such plan: {args.plan}", "create one with `rldsl plan FILE --out plan.json`")
         except (PlanFormatError, ValueError, KeyError, TypeError) as err:
             _usage_error(f"{args.plan} is not a valid plan: {err}", "re-create it with `rldsl plan FILE --out`")
+        if not _plan_passes_checks(plan, args.plan, show_warnings=not args.resume):
+            return EXIT_FINDINGS
     elif args.file:
         result = _compile(args.file, overrides=args.overrides)
         _print_diagnostics(result, args)
@@ -219,6 +221,37 @@ def cmd_run(args) -> int:
     except ImportError as err:
         _missing_extras(err)
     return run_plan(plan, args)
+
+
+def _plan_passes_checks(plan, path: str, show_warnings: bool) -> bool:
+    """A saved plan may be hand-edited: the rules a plan's numbers can break,
+    again, before anything starts (compiler/plan_check.py)."""
+    from rldsl.compiler.plan_check import check_plan, render_plan_findings
+
+    try:
+        findings = check_plan(plan)
+    except (TypeError, ValueError, KeyError, AttributeError, StopIteration) as err:
+        _usage_error(f"{path} is not a valid plan: {type(err).__name__}: {err}",
+                     "re-create it with `rldsl plan FILE --out`")
+    errors = any(f.is_error for f in findings)
+    if errors or (findings and show_warnings):
+        sys.stderr.write(render_plan_findings(findings, path))
+    return not errors
+
+
+def _grace(text: str) -> float:
+    """`--grace`: seconds, or a duration as the language writes them (`45s`, `2m`)."""
+    from rldsl.compiler.units import DURATION_UNITS
+
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):] or "s"
+    try:
+        seconds = float(number) * DURATION_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 30s, 2m)") from None
+    if not 1 <= seconds <= 24 * 3600:
+        raise argparse.ArgumentTypeError(f"{text!r}: give between 1s and 24h")
+    return seconds
 
 
 def _missing_extras(err: ImportError):
@@ -289,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a previous run from its last checkpoint")
     p.add_argument("--dry-run", action="store_true",
                    help="reserve the placement groups, report where every actor would start, exit")
+    p.add_argument("--grace", type=_grace, metavar="DURATION",
+                   help="how long a stop (Ctrl-C, SIGTERM, SIGHUP) may take to checkpoint, write summary.json and "
+                        "stop Ray: 30s by default, a scheduler's usual grace before SIGKILL")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("report", parents=[common], help="plot and summarise a finished run")

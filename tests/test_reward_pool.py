@@ -62,6 +62,39 @@ def test_hangs_in_different_processes_overlap(make_pool):
     assert [getattr(r, "reason", r) for r in results] == [REWARD_TIMEOUT, 1.0, 1.0, REWARD_TIMEOUT, 1.0, 1.0]
 
 
+def test_a_hung_sample_frees_its_slot_long_before_its_timeout(make_pool):
+    """One process, a hang in the first call: the next call is scored at
+    once by a new process while the hung one waits out its deadline apart;
+    the hang costs its own sample only and its process dies at the timeout."""
+    timeout_s = 4.0
+    pool = make_pool("tests.reward_fns:hang_on_hang", processes=1, timeout_s=timeout_s)
+    hung_pid = pool.process_ids()[0]
+    results, started = {}, time.monotonic()
+    first = threading.Thread(target=lambda: results.setdefault("first", pool.score(samples("hang", "a", "b"))))
+    first.start()
+    time.sleep(0.1)  # the hang is running when the second call comes
+    assert pool.score(samples("a", "b", "a")) == [1.0, 0.0, 1.0]
+    assert time.monotonic() - started < timeout_s / 2  # not behind the hang
+    assert pool.handed_off_count() == 1 and hung_pid not in pool.process_ids()
+    first.join(timeout=timeout_s + 10 * SLACK_S)
+    assert [getattr(r, "reason", r) for r in results["first"]] == [REWARD_TIMEOUT, 1.0, 0.0]
+    assert time.monotonic() - started < timeout_s + 2 * SLACK_S
+    deadline = time.monotonic() + 5 * SLACK_S
+    while pool.handed_off_count() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.handed_off_count() == 0 and not _alive(hung_pid)  # killed at its deadline, reaped
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_each_sample_gets_its_own_deadline(make_pool):
     """Three samples of 0.3 s in one chunk take 0.9 s together, each within 0.5 s."""
     pool = make_pool("tests.reward_fns:slow", processes=1, timeout_s=0.5)

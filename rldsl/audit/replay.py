@@ -39,9 +39,11 @@ class JournalError(Exception):
 
 
 def read_journal(path: Path) -> tuple[list[dict], list[str]]:
-    """The events of ``path`` and notes on what was skipped: a torn last line
-    (the writer was cut off mid-write) is skipped, any other bad line is a
-    ``JournalError``."""
+    """The events of ``path`` and notes on what was skipped. A writer cut
+    off mid-write leaves a torn line: as the last line (skipped), or, when a
+    later segment appended without repairing it, glued to the next event on
+    the same line (the fragment is skipped, the events after it are kept).
+    Any other bad line is a ``JournalError``."""
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
@@ -53,22 +55,60 @@ def read_journal(path: Path) -> tuple[list[dict], list[str]]:
         if not line.strip():
             continue
         try:
-            event = json.loads(line)
-            if not isinstance(event, dict) or not isinstance(event.get("e"), str):
-                raise ValueError("not a journal event")
-            if event["e"] in KEYED_EVENTS and not isinstance(event.get("keys"), list):
-                raise ValueError(f"a `{event['e']}` event without a list of keys")
+            events.append(_event(line))
+            continue
         except ValueError as err:
-            if number == len(lines):  # the last line, with no newline after it
-                notes.append(f"line {number} is incomplete (the writer was cut off mid-write) and was skipped")
-                continue
-            raise JournalError(f"{path}:{number}: {err}: {line[:80]}",
+            error = err
+        if number == len(lines):  # the last line, with no newline after it
+            notes.append(f"line {number} is incomplete (the writer was cut off mid-write) and was skipped")
+            continue
+        mended = _split_glued(line)
+        if mended is None:
+            raise JournalError(f"{path}:{number}: {error}: {line[:80]}",
                                "the journal is damaged at that line; remove it to audit the rest") from None
-        events.append(event)
+        glued, fragment = mended
+        events += glued
+        notes.append(f"line {number} began with a fragment of a line cut off mid-write, which was skipped; the "
+                     f"{len(glued)} event(s) appended after it were read" if fragment else
+                     f"line {number} held {len(glued)} events (a newline was cut off mid-write); all were read")
     if not events or events[0]["e"] != j.RUN:
         raise JournalError(f"{path} does not start with a `run` header",
                            "pass a journal written by `rldsl run`" if events else "the journal is empty")
     return events, notes
+
+
+def _event(text: str) -> dict:
+    return _checked_event(json.loads(text))
+
+
+def _checked_event(event) -> dict:
+    if not isinstance(event, dict) or not isinstance(event.get("e"), str):
+        raise ValueError("not a journal event")
+    if event["e"] in KEYED_EVENTS and not isinstance(event.get("keys"), list):
+        raise ValueError(f"a `{event['e']}` event without a list of keys")
+    return event
+
+
+def _split_glued(line: str) -> tuple[list[dict], bool] | None:
+    """Whole events run together on one line, after a fragment of a line
+    cut off mid-write or not (an append that did not start on a fresh
+    line): the events and whether a fragment was skipped, or None when the
+    line is not that."""
+    decoder = json.JSONDecoder()
+    starts = [i for i in range(len(line)) if line.startswith(_EVENT_START, i)]
+    for start in starts:  # the earliest start from which the rest of the line is whole events
+        events, position = [], start
+        try:
+            while position < len(line):
+                event, position = decoder.raw_decode(line, position)
+                events.append(_checked_event(event))
+        except ValueError:
+            continue
+        return events, start > 0
+    return None
+
+
+_EVENT_START = '{"e":'
 
 
 def latest_run(events: list[dict]) -> list[dict]:

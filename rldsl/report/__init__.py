@@ -7,7 +7,6 @@ data.py reads the run directory into series; png.py and html.py draw them.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ def write_report(run_dir: Path, html: bool = False) -> int:
         print(f"error: {run_dir} has no metrics.jsonl", file=sys.stderr)
         print("  = help: pass a directory written by `rldsl run` (see its last line)", file=sys.stderr)
         return 2
-    from rldsl.report.data import read_metrics, report_data
+    from rldsl.report.data import ledger_of, number, read_json, read_metrics, report_data
     from rldsl.report.png import write_png
 
     steps, evals = read_metrics(run_dir)
@@ -28,15 +27,17 @@ def write_report(run_dir: Path, html: bool = False) -> int:
 
         written.append(write_html(data, run_dir / "report.html"))
     summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = read_json(summary_path)
     print(f"run: {run_dir}")
-    print(f"steps: {len(steps)}" + _ending(summary))
-    if summary.get("ledger"):
-        ledger = summary["ledger"]
-        dropped = ", ".join(f"{k} {v}" for k, v in ledger["dropped"].items()) or "none"
-        print(f"samples: generated {ledger['generated']}, trained {ledger['trained']}, dropped {dropped}")
-        print(f"max lag: {summary['max_lag']}, {summary.get('samples_per_s', 0):.1f} samples/s, "
-              f"wall clock {summary.get('wall_clock_s', 0):.0f}s")
+    print(f"steps: {len(steps)}" + _ending(summary, summary_path.exists()))
+    ledger = ledger_of(summary)
+    if ledger is not None:
+        dropped = ", ".join(f"{k} {v:.0f}" for k, v in ledger["dropped"].items()) or "none"
+        print(f"samples: generated {ledger['generated']:.0f}, trained {ledger['trained']:.0f}, dropped {dropped}")
+        figures = [f"max lag: {summary.get('max_lag', 'unknown')}"]
+        if "samples_per_s" in summary:  # the controller's figure: absent when it died
+            figures.append(f"{number(summary['samples_per_s']):.1f} samples/s")
+        print(", ".join(figures + [f"wall clock {number(summary.get('wall_clock_s')):.0f}s"]))
     if evals:
         first, last = evals[0], evals[-1]
         print(f"held-out accuracy: {first['accuracy']:.3f} (step {first['step']}) -> {last['accuracy']:.3f} "
@@ -49,11 +50,13 @@ def write_report(run_dir: Path, html: bool = False) -> int:
     return 0
 
 
-def _ending(summary: dict) -> str:
+def _ending(summary: dict, exists: bool) -> str:
     """How the run ended, when it did not simply finish (summary.json says so on every exit path)."""
     if not summary:
-        return " (no summary.json: the run did not finish)"
-    exit = summary.get("exit", "finished")
+        return (" (summary.json is unreadable: the run was killed while writing it)" if exists
+                else " (no summary.json: the run did not finish)")
+    exit = summary.get("exit") or "finished"
     if exit == "finished":
         return ""
-    return f" (the run {exit}" + (f": {summary['error']}" if summary.get("error") else "") + ")"
+    how = f" by {summary['signal']}" if summary.get("signal") else ""
+    return f" (the run {exit}{how}" + (f": {summary['error']}" if summary.get("error") else "") + ")"

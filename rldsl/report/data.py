@@ -31,23 +31,45 @@ class ReportData:
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(step records, eval records) from metrics.jsonl; a resumed run's
-    repeated steps keep their latest record."""
+    """(step records, eval records) from metrics.jsonl; a repeated step
+    keeps its latest record, and a line a killed run left torn is skipped."""
     steps: dict[int, dict] = {}
     evals: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        if not line.strip():
+    for line in (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
             continue
-        record = json.loads(line)
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            continue
+        if record.get("eval") and not isinstance(record.get("accuracy"), (int, float)):
+            continue
         (evals if record.get("eval") else steps)[record["step"]] = record
     return [steps[k] for k in sorted(steps)], [evals[k] for k in sorted(evals)]
 
 
 def read_json(path: Path) -> dict:
+    """The file's object; {} when it is missing, unreadable or not a JSON object."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return value if isinstance(value, dict) else {}
+
+
+def number(value, default: float = 0.0) -> float:
+    """A figure of summary.json, which a run that died may have left out."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def ledger_of(summary: dict) -> dict | None:
+    """summary.json's whole-run ledger with the counts the report prints, or None."""
+    ledger = summary.get("ledger")
+    if not isinstance(ledger, dict):
+        return None
+    dropped = ledger.get("dropped") if isinstance(ledger.get("dropped"), dict) else {}
+    return {"generated": number(ledger.get("generated")), "trained": number(ledger.get("trained")),
+            "dropped": {str(k): number(v) for k, v in dropped.items()}}
 
 
 def report_data(run_dir: Path) -> ReportData:
@@ -59,10 +81,15 @@ def report_data(run_dir: Path) -> ReportData:
     data = ReportData(f"{pipeline} — {run_dir.name}", _subtitle(steps, summary))
     data.curves = _curves(steps, evals)
     for record in steps:
-        for lag, count in record.get("lag_histogram", {}).items():
-            data.lag_histogram[int(lag)] = data.lag_histogram.get(int(lag), 0) + count
-    if trace.get("traceEvents"):
-        _add_trace(data, trace["traceEvents"])
+        histogram = record.get("lag_histogram")
+        for lag, count in (histogram.items() if isinstance(histogram, dict) else ()):
+            if str(lag).lstrip("-").isdigit() and isinstance(count, int):
+                data.lag_histogram[int(lag)] = data.lag_histogram.get(int(lag), 0) + count
+    if isinstance(trace.get("traceEvents"), list):
+        try:
+            _add_trace(data, trace["traceEvents"])
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):  # a trace cut short: the panels without it
+            data.stage_busy, data.gpu_busy, data.time_edges, data.timeline = {}, {}, [], {}
     return data
 
 
@@ -73,13 +100,16 @@ def _pipeline_name(run_dir: Path) -> str:
 
 
 def _subtitle(steps: list[dict], summary: dict) -> str:
-    if not summary:
-        return f"{len(steps)} steps (no summary.json: the run did not finish)"
-    ledger = summary["ledger"]
-    dropped = sum(ledger["dropped"].values())
-    return (f"{summary['steps']} steps, {ledger['trained']} samples trained ({dropped} dropped), "
-            f"max lag {summary['max_lag']}, {summary['samples_per_s']:.1f} samples/s, "
-            f"wall clock {summary.get('wall_clock_s', 0):.0f} s")
+    ledger = ledger_of(summary)
+    if ledger is None:
+        return f"{len(steps)} steps (no summary.json with a ledger: the run did not finish)"
+    parts = [f"{summary.get('steps', len(steps))} steps",
+             f"{ledger['trained']:.0f} samples trained ({sum(ledger['dropped'].values()):.0f} dropped)"]
+    if "max_lag" in summary:
+        parts.append(f"max lag {summary['max_lag']}")
+    if "samples_per_s" in summary:
+        parts.append(f"{number(summary['samples_per_s']):.1f} samples/s")
+    return ", ".join(parts) + f", wall clock {number(summary.get('wall_clock_s')):.0f} s"
 
 
 def _curves(steps: list[dict], evals: list[dict]) -> dict[str, Series]:

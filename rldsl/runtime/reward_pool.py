@@ -10,7 +10,9 @@ process is killed (SIGKILL, which stops it burning CPU), that sample alone
 is dropped as ``reward_timeout``, the rest of its chunk goes back to the
 front of the queue and a new process takes the old one's place. A process
 that dies (a segfault, ``os._exit``) drops its running sample the same way,
-as ``reward_raised``, with or without a timeout.
+as ``reward_raised``, with or without a timeout. A sample that runs long
+while other work waits is handed off (reward_child.py) well before its
+deadline, so that a hang costs its own sample and not a slot's throughput.
 
 Why ``subprocess`` with two pipes and not ``multiprocessing``:
 ``ProcessPoolExecutor`` cannot kill one hung task (only break the whole
@@ -26,30 +28,36 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
-import os
-import select
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from rldsl.rewards import RewardLoadError
-from rldsl.runtime.control.ledger import REWARD_INVALID, REWARD_RAISED, REWARD_TIMEOUT
+from rldsl.runtime.control.ledger import REWARD_RAISED
 from rldsl.runtime.protocols import RewardFailure
-from rldsl.runtime.reward_process import FrameBuffer, write_frame
+from rldsl.runtime.reward_child import (
+    DIED,
+    STARTUP_TIMEOUT_S,
+    TIMED_OUT,
+    RewardChild,
+    reply_result,
+    timeout_failure,
+    watch_handed_off,
+)
 
 DEFAULT_PROCESSES = 2  # per worker: a hung sample blocks one, the other keeps scoring
-STARTUP_TIMEOUT_S = 120.0  # importing a reward's module may be slow; it is not the reward's timeout
+HAND_OFF_SHARE = 0.1  # of the timeout a sample may run while work waits, before its slot hands it off
+HAND_OFF_SLOWER_THAN = 8  # ... and never before 8x the reward's usual time per sample
+HANDED_OFF_PER_PROCESS = 2  # handed-off processes waiting out their deadline, per pool process at most
+_POLL_S = 0.05  # how often a slot whose sample runs long looks for waiting work
+
+_HANDED_OFF = object()
 
 Sample = tuple[str, str, str]  # (response, answer, prompt)
-
-_TIMED_OUT, _DIED = object(), object()
 
 
 class RewardPool:
@@ -64,6 +72,9 @@ class RewardPool:
         self.fn_spec = fn_spec
         self.timeout_s = timeout_s or None  # 0 or None: no deadline, crashes are still isolated
         self._queue = _ChunkQueue()
+        self._handed_off: set[RewardChild] = set()  # processes a slot gave up, waiting out their deadline
+        self._handed_off_lock = threading.Lock()
+        self._sample_s: float | None = None  # the usual time per sample (a moving average)
         self._slots = [_Slot(self, index) for index in range(max(1, processes))]
         atexit.register(self.close)
 
@@ -97,8 +108,44 @@ class RewardPool:
             chunk.fail_all(RewardFailure(REWARD_RAISED, "the reward pool closed"))
         for slot in self._slots:
             slot.interrupt()
+        with self._handed_off_lock:
+            for child in self._handed_off:
+                child.signal_kill()
         for slot in self._slots:
             slot.thread.join(timeout=5.0)
+
+    def hand_off_after(self) -> float | None:
+        """How long a sample may run, while other work waits, before its slot
+        hands its process off (None: never, without a timeout)."""
+        if self.timeout_s is None:
+            return None
+        usual = HAND_OFF_SLOWER_THAN * (self._sample_s or 0.0)
+        return min(max(HAND_OFF_SHARE * self.timeout_s, usual), self.timeout_s / 2)
+
+    def hand_off(self, child: RewardChild, deadline: float, record) -> bool:
+        """Take over a process whose sample runs long, so that its slot can go
+        on; False when as many are handed off as the pool allows (each may
+        hold a CPU until its deadline)."""
+        with self._handed_off_lock:
+            if self._queue.closed or len(self._handed_off) >= HANDED_OFF_PER_PROCESS * len(self._slots):
+                return False
+            self._handed_off.add(child)
+        watch_handed_off(child, deadline, self.timeout_s, record, self._handed_off_ended)
+        return True
+
+    def _handed_off_ended(self, child: RewardChild) -> None:
+        with self._handed_off_lock:
+            self._handed_off.discard(child)
+
+    def handed_off_count(self) -> int:
+        with self._handed_off_lock:
+            return len(self._handed_off)
+
+    def note_sample_time(self, seconds: float) -> None:
+        self._sample_s = seconds if self._sample_s is None else 0.9 * self._sample_s + 0.1 * seconds
+
+    def work_waiting(self) -> bool:
+        return self._queue.waiting
 
     def requeue(self, chunk: _Chunk) -> None:
         """The unscored rest of a chunk whose process was lost: next in line."""
@@ -186,6 +233,10 @@ class _ChunkQueue:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def waiting(self) -> bool:
+        return bool(self._chunks)
+
     def close(self) -> list[_Chunk]:
         with self._ready:
             self._closed = True
@@ -199,7 +250,7 @@ class _Slot:
 
     def __init__(self, pool: RewardPool, index: int):
         self.pool = pool
-        self.child: _Child | None = None
+        self.child: RewardChild | None = None
         self.start_error: RewardLoadError | None = None
         self.started = threading.Event()  # the first process answered (ready or not)
         self.thread = threading.Thread(target=self._serve, daemon=True, name=f"reward-process-{index}")
@@ -218,11 +269,11 @@ class _Slot:
         if self.child is not None:
             self.child.kill()
 
-    def _live_child(self) -> _Child:
+    def _live_child(self) -> RewardChild:
         """The slot's process, started if need be, once it has imported the function."""
         if self.child is None:
             try:
-                self.child = _Child(self.pool.fn_spec)
+                self.child = RewardChild(self.pool.fn_spec)
             except OSError as error:
                 raise RewardLoadError(f"reward {self.pool.fn_spec!r}: cannot start a reward process: {error}") from None
         try:
@@ -255,22 +306,43 @@ class _Slot:
             self._replace_child()
             self.pool.requeue(chunk)
             return
-        timeout_s = self.pool.timeout_s
         for position, index in enumerate(chunk.indices):
-            reply = child.receive(None if timeout_s is None else time.monotonic() + timeout_s)
-            if reply is _TIMED_OUT or reply is _DIED:
+            reply = self._answer(child, functools.partial(chunk.call.record, index))
+            if reply is _HANDED_OFF:  # the process keeps this sample; the rest go to a new one
+                self._replace_child()
+                self.pool.requeue(chunk.rest(position + 1))
+                return
+            if reply is TIMED_OUT or reply is DIED:
                 self._lose_child(chunk, position, reply)
                 return
-            chunk.call.record(index, _result(reply))
+            chunk.call.record(index, reply_result(reply))
+
+    def _answer(self, child: RewardChild, record):
+        """The running sample's answer, ``TIMED_OUT`` or ``DIED``; or
+        ``_HANDED_OFF`` when it ran long while other work waited and the pool
+        took its process over (``record`` then gets its result later)."""
+        timeout_s = self.pool.timeout_s
+        if timeout_s is None:
+            return child.receive(None)
+        started = time.monotonic()
+        deadline, patience = started + timeout_s, self.pool.hand_off_after()
+        reply = child.receive(started + patience)
+        while reply is TIMED_OUT and time.monotonic() < deadline:
+            if self.pool.work_waiting() and self.pool.hand_off(child, deadline, record):
+                self.child = None
+                return _HANDED_OFF
+            reply = child.receive(min(deadline, time.monotonic() + min(patience, _POLL_S)))
+        if reply is not TIMED_OUT and reply is not DIED:
+            self.pool.note_sample_time(time.monotonic() - started)
+        return reply
 
     def _lose_child(self, chunk: _Chunk, position: int, how) -> None:
         """Drop the sample the process was running, replace the process, requeue the rest."""
         child = self.child
-        if how is _TIMED_OUT:
-            results = [_result(reply) for reply in child.kill()]  # answers written before the kill count
+        if how is TIMED_OUT:
+            results = [reply_result(reply) for reply in child.kill()]  # answers written before the kill count
             if not results:  # else the running sample had not had its full time: it goes again
-                results.append(RewardFailure(REWARD_TIMEOUT, f"no result within the {self.pool.timeout_s:g}s "
-                                                             "timeout; its process was killed"))
+                results.append(timeout_failure(self.pool.timeout_s))
         else:
             results = [RewardFailure(REWARD_RAISED, f"the reward process died ({child.reap()}) scoring this sample")]
         self._replace_child()  # before the results: a caller they complete finds the pool whole
@@ -284,125 +356,10 @@ class _Slot:
         self.child = None
         if not self.pool._queue.closed:
             with contextlib.suppress(OSError):  # else the next chunk tries again, and says why
-                self.child = _Child(self.pool.fn_spec)
+                self.child = RewardChild(self.pool.fn_spec)
 
     def interrupt(self) -> None:
         """From another thread: kill the process; this slot's thread sees it die and cleans up."""
         child = self.child
         if child is not None:
             child.signal_kill()
-
-
-class _Child:
-    """One reward process and the two pipes to it."""
-
-    def __init__(self, fn_spec: str):
-        to_child_read, self._to_child = os.pipe()
-        self._from_child, from_child_write = os.pipe()
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "rldsl.runtime.reward_process", str(to_child_read), str(from_child_write),
-                 str(os.getpid())],
-                pass_fds=(to_child_read, from_child_write), stdin=subprocess.DEVNULL, env=_child_env())
-        except OSError:
-            for fd in (self._to_child, self._from_child):
-                os.close(fd)
-            raise
-        finally:
-            os.close(to_child_read)
-            os.close(from_child_write)
-        self.fn_spec = fn_spec
-        self._frames = FrameBuffer()
-        self._poll = select.poll()  # poll, not select: a Ray worker's descriptors may exceed FD_SETSIZE
-        self._poll.register(self._from_child, select.POLLIN)
-        self._ready = False
-        self._closed = False
-        self.send((sys.path, fn_spec))
-
-    def wait_ready(self) -> None:
-        if self._ready:
-            return
-        reply = self.receive(time.monotonic() + STARTUP_TIMEOUT_S)
-        if reply is _TIMED_OUT or reply is _DIED:
-            what = "did not start in time" if reply is _TIMED_OUT else f"exited while starting ({self.reap()})"
-            raise RewardLoadError(f"reward {self.fn_spec!r}: its process {what}")
-        if reply[0] == "load_error":
-            raise RewardLoadError(reply[1])
-        self._ready = True
-
-    def send(self, message) -> bool:
-        try:
-            write_frame(self._to_child, message)
-            return True
-        except OSError:  # it died: the caller finds out on receive
-            return False
-
-    def receive(self, deadline: float | None):
-        """The next answer, ``_TIMED_OUT`` past ``deadline`` or ``_DIED`` at end of pipe."""
-        while (message := self._frames.pop()) is None:
-            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
-            if not self._poll.poll(wait_ms):
-                return _TIMED_OUT
-            data = os.read(self._from_child, 1 << 16)
-            if not data:
-                return _DIED
-            self._frames.feed(data)
-        return message
-
-    def signal_kill(self) -> None:
-        if self.process.returncode is None:
-            self.process.kill()
-
-    def kill(self) -> list:
-        """Kill and reap it; the answers it wrote before it died."""
-        if self._closed:
-            return []
-        self.signal_kill()
-        self.process.wait()
-        answers = []
-        while self._poll.poll(0):
-            data = os.read(self._from_child, 1 << 16)
-            if not data:
-                break
-            self._frames.feed(data)
-        while (message := self._frames.pop()) is not None:
-            answers.append(message)
-        self._close_pipes()
-        return answers
-
-    def reap(self) -> str:
-        """How it ended, once it has (it is killed if it lingers)."""
-        try:
-            code = self.process.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
-        self._close_pipes()
-        if code >= 0:
-            return f"exit code {code}"
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-
-    def _close_pipes(self) -> None:
-        if not self._closed:
-            self._closed = True
-            os.close(self._to_child)
-            os.close(self._from_child)
-
-
-def _result(reply) -> float | RewardFailure:
-    kind, payload = reply
-    if kind == "ok":
-        return payload
-    return RewardFailure(REWARD_INVALID if kind == "invalid" else REWARD_RAISED, payload)
-
-
-def _child_env() -> dict:
-    """The worker's environment, plus where this package lives (the child
-    must import it before it can take the worker's ``sys.path``)."""
-    env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    return env

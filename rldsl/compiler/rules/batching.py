@@ -5,6 +5,8 @@ data-parallel size; each runs when exactly those inputs resolved."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
@@ -22,10 +24,10 @@ def check_batch_sizes(ctx: Context) -> list[Diagnostic]:
     gb, mb = train.get("global_batch", pps * spp), train.get("micro_batch", spp)
     of = f" of {ctx.label(train.name)}" if ctx.program.multi else ""
     out = []
-    if train.explicit("global_batch") and ((pps * spp) % gb or gb % spp):
+    if train.explicit("global_batch") and not is_minibatch(pps, spp, gb):
         out.append(_not_a_minibatch(ctx, train, gen, pps, spp, gb, of))
     dp = data_parallel_size(ctx, train)
-    if dp is not None and gb % (mb * dp):
+    if dp is not None and not splits_evenly(gb, mb, dp):
         out.append(_indivisible(ctx, train, spp, gb, mb, dp, of))
     estimator = train.get("advantage") if train.valid("advantage") else None
     if estimator in GROUP_BASELINES and spp < 2:
@@ -38,18 +40,94 @@ def check_batch_sizes(ctx: Context) -> list[Diagnostic]:
     return out
 
 
-def _not_a_minibatch(ctx: Context, train: Decl, gen: Decl, pps: int, spp: int, gb: int, of: str) -> Diagnostic:
+# ------------------------------------------------ the arithmetic, shared with plan_check.py
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A rule's verdict on plain numbers; ``setting`` is the one to change
+    (the compiler points at its span, a plan check names its plan field)."""
+
+    code: str
+    severity: str
+    message: str
+    setting: str
+    notes: tuple[str, ...] = ()
+    help: str | None = None
+
+
+def is_minibatch(pps: int, spp: int, gb: int) -> bool:
+    """RLP301: global_batch is whole prompt groups dividing the rollout batch."""
+    return gb > 0 and (pps * spp) % gb == 0 and gb % spp == 0
+
+
+def splits_evenly(gb: int, mb: int, dp: int) -> bool:
+    """RLP302: every data-parallel rank runs whole microbatches."""
+    return mb > 0 and dp > 0 and gb % (mb * dp) == 0
+
+
+def micro_batches_that_divide(gb: int, dp: int) -> list[int]:
+    return [m for m in range(1, gb + 1) if gb % (m * dp) == 0]
+
+
+def minibatch_finding(pps: int, spp: int, gb: int, of: str = "") -> Finding:
     rollout = pps * spp
     fits = [g * spp for g in range(1, pps + 1) if pps % g == 0]
-    shown = ", ".join(map(str, fits[:8])) + (", ..." if len(fits) > 8 else "")
-    return Diagnostic("RLP301", ERROR, f"global_batch = {gb}{of} is not a whole number of prompt groups dividing the "
-                      f"rollout batch: prompts_per_step x samples_per_prompt = {pps} x {spp} = {rollout}",
-                      train.span_of("global_batch"),
-                      notes=(f"samples_per_prompt = {spp} comes from {ctx.label(gen.name)}",
-                             "each optimizer step trains global_batch samples of whole prompt groups, "
-                             f"{rollout} // global_batch steps per rollout batch"),
-                      help=f"global_batch values that work: {shown}; or leave it out (one optimizer step per "
-                           "rollout batch)")
+    return Finding("RLP301", ERROR, f"global_batch = {gb}{of} is not a whole number of prompt groups dividing the "
+                   f"rollout batch: prompts_per_step x samples_per_prompt = {pps} x {spp} = {rollout}",
+                   "global_batch",
+                   notes=("each optimizer step trains global_batch samples of whole prompt groups, "
+                          f"{rollout} // global_batch steps per rollout batch",),
+                   help=f"global_batch values that work: {_shown(fits)}; or leave it out (one optimizer step per "
+                        "rollout batch)")
+
+
+def indivisible_message(gb: int, mb: int, dp: int, of: str = "") -> str:
+    return f"global_batch = {gb}{of} is not divisible by micro_batch x dp = {mb} x {dp} = {mb * dp}"
+
+
+def buffer_findings(pps: int, lag: int, cap: int, inflight: int, inflight_explicit: bool = True,
+                    of: str = "") -> list[Finding]:
+    """RLP304 deadlock proof, RLP305 in-flight limit, RLP306 staleness window, from the numbers alone."""
+    window = pps * (lag + 1)
+    out = []
+    if cap < pps:
+        out.append(Finding(
+            "RLP304", ERROR, f"buffer capacity {cap}{of} < {pps} prompt groups per step: the rollout pump deadlocks",
+            "capacity",
+            notes=(f"a step finishes only after {pps} groups are trained, and trained groups stay stored until the "
+                   "step's single clear",
+                   f"after {cap} groups the buffer is full: the rollout pump waits for space, the train pump waits "
+                   f"for group {cap + 1} of {pps}, and neither can move"),
+            help=f"set capacity >= {pps} (>= {window} to fill the max_lag = {lag} window), or leave it out"))
+    elif cap < window:
+        out.append(Finding(
+            "RLP306", WARNING, f"buffer capacity {cap}{of} < prompts_per_step x (max_lag + 1) = {pps} x {lag + 1} = "
+            f"{window}: generation cannot run the full {lag} step{'s' * (lag != 1)} ahead", "capacity",
+            help=f"set capacity = {window} to overlap generation and training fully"))
+    if inflight < pps:
+        out.append(Finding("RLP305", WARNING, f"max_inflight {inflight}{of} < {pps} prompt groups per step: each "
+                           f"step's groups are generated in {-(-pps // max(inflight, 1))} waves", "max_inflight",
+                           help=f"set max_inflight >= {pps}, or leave it out"))
+    elif inflight > cap and inflight_explicit:
+        out.append(Finding("RLP305", WARNING, f"max_inflight {inflight}{of} > buffer capacity {cap}: the buffer "
+                           "caps in-flight groups first, so the limit is never reached", "max_inflight",
+                           help=f"set max_inflight <= {cap}"))
+    return out
+
+
+def _shown(values: list[int]) -> str:
+    return ", ".join(map(str, values[:8])) + (", ..." if len(values) > 8 else "")
+
+
+# ------------------------------------------------------------------ the rules
+
+
+def _not_a_minibatch(ctx: Context, train: Decl, gen: Decl, pps: int, spp: int, gb: int, of: str) -> Diagnostic:
+    found = minibatch_finding(pps, spp, gb, of)
+    return Diagnostic(found.code, found.severity, found.message, train.span_of(found.setting),
+                      notes=(f"samples_per_prompt = {spp} comes from {ctx.label(gen.name)}", *found.notes),
+                      help=found.help)
 
 
 def data_parallel_size(ctx: Context, train: Decl) -> int | None:
@@ -69,12 +147,11 @@ def data_parallel_size(ctx: Context, train: Decl) -> int | None:
 
 
 def _indivisible(ctx: Context, train: Decl, spp: int, gb: int, mb: int, dp: int, of: str) -> Diagnostic:
-    options = [m for m in range(1, gb + 1) if gb % (m * dp) == 0]
-    message = f"global_batch = {gb}{of} is not divisible by micro_batch x dp = {mb} x {dp} = {mb * dp}"
+    options = micro_batches_that_divide(gb, dp)
+    message = indivisible_message(gb, mb, dp, of)
     if options:
         span = train.span_of("micro_batch") if train.explicit("micro_batch") else train.name_span
-        shown = ", ".join(map(str, options[:8])) + (", ..." if len(options) > 8 else "")
-        return Diagnostic("RLP302", ERROR, message, span, help=f"micro_batch values that divide it: {shown}")
+        return Diagnostic("RLP302", ERROR, message, span, help=f"micro_batch values that divide it: {_shown(options)}")
     span = train.span_of("gpus") if train.explicit("gpus") else train.name_span
     return Diagnostic("RLP302", ERROR, message, span,
                       notes=(f"no micro_batch works: {gb} samples do not split over dp = {dp} ranks",),
@@ -119,33 +196,9 @@ def check_buffer(ctx: Context) -> list[Diagnostic]:
     if shape is None:
         return []
     buffer = ctx.pipe.block("buffer")
-    pps, lag, cap, inflight = shape
-    window = pps * (lag + 1)
     of = f" of pipeline `{ctx.pipe.name}`" if ctx.program.multi else ""
-    out = []
-    if cap < pps:
-        out.append(Diagnostic(
-            "RLP304", ERROR, f"buffer capacity {cap}{of} < {pps} prompt groups per step: the rollout pump deadlocks",
-            buffer.span_of("capacity"),
-            notes=(f"a step finishes only after {pps} groups are trained, and trained groups stay stored until the "
-                   "step's single clear",
-                   f"after {cap} groups the buffer is full: the rollout pump waits for space, the train pump waits "
-                   f"for group {cap + 1} of {pps}, and neither can move"),
-            help=f"set capacity >= {pps} (>= {window} to fill the max_lag = {lag} window), or leave it out"))
-    elif cap < window:
-        out.append(Diagnostic(
-            "RLP306", WARNING, f"buffer capacity {cap}{of} < prompts_per_step x (max_lag + 1) = {pps} x {lag + 1} = "
-            f"{window}: generation cannot run the full {lag} step{'s' * (lag != 1)} ahead", buffer.span_of("capacity"),
-            help=f"set capacity = {window} to overlap generation and training fully"))
-    if inflight < pps:
-        out.append(Diagnostic("RLP305", WARNING, f"max_inflight {inflight}{of} < {pps} prompt groups per step: each "
-                              f"step's groups are generated in {-(-pps // inflight)} waves",
-                              buffer.span_of("max_inflight"), help=f"set max_inflight >= {pps}, or leave it out"))
-    elif inflight > cap and buffer.explicit("max_inflight"):
-        out.append(Diagnostic("RLP305", WARNING, f"max_inflight {inflight}{of} > buffer capacity {cap}: the buffer "
-                              "caps in-flight groups first, so the limit is never reached",
-                              buffer.span_of("max_inflight"), help=f"set max_inflight <= {cap}"))
-    return out
+    return [Diagnostic(f.code, f.severity, f.message, buffer.span_of(f.setting), notes=f.notes, help=f.help)
+            for f in buffer_findings(*shape, inflight_explicit=buffer.explicit("max_inflight"), of=of)]
 
 
 PASSES = (check_batch_sizes, check_shard_group, check_buffer)

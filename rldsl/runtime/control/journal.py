@@ -13,10 +13,12 @@ described in docs/runtime.md (Run directory).
 from __future__ import annotations
 
 import json
-import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterable
+
+from rldsl.runtime.run_files import RunDirectoryError, append_text, repair_torn_tail
 
 JOURNAL_FILE = "journal.jsonl"
 
@@ -111,16 +113,40 @@ def describe_error(error: BaseException) -> str:
 
 class JournalFile:
     """A writer appending events to a JSON-lines file, one write per flush
-    and synced, so a crash loses at most the events not yet flushed (and
-    leaves at worst a torn last line, which readers skip)."""
+    and synced, so a crash loses at most the events not yet flushed.
 
-    def __init__(self, path: Path) -> None:
+    Writes are checked (rldsl/runtime/run_files.py): a full or read-only
+    run directory raises ``RunDirectoryError`` and leaves the file on whole
+    lines (the journal keeps the events for a later flush). A torn last
+    line left by a process that died mid-write (or a write the file system
+    could not undo) is repaired before the first append, so a resume never
+    glues its header onto it; ``repairs`` says what was mended."""
+
+    def __init__(self, path: Path, say: Callable[[str], None] | None = None) -> None:
         self.path = Path(path)
+        self.repairs: list[str] = []
+        self._say = say if say is not None else _say
+        self._tail_checked = False
 
     def __call__(self, events: list[dict]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._tail_checked:
+            self.repair()
         text = "".join(json.dumps(event, separators=(",", ":")) + "\n" for event in events)
-        with open(self.path, "a") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            append_text(self.path, text)
+        except RunDirectoryError:
+            self._tail_checked = False  # the cut-back may have failed too: look again before the next append
+            raise
+
+    def repair(self) -> str | None:
+        """Mend a torn last line now (also done before the first append)."""
+        repaired = repair_torn_tail(self.path)
+        self._tail_checked = True
+        if repaired:
+            self.repairs.append(repaired)
+            self._say(f"note: {repaired}")
+        return repaired
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

@@ -109,6 +109,12 @@ class DataPlane(abc.ABC):
     def clear(self, keys: list[str], partition: str) -> None:
         """Drop ``keys`` and their data; absent keys are ignored."""
 
+    def service_actors(self) -> dict[str, object]:
+        """The Ray actors this store lives in, by what to call them in a
+        message ("storage unit TransferQueueStorageUnit#0"), for a liveness
+        watch: losing one loses the samples in it. None for an in-process store."""
+        return {}
+
     def close(self) -> None:
         """Release this client (the owner of a shared store also stops it)."""
 

@@ -123,6 +123,9 @@ class RayActorDataPlane(DataPlane):
     def _options(self) -> dict:
         return {"name": self.name}
 
+    def service_actors(self) -> dict[str, object]:
+        return {f"store actor {self.name}": self._actor}
+
     def _call(self, method: str, *args):
         ok, value = self._ray.get(self._actor.call.remote(method, *args))
         if not ok:

@@ -27,6 +27,7 @@ from rldsl.runtime.dataplane.base import (
 # TransferQueue registers its controller under this fixed name and namespace.
 _TQ_CONTROLLER_NAME = "TransferQueueController"
 _TQ_NAMESPACE = "transfer_queue"
+_TQ_STORAGE_UNIT_PREFIX = "TransferQueueStorageUnit#"
 
 
 def transferqueue_env() -> dict[str, str]:
@@ -150,6 +151,19 @@ class TransferQueueDataPlane(DataPlane):
 
     def _options(self) -> dict:
         return {"storage_units": self.storage_units}
+
+    def service_actors(self) -> dict[str, object]:
+        """TransferQueue's controller and storage units (SimpleStorage names
+        them ``TransferQueueStorageUnit#<rank>`` in the namespace of the
+        process that started them: the run's)."""
+        import ray
+
+        actors = {"controller": ray.get_actor(_TQ_CONTROLLER_NAME, namespace=_TQ_NAMESPACE)}
+        for rank in range(self.storage_units):
+            name = f"{_TQ_STORAGE_UNIT_PREFIX}{rank}"
+            owned = (getattr(self._tq.interface, "_TQ_STORAGE", None) or {}).get("SimpleStorage", {})
+            actors[f"storage unit {name}"] = owned.get(name) or ray.get_actor(name)
+        return actors
 
     def put(self, keys, partition, fields, tags=None):
         keys = check_put(keys, fields, tags)

@@ -48,6 +48,7 @@ class ControllerActor:
                                          reward_calls={s.name: reward_calls_per_worker(s) for s in pipe.stages
                                                        if s.kind == "reward"})
         self.dataplane = _TracedDataPlane(connect_dataplane(dataplane_spec), self.tracers[0])
+        self.dataplane_actors = self.dataplane.service_actors()  # watched while the run goes (dataplane_watch.py)
         self.leases = None
         if scheduler is not None:  # the pipeline shares GPUs: its turns come from the cluster's lease scheduler
             from rldsl.runtime.ray_lowering.gpu_scheduler import RayLeases
@@ -57,7 +58,8 @@ class ControllerActor:
         resume = resume or {}
         self.step_offset = resume.get("steps_done", 0)
         run_dir = self.checkpoint.get("run_dir")
-        self.journal = Journal(JournalFile(Path(run_dir) / JOURNAL_FILE) if run_dir else None,
+        self.journal_file = JournalFile(Path(run_dir) / JOURNAL_FILE) if run_dir else None
+        self.journal = Journal(self.journal_file,
                                {"steps_done": self.step_offset, "version": resume["version"]} if resume else None)
         below, above = expand_indices(resume.get("trained_prompts", {"below": 0, "above": []}))
         self.trained_before = (below, frozenset(above))
@@ -101,7 +103,9 @@ class ControllerActor:
                                      journal=self.journal, leases=self.leases)
         if self.stop_requested:
             self.controller.request_stop()
-        await self.controller.run()
+        from rldsl.runtime.ray_lowering.dataplane_watch import run_watched
+
+        await run_watched(self.controller.run(), self.dataplane_actors)  # DataPlaneLost when one of them dies
         return self.summary()
 
     def summary(self) -> dict | None:
@@ -113,6 +117,8 @@ class ControllerActor:
         summary["steps"] += self.step_offset
         summary["recoveries"] = [vars(r) for r in self.supervisor.recoveries]
         summary["weight_transport"] = self._transport_figures()
+        if self.journal_file is not None and self.journal_file.repairs:  # a torn line mended before appending
+            summary["journal_repairs"] = list(self.journal_file.repairs)
         return summary
 
     def _transport_figures(self) -> dict:
@@ -150,11 +156,11 @@ class ControllerActor:
         return self.trained.compressed()
 
     def _write_progress(self, version: int, step: int) -> None:
-        from rldsl.runtime.ray_lowering.checkpoint import PROGRESS_FILE, checkpoint_dir, write_json_atomically
+        from rldsl.runtime.ray_lowering.checkpoint import PROGRESS_FILE, checkpoint_dir
+        from rldsl.runtime.run_files import write_json_checked  # a full disk: RunDirectoryError, named
 
         path = checkpoint_dir(Path(self.checkpoint["run_dir"]), version) / PROGRESS_FILE
-        write_json_atomically(path, {"version": version, "steps_done": step,
-                                     "trained_prompts": self._trained_prompts()})
+        write_json_checked(path, {"version": version, "steps_done": step, "trained_prompts": self._trained_prompts()})
 
     async def save_progress(self, version: int, timeout_s: float = 30.0) -> bool:
         """The controller's half of an on-demand checkpoint at ``version``:

@@ -15,8 +15,10 @@ from pathlib import Path
 
 from rldsl.plan import ExecutionPlan
 from rldsl.runtime.control.settings import RunSettings
+from rldsl.runtime.ray_lowering import stopping
 from rldsl.runtime.ray_lowering.bundles import actor_slots, layout_bundles
 from rldsl.runtime.ray_lowering.cluster import ACTOR_NUM_CPUS, ClusterError
+from rldsl.runtime.ray_lowering.dataplane_watch import say_if_dataplane_lost
 from rldsl.runtime.ray_lowering.pipeline_driver import PipelineDriver, ResumeError, StageStartError, root_cause
 
 __all__ = ["Driver", "ResumeError", "StageStartError"]
@@ -28,12 +30,16 @@ _POLL_S = 0.5
 class Driver:
     """``settings``: pipeline name -> RunSettings. With several pipelines each
     writes its own run directory below ``run_dir`` (``run_dir/<pipeline>``)
-    and its output lines start with its name."""
+    and its output lines start with its name. ``grace_s``: how long a stop
+    (a signal, stopping.py) may take; ``resume_command`` is printed after one."""
 
     def __init__(self, plan: ExecutionPlan, settings: dict[str, RunSettings], run_dir: Path,
-                 address: str | None = None, resume: bool = False, started: float | None = None):
+                 address: str | None = None, resume: bool = False, started: float | None = None,
+                 grace_s: float = stopping.DEFAULT_GRACE_S, resume_command: str | None = None):
         self.plan, self.address = plan, address
         self.run_dir = run_dir.resolve()
+        self.signals = stopping.StopSignals(grace_s)
+        self.resume_command = resume_command or stopping.resume_command(self.run_dir, grace_s=grace_s)
         many = len(plan.pipelines) > 1
         started = started if started is not None else time.monotonic()
         self.pipelines = [PipelineDriver(pipe, settings[pipe.name], self.run_dir / pipe.name if many else self.run_dir,
@@ -45,7 +51,18 @@ class Driver:
         from rldsl.runtime.dataplane.transferqueue import import_in_background
 
         import_in_background()
-        with self._session() as session:
+        try:
+            with self._session() as session:
+                self.signals.install()  # after ray.init, which installs a SIGTERM handler of its own
+                try:
+                    return self._start_and_drive(session)
+                finally:
+                    self.signals.shield()  # the cleanups and Ray's shutdown run to the end
+        finally:
+            self.signals.restore()
+
+    def _start_and_drive(self, session) -> int:
+        try:
             for pipeline in self.pipelines:
                 pipeline.prepare_models()
             dataplane = _dataplane(session)
@@ -53,13 +70,29 @@ class Driver:
             self._start_gpu_scheduler(session)
             for pipeline in self.pipelines:
                 pipeline.create_actors(dataplane.spec, reservation)
-                session.add_cleanup(pipeline.end_actors)  # a restart on the same cluster reuses their names
+                # a restart on the same cluster reuses their names
+                session.add_cleanup(functools.partial(self._end_actors, pipeline))
             _wait_ready({call: stage for p in self.pipelines for call, stage in p.ready_calls().items()})
             self._check_placement(reservation)
             for pipeline in self.pipelines:
                 pipeline.restore()
                 pipeline.offload_for_generation()
-            return self._drive()
+        except KeyboardInterrupt as err:
+            return self._stopped_starting(self.signals.interrupted(err))
+        return self._drive()
+
+    def _stopped_starting(self, interrupt) -> int:
+        """A stop before training began: nothing to checkpoint, summary.json still says how the run ended."""
+        _say(f"{interrupt}: stopping before training started")
+        with self.signals.shielded():
+            for pipeline in self.pipelines:
+                pipeline.write_summary(stop=stopping.stop_record(pipeline, interrupt, self.resume_command),
+                                       timeout_s=max(1.0, self.signals.time_left(keep_s=5.0) / 2))
+        return self.signals.exit_code
+
+    def _end_actors(self, pipeline: PipelineDriver) -> None:
+        """After a stop signal, within what is left of its grace period."""
+        pipeline.end_actors(timeout_s=min(15.0, self.signals.time_left(keep_s=5.0)))
 
     def _start_gpu_scheduler(self, session) -> None:
         """Pipelines that share GPUs take turns on them: one lease scheduler
@@ -158,14 +191,18 @@ class Driver:
         return check_placement(reservation, reports, slots)
 
     def _drive(self) -> int:
-        """Follow every pipeline until all are done; Ctrl-C stops them all at a
-        safe point and checkpoints each. A failed pipeline does not stop the
-        others; the first failure is raised once all have ended."""
+        """Follow every pipeline until all are done; a stop signal stops them
+        all at a safe point and checkpoints each (stopping.py). A failed
+        pipeline does not stop the others; the first failure is raised once
+        all have ended."""
         import ray
 
         live = len(self.pipelines) == 1  # a live view per pipeline cannot share one terminal
-        running = [p for p in self.pipelines if p.begin(live=live)]
+        running: list[PipelineDriver] = []
         try:
+            for pipeline in self.pipelines:  # one by one: a signal meanwhile stops those already begun
+                if pipeline.begin(live=live):
+                    running.append(pipeline)
             with contextlib.ExitStack() as stack:
                 for pipeline in running:
                     stack.enter_context(pipeline.progress)
@@ -178,37 +215,26 @@ class Driver:
                 try:
                     pipeline.complete()
                 except ray.exceptions.RayError as err:  # the controller's PipelineStalled / StepFailed, as Ray wraps it
+                    say_if_dataplane_lost(err, pipeline.say)  # now, not after the teardown's error line
                     pipeline.write_summary(error=err)
                     failures.append(err)
-        except KeyboardInterrupt:
-            return self._stop(running)
+        except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM, SIGHUP (stopping.StopSignals)
+            return stopping.stop_pipelines(running, self.signals, self.signals.interrupted(err), self.resume_command)
         except Exception as err:  # an actor or Ray itself lost: each summary.json still says how its pipeline ended
             for pipeline in running:
                 if pipeline.summary is None:
-                    pipeline.write_summary(error=err)
+                    try:
+                        pipeline.write_summary(error=err)
+                    except Exception:  # noqa: BLE001 - the first error is the one to report
+                        pass
             raise
         finally:
-            for pipeline in running:
-                pipeline.close_trace()
+            with self.signals.shielded():
+                for pipeline in running:
+                    pipeline.close_trace(timeout_s=min(10.0, self.signals.time_left(keep_s=8.0)))
         if failures:
             raise failures[0]
         return 0
-
-    def _stop(self, running: list[PipelineDriver]) -> int:
-        import ray
-
-        _say("interrupted: stopping after the trainer call in flight (Ctrl-C again quits at once)")
-        for pipeline in running:
-            pipeline.request_stop()
-        # every controller at its safe point first: pipelines that take turns on GPUs have all given them
-        # back, so each trainer can come back onto its GPUs for its checkpoint, one after the other
-        ray.wait([p.result_ref for p in running], num_returns=len(running))
-        for pipeline in running:
-            try:
-                pipeline.checkpoint_on_interrupt(f"rldsl run --resume {self.run_dir}")
-            finally:
-                pipeline.write_summary()
-        return 130
 
 
 def _say(text: str) -> None:

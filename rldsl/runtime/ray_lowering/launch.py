@@ -158,21 +158,34 @@ def run_plan(plan: ExecutionPlan, args) -> int:
     run_dir = Path(args.resume or args.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if dry_run:
         return _dry_run(plan, settings, run_dir, args.address)
+    from rldsl.runtime.run_files import RunDirectoryError, checked
+
     _private_directory(run_dir)
     if not resume:
-        (run_dir / "plan.json").write_text(written.to_json() + "\n")
-        (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file,
-                                                       "pipelines": [p.name for p in plan.pipelines]}) + "\n")
+        try:
+            (run_dir / "plan.json").write_text(written.to_json() + "\n")
+            (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file,
+                                                           "pipelines": [p.name for p in plan.pipelines]}) + "\n")
+        except OSError as err:
+            return _run_directory_failed(checked(run_dir / "plan.json", err))
     import ray
 
     from rldsl.runtime.ray_lowering.bundles import LayoutError
     from rldsl.runtime.ray_lowering.driver import Driver, ResumeError, StageStartError
     from rldsl.runtime.ray_lowering.pipeline_driver import root_cause
+    from rldsl.runtime.ray_lowering.stopping import DEFAULT_GRACE_S, as_interrupt, resume_command
 
+    grace_s = getattr(args, "grace", None) or DEFAULT_GRACE_S
+    command = resume_command(run_dir.resolve(), args.steps, args.address, grace_s)
     restarts = min(p.run.restarts for p in plan.pipelines)
     for attempt in range(restarts + 1):
         try:
-            return Driver(plan, settings, run_dir, address=args.address, resume=resume, started=started).run()
+            return Driver(plan, settings, run_dir, address=args.address, resume=resume, started=started,
+                          grace_s=grace_s, resume_command=command).run()
+        except KeyboardInterrupt as err:  # before the driver's own handlers (Ray starting) or after them
+            return as_interrupt(err).exit_code
+        except RunDirectoryError as err:  # a full or read-only run directory, on the driver's side
+            return _run_directory_failed(err)
         except (ClusterError, LayoutError, ResumeError) as err:
             print(f"error: {err}", file=sys.stderr)
             return EXIT_USAGE
@@ -186,31 +199,35 @@ def run_plan(plan: ExecutionPlan, args) -> int:
                 continue
             print(f"error: the run stopped: {original}", file=sys.stderr)
             print(f"  = note: metrics so far are in {run_dir}", file=sys.stderr)
-            _say_how_to_resume(run_dir)
+            _say_how_to_resume(run_dir, plan, command)
             return EXIT_FAILED
         except StageStartError as err:
             print(f"error: {err}", file=sys.stderr)
             return EXIT_FAILED
         except ray.exceptions.RayError as err:  # anything else a stage or the controller raised: named, no traceback
+            if isinstance(getattr(err, "cause", None), RunDirectoryError):  # the controller's journal or progress
+                return _run_directory_failed(err.cause)
             print(f"error: the run failed: {root_cause(err)}", file=sys.stderr)
             print(f"  = note: metrics, the journal and summary.json so far are in {run_dir}; RLDSL_DEBUG=1 shows "
                   "the remote traceback", file=sys.stderr)
             if os.environ.get("RLDSL_DEBUG"):
                 print(str(err), file=sys.stderr)
-            _say_how_to_resume(run_dir)
+            _say_how_to_resume(run_dir, plan, command)
             return EXIT_FAILED
     raise AssertionError("unreachable: the last attempt returns")
 
 
-def _say_how_to_resume(run_dir: Path) -> None:
-    from rldsl.runtime.ray_lowering.checkpoint import latest_complete
+def _run_directory_failed(err) -> int:
+    """A write into the run directory failed: said once, with how to go on."""
+    print(f"error: the run stopped: {err}", file=sys.stderr)
+    print(f"  = help: {err.help}", file=sys.stderr)
+    return EXIT_FAILED
 
-    found = latest_complete(run_dir)
-    if found is not None:
-        print(f"  = help: `rldsl run --resume {run_dir}` continues from {found.name}", file=sys.stderr)
-    else:
-        print("  = help: no checkpoint was written; set `run { checkpoint_every = N }` to make long runs resumable",
-              file=sys.stderr)
+
+def _say_how_to_resume(run_dir: Path, plan: ExecutionPlan, command: str) -> None:
+    from rldsl.runtime.ray_lowering.stopping import how_to_resume
+
+    print(f"  = help: {how_to_resume(run_dir, plan, command)}", file=sys.stderr)
 
 
 def _dry_run(plan: ExecutionPlan, settings: dict, run_dir: Path, address: str | None) -> int:

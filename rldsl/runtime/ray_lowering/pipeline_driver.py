@@ -14,7 +14,7 @@ from pathlib import Path
 from rldsl.plan import PipelinePlan
 from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.ray_lowering.cluster import ACTOR_NUM_CPUS
-from rldsl.runtime.ray_lowering.progress import Progress
+from rldsl.runtime.ray_lowering.progress import Progress, rewind_metrics
 from rldsl.runtime.ray_lowering.stage_handles import reward_calls_per_worker
 from rldsl.runtime.ray_lowering.supervision import ActorSpec
 from rldsl.runtime.ray_lowering.trace import TraceCollector
@@ -36,9 +36,11 @@ class PipelineDriver:
         self.started = started if started is not None else time.monotonic()  # the whole run, start-up included
         self.run_dir = run_dir.resolve()  # actors write checkpoints here, whatever their working directory
         self.trainer_engine = pipe.stage(pipe.batch.train_stage).engine.name
+        self.resume = _resume_point(self.run_dir) if resume else None
+        if self.resume:  # the steps after the checkpoint are trained again: their records go
+            rewind_metrics(self.run_dir, self.resume["steps_done"])
         self.previous_evals: list[dict] = _previous_evals(self.run_dir) if resume else []
         self.evaluations = None  # EvaluationSchedule once the evaluator runs
-        self.resume = _resume_point(self.run_dir) if resume else None
         self.checkpoint = {"run_dir": str(self.run_dir), "every": pipe.run.checkpoint_every}
         self.handles: dict[str, list] = {}
         self.specs: dict[str, list[ActorSpec]] = {}  # how each actor was made, for the controller to remake it
@@ -228,12 +230,14 @@ class PipelineDriver:
             actors[f"{self.prefix}evaluator"] = self.evaluations.actor
         return actors
 
-    def close_trace(self) -> None:
+    def close_trace(self, timeout_s: float = 10.0) -> None:
         """The last spans of every actor, and trace.json (on every exit path)."""
         if self.traces is not None:
-            path = self.traces.close()
+            path = self.traces.close(timeout_s)
             if path is not None:
                 self.say(f"trace: {path} (open it in Perfetto or chrome://tracing)")
+            elif self.traces.failed:
+                self.say(f"trace: not written: {self.traces.failed}")
 
     def poll(self) -> bool:
         """Show what happened since the last poll; True once the controller is done."""
@@ -242,8 +246,7 @@ class PipelineDriver:
         done, _ = ray.wait([self.result_ref], timeout=0)
         report = ray.get(self.controller.progress.remote(self._seen))
         for record in report["steps"]:
-            self._seen += 1
-            self.progress.step(record)
+            self._record_step(record)
             if self.evaluations and self.evaluations.due(record["step"]):
                 self.evaluations.request(record["step"], record["version"])
         if self.evaluations:
@@ -252,6 +255,18 @@ class PipelineDriver:
         self._show_recoveries(report)
         self.traces.poll()
         return bool(done)
+
+    def _record_step(self, record: dict) -> None:
+        self.progress.step(record)  # written before counted: a stop signal in between repeats it, never loses it
+        self._seen += 1
+
+    def drain_steps(self, timeout_s: float) -> None:
+        """Record the steps finished since the last poll (during a stop, the last ones)."""
+        import ray
+
+        if self.controller is not None and self.progress is not None:
+            for record in ray.get(self.controller.progress.remote(self._seen), timeout=timeout_s)["steps"]:
+                self._record_step(record)
 
     def _show_recoveries(self, report: dict) -> None:
         """Each actor replaced since the last poll, said once; its trace is drained from now on."""
@@ -286,26 +301,6 @@ class PipelineDriver:
         if self.controller is not None:
             self.controller.request_stop.remote()
 
-    def checkpoint_on_interrupt(self, resume_command: str) -> None:
-        """After ``request_stop``: wait for the safe point, then save the
-        trainer (every rank) and the progress."""
-        import ray
-
-        try:
-            ray.get(self.result_ref)
-        except ray.exceptions.RayError as err:
-            self.say(f"interrupted; the run failed while stopping: {root_cause(err)}")
-            return
-        trainers = self.handles[self.pipe.batch.train_stage]
-        if not ray.get(trainers[0].can_checkpoint.remote()):
-            self.say(f"interrupted: the {self.trainer_engine} trainer keeps no checkpoints")
-            return
-        version = ray.get([t.save_checkpoint.remote() for t in trainers])[0]
-        if ray.get(self.controller.save_progress.remote(version)):
-            self.say(f"interrupted: checkpoint saved at version {version}; continue with `{resume_command}`")
-        else:
-            self.say("interrupted before a step finished in this run: nothing new to checkpoint")
-
     def end_actors(self, timeout_s: float = 15.0) -> None:
         """Kill this pipeline's actors (the controller's replacements die with
         it) and wait until their names are free, so that a restart on the
@@ -326,37 +321,42 @@ class PipelineDriver:
             while time.monotonic() < deadline and _name_taken(name):
                 time.sleep(0.1)
 
-    def write_summary(self, summary: dict | None = None, error: BaseException | None = None) -> dict:
+    def write_summary(self, summary: dict | None = None, error: BaseException | None = None,
+                      stop: dict | None = None, timeout_s: float = 30.0) -> dict:
         """summary.json, on every exit path: ``summary`` or else the
         controller's (it answers after a failure too), how the run ended
-        (``error``: what ended it on the driver's side) and the whole run's
-        accounting from the journal, resumes included."""
+        (``error``: what ended it on the driver's side; ``stop``: the signal
+        that stopped it) and the whole run's accounting from the journal,
+        resumes included."""
         from rldsl.runtime.ray_lowering.run_summary import write_summary
 
-        summary = summary if summary is not None else self._controller_summary()
+        summary = summary if summary is not None else self._controller_summary(timeout_s)
         if summary is not None:
             summary.setdefault("wall_clock_s", time.monotonic() - self.started)
             if self.scheduler is not None:
-                summary["gpu_sharing"] = self._lease_figures()
-        self.summary = write_summary(self.run_dir, summary, self.pipe.name, root_cause(error) if error else None)
+                summary["gpu_sharing"] = self._lease_figures(timeout_s)
+        self.summary = write_summary(self.run_dir, summary, self.pipe.name, root_cause(error) if error else None,
+                                     stop)
+        if self.summary.get("not_written"):
+            self.say(f"summary.json could not be written: {self.summary['not_written']}")
         return self.summary
 
-    def _lease_figures(self) -> dict:
+    def _lease_figures(self, timeout_s: float) -> dict:
         """GPU-seconds held and waited, from the lease scheduler (or why not)."""
         import ray
 
         try:
-            return ray.get(self.scheduler.stats.remote(self.pipe.name), timeout=30)
+            return ray.get(self.scheduler.stats.remote(self.pipe.name), timeout=timeout_s)
         except ray.exceptions.RayError as err:
             return {"error": f"the GPU lease scheduler did not answer: {root_cause(err)}"}
 
-    def _controller_summary(self) -> dict | None:
+    def _controller_summary(self, timeout_s: float) -> dict | None:
         import ray
 
         if self.controller is None:
             return None
         try:
-            return ray.get(self.controller.summary.remote(), timeout=30)
+            return ray.get(self.controller.summary.remote(), timeout=timeout_s)
         except ray.exceptions.RayError:  # its actor died, or Ray is going down
             return None
 
@@ -422,7 +422,12 @@ def _previous_evals(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a torn line (the process died mid-write): the rewind drops it
+            continue
     return [{"step": r["step"], "accuracy": r["accuracy"]} for r in records if r.get("eval")]
 
 

@@ -5,6 +5,7 @@ final summary table."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -33,6 +34,8 @@ class Progress:
         self.last: dict = {}
         self.notes: list[str] = []
         self.now: dict = {}  # the controller's latest: what each pump waits on, calls in flight per stage
+        self.recorded: set[int] = set()  # steps in metrics.jsonl from this process: each once
+        self._closed = False
 
     def __enter__(self) -> "Progress":
         if self.console.is_terminal and self.want_live:
@@ -42,21 +45,33 @@ class Progress:
             self.live.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         if self.live is not None:
             self.live.update(self._render())
-            self.live.__exit__(*exc)
-        self.loggers.close()
+            self.live.__exit__(exc_type, *exc)
+            self.live = None  # steps recorded after this (a stop's last ones) print as lines
+        if exc_type is None or not issubclass(exc_type, KeyboardInterrupt):
+            self.close()  # a stop signal: the stop records its last steps first, then closes (stopping.py)
+
+    def close(self) -> None:
+        """Flush and close the metric loggers, once."""
+        if not self._closed:
+            self._closed = True
+            self.loggers.close()
 
     def _append(self, record: dict) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+        from rldsl.runtime.run_files import append_text
+
+        append_text(self.metrics_path, json.dumps(record, sort_keys=True) + "\n", sync=False)
 
     def eval(self, step: int, accuracy: float) -> None:
         self._append({"eval": True, "step": step, "accuracy": accuracy})
         self.loggers.log({"eval/accuracy": accuracy}, step)
 
     def step(self, record: dict) -> None:
+        if record["step"] in self.recorded:
+            return
+        self.recorded.add(record["step"])
         self.last = record
         self._append(record)
         self._scalars(record)
@@ -151,4 +166,23 @@ def _busy(busy: dict) -> str:
     return " ".join(f"{name} {share:.0%}" for name, share in busy.items())
 
 
+def rewind_metrics(run_dir: Path, steps_done: int) -> None:
+    """metrics.jsonl as it was at the checkpoint a run resumes (or restarts)
+    from: the records of later steps go, as those steps are trained again,
+    and so does a line torn by a process killed mid-write. Replaced at once."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if (step := _step_of(line)) is not None
+            and step <= steps_done]
+    temporary = path.with_name(path.name + ".rewind")
+    temporary.write_text("".join(line + "\n" for line in kept))
+    os.replace(temporary, path)
 
+
+def _step_of(line: str) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None

@@ -12,18 +12,22 @@ from __future__ import annotations
 from pathlib import Path
 
 from rldsl.audit import journal_totals
-from rldsl.runtime.atomic import write_json_atomically
-from rldsl.runtime.control.journal import FAILED, JOURNAL_FILE
+from rldsl.runtime.control.journal import FAILED, JOURNAL_FILE, STOPPED
+from rldsl.runtime.run_files import RunDirectoryError, write_json_checked
 
 SUMMARY_FILE = "summary.json"
 _RUN_LEDGER = ("generated", "trained", "dropped", "open", "rolled_back", "max_lag", "lag_histogram")
 
 
-def write_summary(run_dir: Path, segment: dict | None, pipeline: str, error: str | None = None) -> dict:
+def write_summary(run_dir: Path, segment: dict | None, pipeline: str, error: str | None = None,
+                  stop: dict | None = None) -> dict:
     """``segment``: the controller's summary of this segment, None when the
     controller could not answer (its actor died); ``error``: what ended the
-    run on the driver's side, if anything did. Returns what was written."""
-    summary = {"pipeline": pipeline, **(segment or {})}
+    run on the driver's side, if anything did; ``stop``: the signal that
+    stopped it and the command that resumes it. Returns what was written."""
+    summary = {"pipeline": pipeline, **(segment or {}), **(stop or {})}
+    if stop and error is None and summary.get("exit") is None:  # the controller had not reached its safe point
+        summary.update(exit=STOPPED, error=f"stopped by {stop['signal']} before the controller reached a safe point")
     if error is not None and summary.get("exit") != FAILED:
         summary.update(exit=FAILED, error=error)
     elif summary.get("exit") is None:  # the controller never said how it ended
@@ -37,5 +41,8 @@ def write_summary(run_dir: Path, segment: dict | None, pipeline: str, error: str
         summary.setdefault("steps", totals["steps"])
     else:  # no readable journal: this segment is all there is to say
         summary["ledger"] = summary["segment_ledger"]
-    write_json_atomically(Path(run_dir) / SUMMARY_FILE, summary, indent=2)
+    try:
+        write_json_checked(Path(run_dir) / SUMMARY_FILE, summary, indent=2)
+    except RunDirectoryError as error:  # said by the caller; never a second error over the run's own
+        summary["not_written"] = str(error)
     return summary

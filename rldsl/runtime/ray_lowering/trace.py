@@ -84,6 +84,7 @@ class TraceCollector:
         self.enabled = tracing_enabled()
         self._pending: dict[object, str] = {}  # drain ref -> actor name
         self._last = 0.0
+        self.failed: str | None = None  # why the trace stopped being written (a full run directory)
 
     def replace(self, name: str, actor) -> None:
         """A dead actor's replacement: drained under the same name from now on."""
@@ -107,15 +108,20 @@ class TraceCollector:
 
         if not self.enabled:
             return None
-        self._send_drains()
-        deadline = time.monotonic() + timeout_s
-        while self._pending and time.monotonic() < deadline:
-            ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending),
-                                timeout=max(0.0, deadline - time.monotonic()))
-            self._collect(ready)
         from rldsl.runtime.ray_lowering.trace_format import write_chrome_trace
+        from rldsl.runtime.run_files import RunDirectoryError
 
-        return write_chrome_trace(self.run_dir / EVENTS_FILE, self.run_dir / TRACE_FILE, self.pipeline)
+        try:
+            self._send_drains()
+            deadline = time.monotonic() + timeout_s
+            while self._pending and time.monotonic() < deadline:
+                ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending),
+                                    timeout=max(0.0, deadline - time.monotonic()))
+                self._collect(ready)
+            return write_chrome_trace(self.run_dir / EVENTS_FILE, self.run_dir / TRACE_FILE, self.pipeline)
+        except (OSError, RunDirectoryError) as error:  # a full disk: the run's own error is the one to report
+            self.failed = self.failed or str(error)
+            return None
 
     def _send_drains(self) -> None:
         """Ask every actor without a drain in flight for its spans."""
@@ -136,5 +142,10 @@ class TraceCollector:
                 continue
             batches += [b for b in (answer if isinstance(answer, list) else [answer]) if b["events"]]
         if batches:
-            with open(self.run_dir / EVENTS_FILE, "a") as out:
-                out.writelines(json.dumps(batch) + "\n" for batch in batches)
+            from rldsl.runtime.run_files import RunDirectoryError, append_text
+
+            try:
+                append_text(self.run_dir / EVENTS_FILE, "".join(json.dumps(batch) + "\n" for batch in batches),
+                            sync=False)
+            except RunDirectoryError as error:  # the trace is an aid: the run goes on, and says so at its end
+                self.enabled, self.failed = False, str(error)

@@ -53,11 +53,16 @@ def step_scalars(record: dict) -> dict[str, float]:
 class MetricLoggers:
     """The run's backends; ``log(scalars, step)`` sends to every one still working."""
 
-    def __init__(self, backends, run_dir: Path, name: str, config: dict | None = None) -> None:
+    def __init__(self, backends, run_dir: Path, name: str, config: dict | None = None,
+                 first_step: int | None = None) -> None:
+        """``first_step``: a resumed run starts here. TensorBoard purges its
+        events from it on; MLflow keeps both values of a re-trained step
+        (its history is per step and time); W&B ignores steps it has seen
+        (its steps only increase), so it resumes after the highest."""
         self.backends = {}
         for backend in backends:
             try:
-                self.backends[backend] = _OPEN[backend](Path(run_dir), name, config or {})
+                self.backends[backend] = _OPEN[backend](Path(run_dir), name, config or {}, first_step)
             except Exception as error:  # noqa: BLE001 - a logger never stops a run
                 log.warning("metrics logger %s could not start (%s: %s); the run goes on without it",
                             backend, type(error).__name__, error)
@@ -80,10 +85,10 @@ class MetricLoggers:
 
 
 class _TensorBoard:
-    def __init__(self, run_dir: Path, name: str, config: dict) -> None:
+    def __init__(self, run_dir: Path, name: str, config: dict, first_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for name, value in scalars.items():
@@ -95,7 +100,7 @@ class _TensorBoard:
 
 
 class _WandB:
-    def __init__(self, run_dir: Path, name: str, config: dict) -> None:
+    def __init__(self, run_dir: Path, name: str, config: dict, first_step: int | None = None) -> None:
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or (None if os.environ.get("WANDB_API_KEY") else "offline")
@@ -111,7 +116,7 @@ class _WandB:
 
 
 class _MLflow:
-    def __init__(self, run_dir: Path, name: str, config: dict) -> None:
+    def __init__(self, run_dir: Path, name: str, config: dict, first_step: int | None = None) -> None:
         import mlflow
 
         self.client = mlflow.MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or default_mlflow_uri(run_dir))

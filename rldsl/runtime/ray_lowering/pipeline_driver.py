@@ -208,7 +208,8 @@ class PipelineDriver:
             return False
         self._say_transport()
         self.progress = Progress(self.settings, self.run_dir, prefix=self.prefix, live=live, log=self.pipe.run.log,
-                                 name=self.pipe.name, config=_logged_config(self.pipe))
+                                 name=self.pipe.name, config=_logged_config(self.pipe),
+                                 first_step=self.resume["steps_done"] + 1 if self.resume else None)
         if self.evaluations and not self.resume:
             self.evaluations.request(step=0, version=0)
         self.result_ref = self.controller.run.remote()

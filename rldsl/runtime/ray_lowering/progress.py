@@ -14,18 +14,21 @@ from rldsl.runtime.control.settings import RunSettings
 
 class Progress:
     def __init__(self, settings: RunSettings, run_dir: Path, prefix: str = "", live: bool = True,
-                 log: tuple[str, ...] = ("tensorboard",), name: str = "rldsl", config: dict | None = None):
+                 log: tuple[str, ...] = ("tensorboard",), name: str = "rldsl", config: dict | None = None,
+                 first_step: int | None = None):
         """``prefix`` starts every line (several pipelines in one run);
         ``live=False`` keeps the line-per-step output on a terminal too;
         ``log``: the metric backends (loggers.py), ``name`` and ``config``
-        what they call and record the run."""
+        what they call and record the run; ``first_step``: a resumed run's
+        (the steps from there on are trained again, so the loggers drop
+        what they hold of them)."""
         from rich.console import Console
 
         from rldsl.runtime.ray_lowering.loggers import MetricLoggers
 
         self.settings, self.prefix, self.want_live = settings, prefix, live
         self.metrics_path = run_dir / "metrics.jsonl"
-        self.loggers = MetricLoggers(log, run_dir, name, config)
+        self.loggers = MetricLoggers(log, run_dir, name, config, first_step)
         self.console = Console(stderr=True)
         if not self.console.is_terminal:  # logs: one unwrapped line per step
             self.console = Console(stderr=True, width=400)

@@ -48,7 +48,7 @@ class Replica:
 def test_the_replica_gets_a_group_across_both_nodes_and_its_workers_land_on_the_planned_gpus(cluster):
     from ray.util import placement_group_table
 
-    from rldsl.runtime.ray_lowering.bundles import actor_slots, layout_bundles
+    from rldsl.layout import actor_slots, layout_bundles
     from rldsl.runtime.ray_lowering.cluster import ray_session
     from rldsl.runtime.ray_lowering.placement import reserve
 
@@ -94,8 +94,9 @@ def test_dry_run_reports_the_replica_and_where_each_of_its_gpu_bundles_lands(clu
 
 
 def test_a_replica_across_nodes_sharing_its_gpus_is_refused_before_ray_starts(tmp_path):
+    """By `check` itself (RLP512): the launcher's layout runs on every plan that checks."""
     text = PP2.replace("colocate = actor", "colocate = rollout")
     proc = rldsl("run", str(write(tmp_path, text)), "--dry-run")
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.returncode == 1 and "error[RLP512]" in proc.stderr, proc.stderr[-3000:]
     assert "`rollout-0` spans nodes and shares GPU(s) 0:0 with reference-0" in proc.stderr
     assert "a replica across nodes needs its GPUs to itself" in proc.stderr and "Traceback" not in proc.stderr

@@ -123,7 +123,7 @@ def test_openrlhf_colocates_everything_on_8_gpus():
     result = _compiled("from_openrlhf_grpo_dapo_hybrid.rlp")
     for stage in ("actor", "reference", "behaviour", "rollout"):
         assert _gpus(result, stage) == list(range(8)), stage
-    assert _shape(result, "rollout") == (2, 1, 4)        # --vllm.num_engines 4, tp 2
+    assert _shape(result, "rollout") == (1, 1, 8)  # 4 tp-2 engines there; 8 tp-1 replicas here (RLP512)
     assert _shape(result, "actor") == (1, 1, 8)
     # --ds.zero_stage 3: parameters, gradients and Adam state sharded over all 8 ranks
     assert _engine(result, "actor") == ("fsdp", {"shard": 0, "offload": True, "dtype": "bf16"})

@@ -167,7 +167,7 @@ def test_torch_trainer_dp2_over_two_nodes_forms_its_group_and_trains(cluster, tm
 def test_split_step_gradient_over_two_nodes_equals_the_full_batch(cluster):
     """The cross-node gloo group of the real rendezvous carries the split step:
     the averaged gradient equals one full-batch backward."""
-    from rldsl.runtime.ray_lowering.bundles import ActorSlot, layout_bundles
+    from rldsl.layout import ActorSlot, layout_bundles
     from rldsl.runtime.ray_lowering.cluster import ray_session
     from rldsl.runtime.ray_lowering.placement import reserve
     from rldsl.runtime.ray_lowering.rendezvous import create_board

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rldsl.compiler.driver import compile_source
-from rldsl.runtime.ray_lowering.bundles import ActorSlot, LayoutError, actor_slots, layout_bundles
+from rldsl.layout import ActorSlot, LayoutError, actor_slots, layout_bundles
 from rldsl.runtime.ray_lowering.cluster import ClusterError
 from rldsl.runtime.ray_lowering.placement import RayNode, Reservation, assign_nodes
 from rldsl.runtime.ray_lowering.placement_check import check_placement

@@ -16,7 +16,7 @@ from rldsl.compiler.plan_view import render_plan
 from rldsl.plan import ExecutionPlan
 from rldsl.runtime.engines import vllm as ve
 from rldsl.runtime.engines.factory import _vllm_options
-from rldsl.runtime.ray_lowering.bundles import LayoutError, actor_slots, layout_bundles
+from rldsl.layout import LayoutError, actor_slots, layout_bundles
 
 SOURCE = """
 pipeline p

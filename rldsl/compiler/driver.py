@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Program
-from rldsl.compiler.diagnostics import Diagnostic, sort_diagnostics
+from rldsl.compiler.diagnostics import ERROR, NO_SPAN, Diagnostic, sort_diagnostics
 from rldsl.compiler.ir import build_ir
 from rldsl.compiler.parser import parse
 from rldsl.compiler.placement import Placement, place
@@ -79,9 +79,26 @@ def compile_source(text: str, filename: str = "<input>", base_dir: Path | None =
         diags += check_memory(program, placement, base_dir)
         result.memory = estimate(program, placement, base_dir)
     result.diagnostics = sort_diagnostics(diags)
-    if result.ok and want_plan:
-        result.plan = _lower(result, base_dir)
+    if result.ok:  # `check` too: a plan that checks must be one Ray can lay out (RLP512)
+        plan = _lower(result, base_dir)
+        result.diagnostics = sort_diagnostics(diags + check_layout(plan, program))
+        result.plan = plan if want_plan and result.ok else None
     return result
+
+
+def check_layout(plan, program: Program) -> list[Diagnostic]:
+    """RLP512: the launcher's own bundle layout (rldsl.layout), run on the plan."""
+    from rldsl.layout import LayoutError, actor_slots, layout_bundles
+
+    try:
+        layout_bundles(actor_slots(plan), actor_cpus=0.0)
+    except LayoutError as error:
+        decl = next((p.stages[error.stage] for p in program.pipelines if error.stage in p.stages), None)
+        span = decl.name_span if decl is not None else NO_SPAN
+        message, _, fix = str(error).rpartition(". ")
+        return [Diagnostic("RLP512", ERROR, f"placement Ray cannot lay out: {message}", span,
+                           help=(fix[:1].lower() + fix[1:]) if fix else None)]
+    return []
 
 
 def _lower(result: CompileResult, base_dir: Path):

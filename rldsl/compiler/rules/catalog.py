@@ -323,7 +323,14 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "on the trainer's GPUs. vLLM and SGLang receivers take weights through the object store. "
        "`transport = auto` uses the collective only where it can.",
        "stage sync weights { from = actor  to = rollout  transport = collective }   # rollout: engine = vllm",
-       "the sync's `transport`, `from` and `to`, the stages' engines and kinds, and their placement."),]}
+       "the sync's `transport`, `from` and `to`, the stages' engines and kinds, and their placement."),
+    _r("RLP512", ERROR, "a placement Ray cannot lay out",
+       "`check` lays the plan out exactly as `rldsl run` will (rldsl/layout.py): one placement-group bundle per "
+       "set of GPUs driven together. Ray gives an actor either whole GPUs or a fraction of one GPU, so one actor "
+       "driving several GPUs (a tp = 2 generator replica) cannot share them with another stage's actors; and a "
+       "replica across nodes needs its GPUs to itself. A plan that checks is a plan that launches.",
+       "stage generate rollout { engine = vllm(tp = 2)  colocate = actor }",
+       "the whole plan: it runs only on a file with no error (the plan must exist)."),]}
 
 
 DEPENDENCIES = """\
@@ -363,7 +370,7 @@ So the rule families depend on each other only through these inputs:
 | learning | RLP314, RLP315 | the estimator, samples per prompt, the reward, the builtin task and `max_new_tokens` |
 | training | RLP307-RLP313 | the trainer's loss, sampling and schedule keys, the run length, the datasets |
 | buffer | RLP304-RLP306 | the trainer's prompts_per_step, staleness and buffer |
-| placement | RLP501-RLP503, RLP507, RLP508 | cluster, `gpus`, `colocate`, placement groups, engines |
+| placement | RLP501-RLP503, RLP507, RLP508, RLP512 | cluster, `gpus`, `colocate`, placement groups, engines |
 | sharing | RLP401, RLP504, RLP505, RLP509 | placed stages |
 | memory | RLP506 | placed stages and their models |
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from rldsl.plan import ExecutionPlan
 from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.ray_lowering import stopping
-from rldsl.runtime.ray_lowering.bundles import actor_slots, layout_bundles
+from rldsl.layout import actor_slots, layout_bundles
 from rldsl.runtime.ray_lowering.cluster import ACTOR_NUM_CPUS, ClusterError
 from rldsl.runtime.ray_lowering.dataplane_watch import say_if_dataplane_lost
 from rldsl.runtime.ray_lowering.pipeline_driver import PipelineDriver, ResumeError, StageStartError, root_cause

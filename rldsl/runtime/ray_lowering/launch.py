@@ -170,7 +170,7 @@ def run_plan(plan: ExecutionPlan, args) -> int:
             return _run_directory_failed(checked(run_dir / "plan.json", err))
     import ray
 
-    from rldsl.runtime.ray_lowering.bundles import LayoutError
+    from rldsl.layout import LayoutError
     from rldsl.runtime.ray_lowering.driver import Driver, ResumeError, StageStartError
     from rldsl.runtime.ray_lowering.pipeline_driver import root_cause
     from rldsl.runtime.ray_lowering.stopping import DEFAULT_GRACE_S, as_interrupt, resume_command
@@ -232,7 +232,7 @@ def _say_how_to_resume(run_dir: Path, plan: ExecutionPlan, command: str) -> None
 
 def _dry_run(plan: ExecutionPlan, settings: dict, run_dir: Path, address: str | None) -> int:
     """Placement only: where every actor would start, then exit (no run directory)."""
-    from rldsl.runtime.ray_lowering.bundles import LayoutError
+    from rldsl.layout import LayoutError
     from rldsl.runtime.ray_lowering.cluster import ClusterError
     from rldsl.runtime.ray_lowering.driver import Driver
 

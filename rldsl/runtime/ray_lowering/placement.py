@@ -1,7 +1,7 @@
 """Placement groups: reserve a plan's GPUs on a Ray cluster, or say why not.
 
 Each plan node becomes one STRICT_PACK placement group whose bundles are
-shaped like its actors (bundles.py), pinned to one Ray node chosen up front
+shaped like its actors (rldsl/layout.py), pinned to one Ray node chosen up front
 (the ``ray.io/node-id`` label), so two plan nodes never land on one Ray node
 and a plan that cannot fit is refused before anything starts, per node.
 A replica across nodes (bundles.SpanningGroup) gets one PACK group of its
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from rldsl.runtime.ray_lowering.bundles import ActorSlot, BundleLayout
+from rldsl.layout import ActorSlot, BundleLayout
 from rldsl.runtime.ray_lowering.cluster import ClusterError
 
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it (Ray >= 2.4x)

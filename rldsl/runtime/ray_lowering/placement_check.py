@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rldsl.runtime.ray_lowering.actor_process import where
-from rldsl.runtime.ray_lowering.bundles import ActorSlot
+from rldsl.layout import ActorSlot
 from rldsl.runtime.ray_lowering.placement import Reservation
 
 ENGINE_WORKERS = "engine_workers"  # in a probe's report: where each GPU bundle of its group landed

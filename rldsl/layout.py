@@ -30,7 +30,12 @@ from rldsl.plan import ExecutionPlan
 
 
 class LayoutError(ValueError):
-    """The plan asks for a placement Ray cannot express."""
+    """The plan asks for a placement Ray cannot express; ``stage`` is the
+    stage whose actor cannot be laid out (the compiler points at it)."""
+
+    def __init__(self, message: str, stage: str = "") -> None:
+        super().__init__(message)
+        self.stage = stage
 
 
 @dataclass(frozen=True)
@@ -179,7 +184,7 @@ def _require_own_gpus(spanning: list[ActorSlot], slots: list[ActorSlot]) -> None
                 raise LayoutError(
                     f"`{replica.name}` spans nodes and shares GPU(s) {where} with {other.name}: a replica across "
                     "nodes needs its GPUs to itself (vLLM's Ray executor gives each of its workers a whole GPU). "
-                    "Give the other stage GPUs of its own")
+                    "Give the other stage GPUs of its own", replica.stage)
 
 
 def _require_expressible(bundle: Bundle) -> None:
@@ -190,4 +195,4 @@ def _require_expressible(bundle: Bundle) -> None:
     raise LayoutError(
         f"`{wide.name}` drives GPUs {', '.join(map(str, wide.gpus))} of node {wide.node} as one actor and shares "
         f"them with {others}: Ray gives an actor either whole GPUs or a fraction of one GPU, never a fraction of "
-        f"several. Give the multi-GPU replica GPUs of its own (or tp = 1 replicas when it must share)")
+        f"several. Give the multi-GPU replica GPUs of its own (or tp = 1 replicas when it must share)", wide.stage)

@@ -6,7 +6,16 @@
 - a rollout batch in two optimizer steps bumps the version once;
 - checkpoints restore weights, optimizer state, version and step count;
 - weight buckets are the unsharded model's state dict;
-- sleep / wake keep every value; the compiler's memory estimate shards.
+- sleep / wake keep every value;
+- the model is sharded as it is built: parameters on meta when sharded, no
+  rank holding a full parameter, an ``hf:`` model read from its safetensors
+  files one slice per rank;
+- ranks with unequal microbatch and forward counts run the same number of
+  forwards (padded) and no FSDP unit stays gathered between forwards;
+- every layer checkpoints its activations: it runs its forward again in its
+  backward (padded forwards included), and the gradient is unchanged.
+
+The compiler's memory estimate for the engine is in tests/test_memory_model.py.
 
 Multi-rank cases run every check in one spawn per world size (starting
 processes dominates the time).
@@ -23,8 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 
 from rldsl.runtime.engines.fsdp import FsdpLogprob, FsdpTrainer
+from rldsl.runtime.engines.fsdp import loading, sharding
 from rldsl.runtime.engines.policy_loss import AGGREGATIONS, PolicyLossConfig
 from rldsl.runtime.engines.torch.common import response_logprobs
 from rldsl.runtime.protocols import LogprobEngine, Trainer
@@ -104,7 +115,7 @@ def buckets_match_the_model(**options) -> None:
     model = make_model()
     expected = {name: tensor.clone() for name, tensor in model.module.state_dict().items()}
     trainer = FsdpTrainer(copy.deepcopy(model), **options)
-    buckets = list(trainer.weight_buckets(bucket_bytes=4096))
+    buckets = list(gathers_streamed(trainer.weight_buckets(bucket_bytes=4096)))
     if dist.get_rank() != 0:
         assert buckets == []
         return
@@ -112,6 +123,21 @@ def buckets_match_the_model(**options) -> None:
     got = {name: tensor for bucket in buckets for name, tensor in bucket.items()}
     assert list(got) == list(expected)
     assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def gathers_streamed(buckets):
+    """Yields ``buckets``, checking that each arrives before any tensor of the
+    next one was gathered (counting ``DTensor.full_tensor`` calls)."""
+    full_tensor, gathered = DTensor.full_tensor, []
+    DTensor.full_tensor = lambda self, **kwargs: gathered.append(1) or full_tensor(self, **kwargs)
+    try:
+        received = 0
+        for bucket in buckets:
+            received += len(bucket)
+            assert len(gathered) == received
+            yield bucket
+    finally:
+        DTensor.full_tensor = full_tensor
 
 
 def sleep_and_wake_keep_values(batch, **options) -> None:
@@ -133,6 +159,81 @@ def two_steps_after_wake(trainer, batch) -> None:
     assert trainer.finish_train_step(1).version == 2
 
 
+def built_sharded_on_meta(**options) -> None:
+    """Every unit is sharded while its parameters are on meta, and afterwards
+    no rank holds more than its chunk of any parameter's rows; the chunks of
+    one shard group add up to the full tensors."""
+    seen = []
+
+    def observed(module, **kwargs):
+        seen.append(all(p.is_meta for p in module.parameters()))
+        return fully_shard(module, **kwargs)
+
+    fully_shard = sharding.fully_shard
+    sharding.fully_shard = observed
+    try:
+        trainer = FsdpTrainer(make_model(), **options)
+    finally:
+        sharding.fully_shard = fully_shard
+    assert seen and all(seen)
+    full = make_model().module.state_dict()
+    shard_ranks = trainer.mesh.size(trainer.mesh.ndim - 1)
+    held = torch.zeros(1, dtype=torch.int64)
+    for name, param in trainer.model.module.named_parameters():
+        local = param.to_local()
+        assert local.shape[0] <= -(-full[name].shape[0] // shard_ranks), name
+        held += local.numel()
+    dist.all_reduce(held)
+    copies = dist.get_world_size() // shard_ranks
+    assert int(held) == copies * sum(t.numel() for t in full.values())
+
+
+def unequal_microbatches_in_lockstep(rank: int, **options) -> float:
+    """Rank 0 trains 3 microbatches (5 forwards), rank 1 one (1 forward), the
+    rest none: every rank runs 5 forwards, each layer recomputed once in its
+    backward, no unit is gathered when a forward starts, a layer's forward
+    sees no other layer gathered, and the gradient is the full batch's.
+    Returns the gradient's relative error."""
+    model = make_model()
+    batch = make_batch(model)
+    config = LOSS_CONFIGS[0]
+    trainer = FsdpTrainer(copy.deepcopy(model), loss=config, lr=0.0, max_grad_norm=None, rows_per_forward=2,
+                          **options)
+    root = trainer.model.module
+    gathered_at_start = []
+    root.register_forward_pre_hook(lambda *_: gathered_at_start.append(sharding.gathered_parameters(root)),
+                                   prepend=True)  # before FSDP's own hook gathers the root
+    for index, block in enumerate(root.blocks):
+        block.register_forward_pre_hook(lambda _, __, index=index: check_only_layer_gathered(root, index))
+    layer_runs = count_layer_runs(root)
+    rows = {0: [(0, 3), (3, 4), (4, 8)], 1: [(8, 10)]}.get(rank, [])
+    trainer.begin_train_step(0)
+    for start, stop in rows:
+        counts = trainer.train_microbatch(0, {name: value[start:stop] for name, value in batch.items()})
+        assert counts["tokens"] == float(batch["response_mask"][start:stop].sum())
+    assert gathered_at_start == []  # microbatches only queue their rows
+    trainer.finish_train_step(0)
+    assert len(gathered_at_start) == 5 and not any(gathered_at_start)
+    assert layer_runs == [2 * 5] * len(root.blocks)  # each forward's layers run again in its backward
+    assert sharding.gathered_parameters(root) == []
+    grads = full_values(p.grad for p in trainer.parameters)
+    return max_relative_error(grads, full_batch_gradients(model, batch, config))
+
+
+def count_layer_runs(root) -> list[int]:
+    """How often each block's layer computation runs, counted at its
+    attention (the recompute calls the block's forward, not the block)."""
+    runs = [0] * len(root.blocks)
+    for index, block in enumerate(root.blocks):
+        block.attn.register_forward_pre_hook(lambda *_, index=index: runs.__setitem__(index, runs[index] + 1))
+    return runs
+
+
+def check_only_layer_gathered(root, index: int) -> None:
+    layers = {name.split(".")[1] for name in sharding.gathered_parameters(root) if name.startswith("blocks.")}
+    assert layers == {str(index)}, (index, layers)
+
+
 def _worker(rank: int, world_size: int, shard: int, port: int, directory: str, results: dict):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -142,6 +243,8 @@ def _worker(rank: int, world_size: int, shard: int, port: int, directory: str, r
         assert FsdpTrainer(make_model(), **options).mesh.shape == ((world_size // shard, shard) if shard else
                                                                    (world_size,))
         results[rank] = gradient_errors(world_size, rank, **options)
+        built_sharded_on_meta(**options)
+        results[(rank, "lockstep")] = unequal_microbatches_in_lockstep(rank, **options)
         batch = make_batch(make_model())
         checkpoint_round_trip(batch, directory, **options)
         buckets_match_the_model(**options)
@@ -157,10 +260,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ranks(world_size: int, shard: int, directory) -> dict:
+def run_ranks(world_size: int, shard: int, directory, worker=_worker) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(world_size, shard, _free_port(), str(directory), results), nprocs=world_size,
+        mp.spawn(worker, args=(world_size, shard, _free_port(), str(directory), results), nprocs=world_size,
                  join=True)
         return dict(results)
 
@@ -169,6 +272,7 @@ def assert_all_ranks_exact(results: dict, world_size: int) -> None:
     assert all(results.get((rank, "done")) for rank in range(world_size)), results
     worst = max(error for rank in range(world_size) for error in results[rank].values())
     assert worst < 1e-5, results
+    assert max(results[(rank, "lockstep")] for rank in range(world_size)) < 1e-5, results
 
 
 @pytest.fixture
@@ -188,6 +292,33 @@ def test_one_rank_matches_full_batch_and_keeps_state(one_process_group, tmp_path
     buckets_match_the_model()
     sleep_and_wake_keep_values(batch)
     assert isinstance(FsdpTrainer(make_model()), Trainer)
+
+
+def test_layers_recompute_only_when_training(one_process_group):
+    """A forward without gradients runs each layer once and keeps nothing to
+    recompute; a training forward saves less than an unchecked one (only the
+    layers' inputs, not their activations)."""
+    model = make_model()
+    batch = make_batch(model)
+    trainer = FsdpTrainer(copy.deepcopy(model))
+    runs = count_layer_runs(trainer.model.module)
+    with torch.no_grad():
+        response_logprobs(trainer.model, batch)
+    assert runs == [1] * len(runs)
+    assert saved_bytes(trainer.model, batch) < saved_bytes(model, batch) / 2
+
+
+def saved_bytes(model, batch) -> int:
+    """Bytes a training forward keeps for its backward (outside checkpointed regions)."""
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        response_logprobs(model, batch)
+    return sum(saved)
 
 
 def test_bf16_compute_stays_close_to_fp32(one_process_group):
@@ -237,36 +368,71 @@ def test_hybrid_sharding_four_ranks_two_per_copy(tmp_path):
     assert_all_ranks_exact(run_ranks(4, 2, tmp_path), 4)
 
 
-MEMORY_PIPELINE = """
-pipeline big
-cluster { nodes = 2  gpus_per_node = 8  gpu_memory = 80GiB }
-model policy { source = "builtin:tiny-lm"  params = 7B }
-dataset prompts { source = "builtin:arith" }
-stage generate rollout { model = policy  gpus = 8  samples_per_prompt = 4 }
-stage reward score { fn = "rldsl.rewards:exact_match" }
-stage train actor { model = policy  engine = ENGINE  gpus = 8  prompts_per_step = 8 }
-stage sync weights { from = actor  to = rollout }
-flow prompts -> rollout -> score -> actor
-staleness { max_lag = 1 }
-"""
+def read_bytes_counted() -> list[int]:
+    """Wraps the safetensors row reader (in this spawned process); the list
+    collects the bytes each read returned."""
+    read: list[int] = []
+    original = loading.SafetensorsRows.__call__
+
+    def counting(self, name, start, stop):
+        rows = original(self, name, start, stop)
+        read.append(rows.numel() * rows.element_size())
+        return rows
+
+    loading.SafetensorsRows.__call__ = counting
+    return read
 
 
-def memory_errors(engine: str) -> list:
-    from rldsl.compiler.driver import compile_source
+def _hf_worker(rank: int, world_size: int, shard: int, port: int, directory: str, results: dict):
+    from safetensors.torch import load_file
 
-    result = compile_source(MEMORY_PIPELINE.replace("ENGINE", engine), "big.rlp")
-    return [d for d in result.diagnostics if d.code == "RLP506"]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        read = read_bytes_counted()
+        trainer = FsdpTrainer(loading.meta_hf_model(f"hf:{directory}"), shard=shard)
+        results[(rank, "read")] = sum(read)
+        buckets = list(trainer.weight_buckets(bucket_bytes=8192))
+        if rank == 0:
+            saved = load_file(os.path.join(directory, "model.safetensors"))
+            got = {name: tensor for bucket in buckets for name, tensor in bucket.items()}
+            results["file bytes"] = sum(t.numel() * t.element_size() for t in saved.values())
+            results["equal"] = got.keys() == saved.keys() and all(torch.equal(got[n], saved[n]) for n in saved)
+        results[(rank, "done")] = True
+    finally:
+        dist.destroy_process_group()
 
 
-def test_fsdp_shards_the_trainer_memory_estimate():
-    from rldsl.compiler.memory import fsdp_trainer_bytes
+def test_hf_model_loads_sharded_from_safetensors(tmp_path):
+    """Two ranks build a Hugging Face Llama on meta and each reads only its
+    rows of the checkpoint: the gathered weights are the file's, and each
+    rank read about half of its bytes."""
+    from tests.hf_tiny import save_char_llama
 
-    (torch_error,) = memory_errors("torch")  # 7B fp32 on one 80 GiB GPU per rank: 112 GB
-    assert "engine = fsdp" in torch_error.help and "distributed optimizer" not in torch_error.help
-    assert memory_errors("fsdp") == []  # (4 + 8) x 7B / 8 + (4 + 4) x 7B = 66.5 GB
-    assert memory_errors("fsdp(shard = 2)")  # two ranks per copy: 42 + 56 = 98 GB
-    assert memory_errors("fsdp(dtype = bf16)") == []
-    assert fsdp_trainer_bytes(7e9, 8, 4) == pytest.approx(66.5e9)
+    path = save_char_llama(tmp_path / "llama")
+    results = run_ranks(2, 0, path, worker=_hf_worker)
+    assert results[(0, "done")] and results[(1, "done")] and results["equal"]
+    total = results["file bytes"]
+    assert results[(0, "read")] + results[(1, "read")] == total
+    assert all(abs(results[(rank, "read")] - total / 2) < 0.05 * total for rank in (0, 1)), results
+
+
+def test_tied_hf_model_built_on_meta_matches_the_pretrained_load(one_process_group, tmp_path):
+    """Tied embeddings (no ``lm_head.weight`` in the file) and the rotary
+    buffers (in no file) come out as ``from_pretrained`` makes them."""
+    from rldsl.models import load_model
+    from tests.hf_tiny import save_char_llama
+
+    source = f"hf:{save_char_llama(tmp_path / 'llama', tie_word_embeddings=True)}"
+    pretrained = load_model(source)
+    batch = make_batch(pretrained)
+    trainer = FsdpTrainer(loading.meta_hf_model(source))
+    assert all(p.is_meta for p in loading.meta_hf_model(source).module.parameters())
+    with torch.no_grad():
+        assert torch.equal(response_logprobs(trainer.model, batch), response_logprobs(pretrained, batch))
+    trainer.begin_train_step(0)
+    trainer.train_microbatch(0, batch)
+    assert trainer.finish_train_step(0).version == 1
 
 
 def fsdp_plan(train_engine: str, reference_engine: str = "fsdp"):

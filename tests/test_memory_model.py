@@ -143,3 +143,38 @@ def test_shapes_come_from_config_json_or_the_nearest_reference():
     assert (moe.ffn, moe.kv) == (768 * 8, 512)  # the experts one token runs
     assert mm.nearest_shape(32e9) == mm.REFERENCE_SHAPES[32.8e9]
     assert mm.nearest_shape(70e9) == mm.REFERENCE_SHAPES[70.6e9]
+
+
+SEVEN_B_FP32 = """
+pipeline big
+cluster { nodes = 2  gpus_per_node = 8  gpu_memory = 80GiB }
+model policy { source = "builtin:tiny-lm"  params = 7B }
+dataset prompts { source = "builtin:arith" }
+stage generate rollout { model = policy  gpus = 8  samples_per_prompt = 4 }
+stage reward score { fn = "rldsl.rewards:exact_match" }
+stage train actor { model = policy  engine = ENGINE  gpus = 8  prompts_per_step = 8 }
+stage sync weights { from = actor  to = rollout }
+flow prompts -> rollout -> score -> actor
+staleness { max_lag = 1 }
+"""
+
+
+def seven_b_trainer(engine: str) -> tuple[float, list]:
+    """The 7B fp32 trainer's estimate (GiB) under ``engine``, and the RLP506 errors."""
+    result = compile_source(SEVEN_B_FP32.replace("ENGINE", engine), "big.rlp")
+    actor = stage_estimates(result.program, result.placement, Path("."))[("big", "actor")]
+    return actor.total / GIB, [d for d in result.diagnostics if d.code == "RLP506"]
+
+
+def test_fsdp_shards_the_trainer_state_over_its_shard_group():
+    """7B in fp32 on 8 x 80 GiB: the torch engine holds everything on every
+    rank; fsdp holds 16 bytes a parameter divided by its shard group, plus
+    the layers in flight and the checkpointed activations."""
+    _, (torch_error,) = seven_b_trainer("torch")
+    assert "engine = fsdp" in torch_error.help and "distributed optimizer" not in torch_error.help
+    sharded, errors = seven_b_trainer("fsdp")
+    assert errors == [] and sharded == pytest.approx(24.6, abs=0.1)  # the state sharded 8 ways
+    unsharded, (error,) = seven_b_trainer("fsdp(shard = 1)")  # every rank a whole copy of the state
+    assert unsharded == pytest.approx(115.9, abs=0.1) and "needs about 115.9GiB" in error.message
+    assert unsharded - sharded == pytest.approx(16 * 7e9 * (1 - 1 / 8) / GIB, rel=1e-6)  # only the state differs
+    assert seven_b_trainer("fsdp(dtype = bf16)")[1] == []

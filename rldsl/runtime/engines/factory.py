@@ -119,7 +119,13 @@ def build_trainer(stage: StagePlan, pipe: PipelinePlan, seed: int, process_group
         from rldsl.runtime.engines.fsdp.trainer import FsdpTrainer
 
         args = stage.engine.args
-        model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
+        plan = _model(pipe, stage)
+        if plan.source.startswith("hf:"):  # parameters on meta: each rank reads only its shards of the files
+            from rldsl.runtime.engines.fsdp.loading import meta_hf_model
+
+            model = meta_hf_model(plan.source)
+        else:
+            model = load_policy(plan, pipe, pipe.run.seed)
         return FsdpTrainer(model, shard=args["shard"], dtype=args["dtype"], offload=args["offload"],
                            **training_options(stage, pipe), process_group=process_group)
     if name == "megatron":

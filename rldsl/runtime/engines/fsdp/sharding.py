@@ -3,19 +3,26 @@
 Every repeated layer (the children of each ``nn.ModuleList``: tiny-lm's
 ``blocks``, a Hugging Face model's ``model.layers``) is its own FSDP unit,
 then the root takes what is left (embeddings, final norm, a tied or untied
-head), so one layer's full parameters are live at a time.
+head), so one layer's full parameters are live at a time. Each repeated
+layer also checkpoints its activations (``checkpoint_activations``): the
+forward keeps only the layer's input, and the backward runs the layer's
+forward again, on the parameters FSDP gathers for that backward anyway,
+before differentiating it.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import types
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MESH_DIMS = ("replicate", "shard")
@@ -63,33 +70,55 @@ def build_mesh(process_group, shard: int, device_type: str) -> DeviceMesh:
 def shard_module(module: nn.Module, mesh: DeviceMesh, dtype: str) -> None:
     """``fully_shard`` every layer, then the root. bf16 computes in bf16 but
     keeps fp32 sharded parameters (the optimizer's master copy) and reduces
-    gradients in fp32."""
+    gradients in fp32. Each unit's full parameters are gathered for its
+    forward and again for its backward, and freed after each (FSDP keeps the
+    root's from its forward to its backward), so a rank holds the layers in
+    flight, never the model; the trainer keeps every rank's forwards in
+    lockstep so those per-layer all-gathers line up. Every layer checkpoints
+    its activations, which the compiler's memory model assumes."""
     policy = mixed_precision(dtype)
-    for layer in repeated_layers(module):
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(module, mesh=mesh, mp_policy=policy)
+    layers = repeated_layers(module)
+    for layer in outermost(layers):  # a layer's nested lists (MoE experts) are recomputed with it
+        checkpoint_activations(layer)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     for unit in fsdp_units(module):
         # Sum, not average, over ranks: the trainer divides by the global
         # token (or sequence) count itself, as the torch engine does.
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
-        # Within a mini-batch the parameters stay gathered: a forward that
-        # all-gathers would be a collective, and ranks run different numbers
-        # of microbatches and forwards (trainer.py gathers once per mini-batch).
-        unit.set_reshard_after_forward(False)
-        unit.set_reshard_after_backward(False)
 
 
-def unshard_all(module: nn.Module) -> None:
-    """Gather every unit's full parameters (a collective, same order on every rank)."""
-    for unit in fsdp_units(module):
-        unit.unshard()
+def checkpoint_activations(layer: nn.Module) -> None:
+    """Run ``layer``'s forward under non-reentrant activation checkpointing:
+    a training forward keeps only the layer's inputs, and its backward runs
+    the forward once more to rebuild the activations (about one extra
+    forward per training forward). The forward is replaced, not the module wrapped, so
+    parameter names (checkpoints, exported weights) stay the same; FSDP's
+    hooks stay on the module's call, so the recompute, which calls the
+    forward directly, runs on the parameters FSDP gathered for the backward."""
+    layer.forward = types.MethodType(_checkpointed_forward, layer)
+
+
+def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
+    forward = types.MethodType(type(layer).forward, layer)  # the class's own forward
+    if not torch.is_grad_enabled():  # nothing to keep for a backward
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def reshard_all(module: nn.Module) -> None:
-    """Free the gathered parameters (local, no communication)."""
+    """Free any gathered parameters (local, no communication): after a
+    failed forward or backward left a unit unsharded."""
     for unit in fsdp_units(module):
         unit.reshard()
+
+
+def gathered_parameters(module: nn.Module) -> list[str]:
+    """The parameters whose full (unsharded) values are gathered right now:
+    while gathered, FSDP registers a plain tensor in place of the DTensor shard."""
+    return [name for name, param in module.named_parameters() if not isinstance(param, DTensor)]
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
@@ -104,17 +133,11 @@ def repeated_layers(module: nn.Module) -> list[nn.Module]:
     return [layer for child in module.modules() if isinstance(child, nn.ModuleList) for layer in child]
 
 
+def outermost(layers: list[nn.Module]) -> list[nn.Module]:
+    """The layers not inside another of ``layers``."""
+    nested = {id(inner) for layer in layers for inner in layer.modules() if inner is not layer}
+    return [layer for layer in layers if id(layer) not in nested]
+
+
 def fsdp_units(module: nn.Module) -> list[FSDPModule]:
     return [unit for unit in module.modules() if isinstance(unit, FSDPModule)]
-
-
-def drop_unreduced_grads(module: nn.Module) -> None:
-    """Forget gradients accumulated without sync and not yet reduce-scattered
-    (an aborted step's). FSDP keeps them on its internal unsharded
-    parameters, which ``zero_grad`` does not reach."""
-    for unit in fsdp_units(module):
-        group = unit._get_fsdp_state()._fsdp_param_group
-        for param in group.fsdp_params if group is not None else ():
-            param.unsharded_accumulated_grad = None
-            if hasattr(param, "_unsharded_param"):
-                param._unsharded_param.grad = None

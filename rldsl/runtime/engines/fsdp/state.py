@@ -18,23 +18,33 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from rldsl.runtime.engines.torch.common import tensor_buckets
-
 CHECKPOINT_FILE = "fsdp.pt"
 
 
 def full_state_buckets(module: torch.nn.Module, bucket_bytes: int):
     """The state dict with every shard gathered, as CPU copies in buckets of
-    at most ``bucket_bytes``; all ranks gather, the first rank yields."""
+    at most ``bucket_bytes`` (a larger tensor travels alone). Streams: a
+    bucket is yielded before the next tensor is gathered (sizes come from the
+    sharded tensors' global shapes), so beyond its shards a rank holds about
+    one bucket. Every rank gathers (one collective per tensor); only the
+    first rank keeps copies and yields, the others iterate along."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    gathered = ((name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)  # a collective per tensor
-                for name, tensor in module.state_dict().items())
-    if dist.get_rank() == 0:
-        yield from tensor_buckets(gathered, bucket_bytes)
-    else:
-        for _ in gathered:  # the other ranks take part in every gather
-            pass
+    keeps = dist.get_rank() == 0
+    bucket, used = {}, 0
+    for name, tensor in module.state_dict().items():
+        size = tensor.numel() * tensor.element_size()  # a DTensor's numel is the full tensor's
+        if used and used + size > bucket_bytes:
+            if keeps:
+                yield bucket
+            bucket, used = {}, 0
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if keeps:
+            bucket[name] = full.detach().to("cpu", copy=True)
+        del full  # the gathered copy goes before the next gather
+        used += size
+    if keeps and bucket:
+        yield bucket
 
 
 def save_full_checkpoint(directory, module, optimizer, counters: dict) -> None:

@@ -2,57 +2,57 @@
 
 The protocol and its arithmetic are the torch engine's (``TorchTrainer``,
 whose docstring explains why an optimizer step equals one backward over its
-whole global mini-batch); only where the gradients live changes:
+whole global mini-batch); what changes is where parameters and gradients
+live and when the forwards run:
 
-- ``begin_train_step`` (and each ``optimizer_step`` that leaves the step
-  open) all-gathers the parameters once; they stay gathered for the whole
-  mini-batch, so a microbatch runs no collective at all. That is what lets
-  ranks train different numbers of microbatches and forwards (uneven
-  lanes, token-budget packing, an idle rank): FSDP's usual per-layer
-  all-gather in every forward would deadlock them. The cost is one full
-  copy of the parameters (in the compute dtype) during a step;
-- microbatches run with ``set_requires_gradient_sync(False)``: FSDP keeps
-  each rank's raw d(sum)/dθ in full (unsharded) gradients and reduces
-  nothing;
-- ``optimizer_step`` / ``finish_train_step`` all-reduce the counts (global
-  N), then run one tiny forward and a zero-valued backward with sync back
-  on: FSDP adds the accumulated gradients to that zero gradient and
-  reduce-scatters the sum (the divide factor is 1, so it is a sum; hybrid
-  sharding also all-reduces it over the replicas). Every rank takes part,
-  idle ones included, which is why the controller's "this mini-batch is
-  complete" call is the only place a reduction can happen. Then the
-  sharded gradients are divided by N, clipped (the norm is global over the
-  shards), the gathered parameters are freed and AdamW steps on the shards
-  at the schedule's learning rate.
+- the model is sharded as it is built (``loading.py``): parameters on meta,
+  ``fully_shard``, then each rank allocates and fills only its fp32 shards;
+- every forward all-gathers one FSDP unit (layer) at a time and frees it
+  after its forward and again after its backward; every backward
+  reduce-scatters the unit's gradients into the fp32 sharded ``.grad``
+  (summed over ranks: divide factor 1), so no rank keeps full parameters or
+  full gradients between forwards;
+- every layer checkpoints its activations (``sharding.checkpoint_activations``):
+  a forward keeps each layer's input, and a layer's backward first reruns its
+  forward on the parameters gathered for that backward;
+- those per-layer collectives need every rank to run the same number of
+  forwards, but the controller streams microbatches to ranks as prompt
+  groups arrive, so ranks see different numbers of them (and of forwards:
+  token budgets, an idle rank). ``train_microbatch`` therefore only keeps
+  the rows (token ids and per-token floats: host memory) and returns the
+  counts it can read off the masks. At the mini-batch boundary
+  (``optimizer_step`` / ``finish_train_step``, which every rank calls) the
+  ranks agree on the largest number of pending forwards (an all-reduce MAX)
+  and each runs exactly that many forward + backward passes, the missing
+  ones a one-token forward with a zero backward, so collectives line up.
+  Then, as in the torch engine: the counts are all-reduced (global N), the
+  sharded gradients divided by N, clipped (the norm is global over the
+  shards), and AdamW steps on the shards. The loss statistics of the
+  mini-batch come back from that boundary call.
 
 ``shard`` is the number of ranks a parameter is split over: 0 (or the rank
 count) shards over all ranks; a divisor ``s`` of the ranks is hybrid
 sharding (HSDP) over a (ranks/s, s) mesh: each group of ``s`` ranks holds
-one copy.
+one copy, and gradients are also all-reduced across the groups.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rldsl.runtime.engines.fsdp.sharding import (
-    build_mesh,
-    drop_unreduced_grads,
-    ensure_process_group,
-    reshard_all,
-    shard_module,
-    training_device,
-    unshard_all,
-)
+from rldsl.runtime.engines.fsdp.loading import build_sharded
+from rldsl.runtime.engines.fsdp.sharding import build_mesh, ensure_process_group, reshard_all, training_device
 from rldsl.runtime.engines.fsdp.state import (
     Offloaded,
     full_state_buckets,
     load_full_checkpoint,
     save_full_checkpoint,
 )
+from rldsl.runtime.engines.torch.packing import forward_rows, take_rows
 from rldsl.runtime.engines.torch.train import TorchTrainer
-from rldsl.runtime.protocols import Batch
+from rldsl.runtime.protocols import FIELD_RESPONSE_MASK, Batch
 
 
 class FsdpTrainer(TorchTrainer):
@@ -60,34 +60,36 @@ class FsdpTrainer(TorchTrainer):
                  **options):
         device = training_device()
         ensure_process_group(device)
-        model.module.to(device=device, dtype=torch.float32)  # fp32 master shards whatever the compute dtype
         self.mesh = build_mesh(process_group, shard, device.type)
-        shard_module(model.module, self.mesh, dtype)
+        build_sharded(model, self.mesh, dtype, device)
         self.dtype = dtype
         self.offload = offload
         self.offloaded = Offloaded()
+        self._pending: list[Batch] = []  # microbatches kept for the boundary's lockstep forwards
         super().__init__(model, process_group=process_group, **options)
 
-    # -- the split-step protocol (reductions moved to the mini-batch boundary) ---
+    # -- the split-step protocol (forwards deferred to the mini-batch boundary) --
 
     def begin_train_step(self, step: int) -> None:
         self._require_awake("begin_train_step")
         super().begin_train_step(step)
-        self.model.module.set_requires_gradient_sync(False)
-        unshard_all(self.model.module)
-
-    def optimizer_step(self, step: int) -> dict[str, float]:
-        metrics = super().optimizer_step(step)
-        unshard_all(self.model.module)  # the next mini-batch's forwards see the new weights
-        return metrics
-
-    def abort_train_step(self, step: int) -> None:
-        super().abort_train_step(step)
-        reshard_all(self.model.module)
+        self._pending = []
 
     def train_microbatch(self, step: int, batch: Batch) -> dict[str, float]:
+        """Keeps the rows for the boundary's forwards; returns the microbatch's
+        token and sequence counts (the loss statistics come from the
+        boundary's ``optimizer_step`` / ``finish_train_step``)."""
         self._require_awake("train_microbatch")
-        return super().train_microbatch(step, batch)
+        self._require_open(step, "train_microbatch")
+        self._pending.append({name: value.clone() if torch.is_tensor(value) else value
+                              for name, value in batch.items()})
+        tokens_per_row = torch.as_tensor(batch[FIELD_RESPONSE_MASK]).sum(dim=1)
+        return {"tokens": float(tokens_per_row.sum()), "sequences": float((tokens_per_row > 0).sum())}
+
+    def abort_train_step(self, step: int) -> None:
+        self._pending = []
+        super().abort_train_step(step)
+        reshard_all(self.model.module)  # a forward that failed half way may have left a unit gathered
 
     def weight_buckets(self, bucket_bytes: int):
         """Full (unsharded) tensors under the torch engine's (Hugging Face)
@@ -141,36 +143,53 @@ class FsdpTrainer(TorchTrainer):
         if self.offloaded.asleep:
             raise RuntimeError(f"{call} while the trainer is asleep (offloaded); call wake first")
 
-    def _zero_grads(self) -> None:
-        drop_unreduced_grads(self.model.module)
-        super()._zero_grads()
-
     def _take_optimizer_step(self) -> dict[str, float] | None:
-        metrics = super()._take_optimizer_step()
-        reshard_all(self.model.module)  # also after a skipped step: finish leaves nothing gathered
-        return metrics
+        self._train_pending_in_lockstep()
+        return super()._take_optimizer_step()
+
+    def _train_pending_in_lockstep(self) -> None:
+        """Every rank runs the same number of forward + backward passes: its
+        own pending forwards, then empty ones up to the largest count of any
+        rank (agreed by an all-reduce MAX over the trainer's ranks)."""
+        forwards = [take_rows(batch, rows) for batch in self._pending
+                    for rows in forward_rows(batch, self.rows_per_forward, self.tokens_per_forward)]
+        self._pending = []
+        count = torch.tensor([len(forwards)], dtype=torch.int64)
+        if self._data_parallel():
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.process_group)
+        for index in range(int(count)):
+            self._forward_backward(forwards[index] if index < len(forwards) else None)
+
+    def _forward_backward(self, batch: Batch | None) -> None:
+        """One forward and backward of ``batch``'s un-normalised loss sum,
+        adding its statistics to the mini-batch's sums; an empty forward when
+        there is nothing to learn from, so the collectives still run."""
+        if batch is not None:
+            result = self._loss_sums(batch)
+            self._sums["loss_sum"] += float(result.loss_sum.detach())
+            for name, value in result.stats.items():
+                self._sums[name] += value
+            if result.loss_sum.requires_grad:
+                result.loss_sum.backward()
+                return
+        self._empty_forward_backward()
+
+    def _empty_forward_backward(self) -> None:
+        """A one-token forward and a backward of zero times its logits: the
+        same all-gathers and reduce-scatters as a real forward, adding exact
+        zeros to the gradients."""
+        token = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
+        logits, _ = self.model.forward(token, None, token, use_cache=False)
+        (logits.float().sum() * 0.0).backward()
 
     def _reduce_and_scale_grads(self, count: float) -> None:
-        self._reduce_scatter_accumulated()
-        reshard_all(self.model.module)  # the optimizer updates the shards; gathered copies go stale
+        """Each backward already reduce-scattered its gradients into the
+        shards (summed over ranks); only the division by N is left."""
         for param in self.parameters:
             if param.grad is None:  # unused by every forward: AdamW still steps it, as in the torch engine
                 param.grad = torch.zeros_like(param)
             else:
                 param.grad.div_(count)
-
-    def _reduce_scatter_accumulated(self) -> None:
-        """One forward of a single token and a backward of zero times its
-        logits with gradient sync on: FSDP reduce-scatters the gradients
-        accumulated since the last reduction (plus exact zeros)."""
-        root = self.model.module
-        root.set_requires_gradient_sync(True)
-        try:
-            token = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
-            logits, _ = self.model.forward(token, None, token, use_cache=False)
-            (logits.float().sum() * 0.0).backward()
-        finally:
-            root.set_requires_gradient_sync(False)
 
     def _clip(self) -> float:
         norm_limit = self.max_grad_norm if self.max_grad_norm else float("inf")

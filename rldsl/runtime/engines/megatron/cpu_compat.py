@@ -34,6 +34,12 @@ Each patch, and why:
    dropout, so this only has to not raise and to restore the state).
 4. ``clip_grad_by_total_norm_fp32`` is replaced by the same clipping without
    its assertion that every gradient is a ``torch.cuda.FloatTensor``.
+5. ``tensor_parallel.random``'s ``_get_cuda_rng_state`` returns None and
+   ``_set_cuda_rng_state`` does nothing: the trainer's layer recompute
+   (``tensor_parallel.checkpoint``) snapshots the CPU, CUDA and tracker RNG
+   states around each recomputed layer; the CPU state and the tracker's
+   (CPU states, patch 3) are saved and restored as on a GPU, and there is no
+   CUDA generator to save.
 
 Not covered (they fail on a CPU even with these patches): bf16/fp16 mixed
 precision optimizers, the distributed optimizer, MoE layers and Transformer
@@ -102,6 +108,10 @@ def _rng_fork(self, name="model-parallel-rng"):
         torch.set_rng_state(outer)
 
 
+def _no_cuda_rng_state(*args, **kwargs):
+    return None
+
+
 def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
     attribute = "decoupled_grad" if use_decoupled_grad else "grad"
     grads = [getattr(p, attribute) for p in parameters if getattr(p, attribute, None) is not None]
@@ -142,6 +152,8 @@ def megatron_on_cpu() -> Iterator[None]:
             patches.set(importlib.import_module(module_name), "torch", cpu_torch)
         patches.set(random.CudaRNGStatesTracker, "add", _rng_add)
         patches.set(random.CudaRNGStatesTracker, "fork", _rng_fork)
+        patches.set(random, "_get_cuda_rng_state", _no_cuda_rng_state)
+        patches.set(random, "_set_cuda_rng_state", _no_cuda_rng_state)
         for module in (clip_grads, optimizer):  # optimizer.py imported the function by name
             patches.set(module, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm)
         yield

@@ -14,6 +14,11 @@ stores two of their weights fused:
 - ``linear_fc1`` holds ``[gate; up]``; under tensor parallelism each rank
   holds ``[gate_r; up_r]``, so merging shards is not a plain concatenation.
 
+One table (``conversion_rules`` with ``tensor_parallel_kind``) drives every
+direction: full state dicts, streamed export, weight-sync buckets, and the
+per-rank reads of ``tensor_parallel_shards``, which take from the Hugging
+Face tensors only the slices a tensor-parallel rank owns.
+
 Names come in two styles: ``fused_norms=False`` for Megatron's local layer
 spec (separate ``input_layernorm`` / ``pre_mlp_layernorm`` modules) and
 ``fused_norms=True`` for the Transformer Engine spec (norm weights live in
@@ -23,8 +28,8 @@ spec (separate ``input_layernorm`` / ``pre_mlp_layernorm`` modules) and
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -164,11 +169,8 @@ def _separate(rule: Rule, tensor: torch.Tensor, shape: LlamaShape) -> tuple[torc
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: LlamaShape, fused_norms: bool = False) -> dict:
     """A full Hugging Face state dict -> a full (unsharded) Megatron one."""
-    missing = [name for rule in conversion_rules(shape, fused_norms) for name in rule.hf if name not in hf]
-    if missing:
-        raise KeyError(f"Hugging Face weights missing {len(missing)} tensors, e.g. {missing[:3]}")
-    return {rule.megatron: _combine(rule, [hf[n] for n in rule.hf], shape)
-            for rule in conversion_rules(shape, fused_norms)}
+    wanted = [rule.megatron for rule in conversion_rules(shape, fused_norms)]
+    return dict(tensor_parallel_shards(as_hf_tensors(hf), shape, 1, 0, wanted, fused_norms))
 
 
 def megatron_to_hf(megatron: Mapping[str, torch.Tensor], shape: LlamaShape, fused_norms: bool = False) -> dict:
@@ -260,10 +262,111 @@ def merge_tensor_parallel(name: str, shards: list[torch.Tensor]) -> torch.Tensor
     return torch.cat(shards, dim=0 if kind == "column" else 1)
 
 
+def tensor_parallel_dim(name: str) -> int | None:
+    """The dimension tensor parallelism splits a Megatron weight along, and
+    each of its Hugging Face parts too; None when replicated."""
+    kind = tensor_parallel_kind(name)
+    if kind == "replicated":
+        return None
+    return 1 if kind == "row" else 0
+
+
 def _even_chunks(tensor: torch.Tensor, parts: int, dim: int, name: str) -> list[torch.Tensor]:
     if tensor.shape[dim] % parts:
         raise ValueError(f"{name}: dimension {dim} of size {tensor.shape[dim]} does not split over tp = {parts}")
     return list(torch.chunk(tensor, parts, dim=dim))
+
+
+# -- one rank's shards, read slice by slice ------------------------------------------
+
+
+class HFTensors(Mapping):
+    """Hugging Face tensors by name, read whole or one slice at a time.
+
+    This one serves tensors already in memory; a checkpoint reader
+    (``hf_checkpoint.SafetensorsCheckpoint``) overrides the reads so that
+    only the requested slices leave the files. ``bytes_read`` counts the
+    bytes handed out.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self._tensors = tensors
+        self.bytes_read = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._counted(self._tensors[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __contains__(self, name) -> bool:
+        return name in self._tensors  # Mapping's default would read the tensor
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
+
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Indices ``start:stop`` of dimension ``dim``."""
+        return self._counted(self._tensors[name].narrow(dim, start, stop - start))
+
+    def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def as_hf_tensors(hf: Mapping[str, torch.Tensor]) -> HFTensors:
+    return hf if isinstance(hf, HFTensors) else HFTensors(hf)
+
+
+def shard_rules(shape: LlamaShape, fused_norms: bool = False) -> list[Rule]:
+    """``conversion_rules`` plus, with tied embeddings, the output layer of a
+    last pipeline stage, which holds a copy of the embedding."""
+    rules = conversion_rules(shape, fused_norms)
+    if shape.tied_embeddings:
+        rules.append(Rule("output_layer.weight", ("model.embed_tokens.weight",)))
+    return rules
+
+
+def tensor_parallel_shards(hf: HFTensors, shape: LlamaShape, tp: int, tp_rank: int, wanted: Collection[str],
+                           fused_norms: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rank ``tp_rank``'s shard of each ``wanted`` Megatron tensor, reading of
+    each Hugging Face part only the slice that rank owns.
+
+    Slicing the parts and then fusing them equals fusing and then splitting:
+    a rank's ``linear_qkv`` shard is whole query groups (its slices of q, k
+    and v, interleaved as for a model with ``kv_heads / tp`` groups), and its
+    ``linear_fc1`` shard is ``[gate_r; up_r]``.
+    """
+    rules = [rule for rule in shard_rules(shape, fused_norms) if rule.megatron in wanted]
+    missing = [name for rule in rules for name in rule.hf if name not in hf]
+    if missing:
+        raise KeyError(f"Hugging Face weights missing {len(missing)} tensors, e.g. {missing[:3]}")
+    local = _tensor_parallel_shape(shape, tp)
+    for rule in rules:
+        dim = tensor_parallel_dim(rule.megatron)
+        parts = [_rank_slice(hf, name, dim, tp, tp_rank) for name in rule.hf]
+        yield rule.megatron, _combine(rule, parts, local)
+
+
+def _tensor_parallel_shape(shape: LlamaShape, tp: int) -> LlamaShape:
+    """The attention sizes of one tensor-parallel rank's query groups."""
+    if shape.num_kv_heads % tp:
+        raise ValueError(f"{shape.num_kv_heads} key/value heads do not split over tp = {tp}")
+    return replace(shape, num_heads=shape.num_heads // tp, num_kv_heads=shape.num_kv_heads // tp,
+                   head_dim=shape.kv_channels)
+
+
+def _rank_slice(hf: HFTensors, name: str, dim: int | None, tp: int, tp_rank: int) -> torch.Tensor:
+    if dim is None:
+        return hf[name]
+    size = hf.shape_of(name)[dim]
+    if size % tp:
+        raise ValueError(f"{name}: dimension {dim} of size {size} does not split over tp = {tp}")
+    step = size // tp
+    return hf.read_slice(name, dim, tp_rank * step, (tp_rank + 1) * step)
 
 
 # -- pipeline parallelism ---------------------------------------------------------

@@ -52,7 +52,7 @@ class MegatronLogprob:
     @classmethod
     def from_pretrained(cls, path: str, **kwargs) -> "MegatronLogprob":
         shape = LlamaShape.from_hf_config(mm.read_hf_config(path))
-        return cls(shape, mm.read_hf_weights(path), **kwargs)
+        return cls(shape, mm.open_hf_weights(path), **kwargs)
 
     @torch.no_grad()
     def logprobs(self, batch: Batch) -> torch.Tensor | None:

@@ -11,28 +11,33 @@ keeps Megatron's fused causal attention kernels usable).
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import socket
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
+# Re-exported: the engines and tests open checkpoints through this module.
+from rldsl.runtime.engines.megatron.hf_checkpoint import open_hf_weights, read_hf_config, read_hf_weights  # noqa: F401
 from rldsl.runtime.engines.megatron.hf_weights import (
     LlamaShape,
-    hf_to_megatron,
+    as_hf_tensors,
     megatron_tensor_to_hf,
     merge_tensor_parallel,
     split_for_tensor_parallel,
     tensor_parallel_kind,
+    tensor_parallel_shards,
     with_layer_offset,
 )
 from rldsl.runtime.protocols import FIELD_PROMPT_IDS, FIELD_PROMPT_MASK, FIELD_RESPONSE_IDS, FIELD_RESPONSE_MASK
 
+log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Per-layer activation checkpointing (what the compiler's memory model assumes of the trainer).
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 # -- process groups ---------------------------------------------------------------
@@ -81,10 +86,14 @@ def transformer_engine_available() -> bool:
     return torch.cuda.is_available()
 
 
-def transformer_config(shape: LlamaShape, dtype: str = "bf16", tp: int = 1, pp: int = 1):
+def transformer_config(shape: LlamaShape, dtype: str = "bf16", tp: int = 1, pp: int = 1,
+                       recompute_layers: bool = False):
     """A Llama-style ``TransformerConfig``. ``calculate_per_token_loss`` makes
     DDP reduce gradients with a plain sum (no 1/dp factor): the split step
-    divides by the global token or sequence count itself."""
+    divides by the global token or sequence count itself. ``recompute_layers``
+    (the trainer's) checkpoints every layer: full uniform recompute, one layer
+    a unit, so a forward keeps each layer's input and the backward rebuilds
+    one layer's activations at a time (about one extra forward a step)."""
     from megatron.core.transformer import TransformerConfig
 
     if shape.vocab_size % tp:
@@ -115,6 +124,7 @@ def transformer_config(shape: LlamaShape, dtype: str = "bf16", tp: int = 1, pp: 
         fp16=params_dtype is torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         calculate_per_token_loss=True,
+        **(FULL_RECOMPUTE if recompute_layers else {}),
     )
 
 
@@ -163,46 +173,41 @@ def local_weights(model) -> dict[str, torch.Tensor]:
 # -- Hugging Face weights in ----------------------------------------------------------
 
 
-def read_hf_config(path: str | Path) -> dict:
-    return json.loads((Path(path) / "config.json").read_text())
-
-
-def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a local checkpoint (``*.safetensors``, else ``*.bin``)."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if files:
-        from safetensors.torch import load_file
-
-        return {name: tensor for file in files for name, tensor in load_file(str(file)).items()}
-    files = sorted(Path(path).glob("pytorch_model*.bin"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
-    return {name: tensor for file in files
-            for name, tensor in torch.load(file, map_location="cpu", weights_only=True).items()}
-
-
 def load_hf_weights(model, hf: Mapping[str, torch.Tensor], shape: LlamaShape) -> None:
-    """Copy a full Hugging Face state dict into this rank's shard of ``model``."""
+    """Copy this rank's shard of Hugging Face weights into ``model``, reading
+    only its pipeline stage's tensors and, of those, its tensor-parallel
+    slices (from a checkpoint opened by ``open_hf_weights``, nothing more
+    leaves the files)."""
     from megatron.core import parallel_state
 
-    full = hf_to_megatron(hf, shape, fused_norms=uses_fused_norms())
-    load_megatron_weights(model, full, parallel_state.get_tensor_model_parallel_world_size(),
-                          parallel_state.get_tensor_model_parallel_rank())
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    source, targets = as_hf_tensors(hf), _load_targets(model)
+    _copy_shards(targets, tensor_parallel_shards(source, shape, tp, tp_rank, targets, uses_fused_norms()))
+    log.info("tensor-parallel rank %d of pipeline stage %d read %.1f MB of Hugging Face weights", tp_rank,
+             parallel_state.get_pipeline_model_parallel_rank(), source.bytes_read / 1e6)
 
 
 def load_megatron_weights(model, full: Mapping[str, torch.Tensor], tp: int, tp_rank: int) -> None:
     """Copy full (unsharded, globally named) Megatron tensors into this rank's shard."""
-    offset = layer_offset(model)
-    targets = {with_layer_offset(name, offset): tensor for name, tensor in model.state_dict().items()
-               if not name.endswith("_extra_state")}
+    targets = _load_targets(model)
     if "output_layer.weight" in targets and "output_layer.weight" not in full:
         # Tied embeddings on a last pipeline stage: its output layer is a copy of the embedding.
         full = {**full, "output_layer.weight": full["embedding.word_embeddings.weight"]}
+    _copy_shards(targets, ((name, split_for_tensor_parallel(name, tensor, tp)[tp_rank])
+                           for name, tensor in full.items() if name in targets))  # others: another stage's
+
+
+def _load_targets(model) -> dict[str, torch.Tensor]:
+    """This rank's weights under global names, to be written in place."""
+    offset = layer_offset(model)
+    return {with_layer_offset(name, offset): tensor for name, tensor in model.state_dict().items()
+            if not name.endswith("_extra_state")}
+
+
+def _copy_shards(targets: Mapping[str, torch.Tensor], shards: Iterable[tuple[str, torch.Tensor]]) -> None:
     with torch.no_grad():
-        for name, tensor in full.items():
-            if name not in targets:
-                continue  # another pipeline stage's weight
-            shard = split_for_tensor_parallel(name, tensor, tp)[tp_rank]
+        for name, shard in shards:
             if shard.shape != targets[name].shape:
                 raise ValueError(f"{name}: shard {tuple(shard.shape)} != model {tuple(targets[name].shape)}")
             targets[name].copy_(shard)

@@ -127,7 +127,7 @@ class MegatronTrainer:
         self.offload = offload  # sleep/wake move the weights and optimizer state to host memory
         self._offload = ms.DeviceOffload()
         self.device = mm.compute_device()
-        self.config = mm.transformer_config(shape, dtype, tp, pp)
+        self.config = mm.transformer_config(shape, dtype, tp, pp, recompute_layers=True)
         module = mm.build_gpt_model(shape, self.config)
         if hf_weights is not None:
             mm.load_hf_weights(module, hf_weights, shape)
@@ -145,7 +145,7 @@ class MegatronTrainer:
     def from_pretrained(cls, path: str, **kwargs) -> "MegatronTrainer":
         """From a local Hugging Face checkpoint directory (config.json + weights)."""
         shape = LlamaShape.from_hf_config(mm.read_hf_config(path))
-        return cls(shape, mm.read_hf_weights(path), **kwargs)
+        return cls(shape, mm.open_hf_weights(path), **kwargs)
 
     # -- the split-step protocol -------------------------------------------------
 

@@ -1,0 +1,211 @@
+"""Sharded construction for the fsdp trainer: no rank ever holds the full model.
+
+The module's parameters live on the meta device (no storage) when it is
+``fully_shard``ed; ``to_empty`` then allocates only this rank's shards, and
+each shard is filled with its own rows of every tensor:
+
+- a Hugging Face model (``hf:<path>``) reads them from its safetensors
+  files, ``get_slice(name)[start:stop]`` along dim 0, FSDP's shard dim, so a
+  rank reads about ``1 / shard`` of the checkpoint;
+- a module that already holds its weights (the builtin tiny model, built
+  from its seed identically on every rank) is moved to meta first and each
+  rank copies its rows from those tensors.
+
+Buffers are not sharded: they keep the values they were built with (a Hugging
+Face model's rotary ``inv_freq`` is computed in ``__init__`` and is in no
+checkpoint, which is why ``parameters_on_meta`` leaves buffers real).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Every parameter registered inside goes to the meta device as it is
+    registered (before any initialiser writes it), while buffers stay real."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def meta_hf_model(source: str):
+    """A Hugging Face ``CausalLM`` for ``hf:<path>`` built from its config with
+    every parameter on meta: no weight is read here."""
+    from rldsl.models.hf import HFCausalLM, HFTokenizer, _import_transformers
+
+    path = source[len("hf:"):]
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"{source}: no such local directory (models are never downloaded)")
+    transformers = _import_transformers()
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    with parameters_on_meta():
+        module = transformers.AutoModelForCausalLM.from_config(config)
+    return HFCausalLM(module, HFTokenizer(tokenizer), source, config.to_dict())
+
+
+def build_sharded(model, mesh, dtype: str, device: torch.device) -> None:
+    """Shard ``model.module`` in place on ``mesh`` with fp32 shards on
+    ``device``, filled from the checkpoint files of an ``hf:`` model whose
+    parameters are on meta, else from the weights the module holds."""
+    from rldsl.runtime.engines.fsdp.sharding import shard_module
+
+    module = model.module
+    params, buffers = detach_to_meta(module)
+    module.to(dtype=torch.float32)  # fp32 master shards whatever the compute or checkpoint dtype
+    shard_module(module, mesh, dtype)
+    materialize(module, device, buffers)
+    if params:
+        fill_shards(module, InMemoryRows(params))
+    elif model.source.startswith("hf:"):
+        fill_shards(module, SafetensorsRows(model.source[len("hf:"):]))
+    else:
+        raise ValueError(f"fsdp: {model.source} has its parameters on meta and no checkpoint files to read")
+
+
+# -- which rows a rank holds ------------------------------------------------------
+
+
+def local_rows(param: DTensor) -> tuple[int, int]:
+    """The [start, stop) rows of dim 0 this rank's shard of ``param`` holds:
+    FSDP splits dim 0 like ``torch.chunk`` over the mesh dim sharding it
+    (the last ranks may get fewer rows, or none)."""
+    rows = param.shape[0]
+    start, stop = 0, rows
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):
+            if placement.dim != 0:
+                raise ValueError(f"fsdp: expected parameters sharded on dim 0, got {placement}")
+            ranks = param.device_mesh.size(mesh_dim)
+            chunk = -(-rows // ranks)
+            start = min(param.device_mesh.get_local_rank(mesh_dim) * chunk, rows)
+            stop = min(start + chunk, rows)
+    local = param.to_local().shape[0]
+    if stop - start != local:
+        raise RuntimeError(f"fsdp: computed rows [{start}, {stop}) but the local shard has {local}")
+    return start, stop
+
+
+# -- where the rows come from -----------------------------------------------------
+
+
+class InMemoryRows:
+    """Rows of tensors this process already holds."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def __call__(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.tensors[name][start:stop]
+
+
+class SafetensorsRows:
+    """Reads rows of named tensors from a Hugging Face checkpoint directory
+    (one ``model.safetensors`` or shards listed in its index), each file
+    opened once and only the requested rows read."""
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        self.file_of = self._weight_map()
+        self._open: dict[str, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.file_of[name]).get_slice(name).get_shape())
+
+    def __call__(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._handle(self.file_of[name]).get_slice(name)[start:stop]
+
+    def _handle(self, file_name: str):
+        if file_name not in self._open:
+            from safetensors import safe_open
+
+            self._open[file_name] = safe_open(str(self.directory / file_name), framework="pt", device="cpu")
+        return self._open[file_name]
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.directory / SAFETENSORS_INDEX
+        if index.is_file():
+            return dict(json.loads(index.read_text())["weight_map"])
+        single = self.directory / SAFETENSORS_SINGLE
+        if not single.is_file():
+            raise FileNotFoundError(f"fsdp: {self.directory} has no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}; "
+                                    "the sharded load reads safetensors checkpoints only")
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt", device="cpu") as handle:
+            return {name: SAFETENSORS_SINGLE for name in handle.keys()}
+
+
+# -- materialising and filling the shards -----------------------------------------
+
+
+def detach_to_meta(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Move every parameter and buffer to meta; returns the real parameters
+    and buffers it held, by name (kept alive by the returned references)."""
+    params = {name: p.detach() for name, p in module.named_parameters() if not p.is_meta}
+    buffers = {name: b for name, b in module.named_buffers() if not b.is_meta}
+    module.to(device="meta")
+    return params, buffers
+
+
+def materialize(module: nn.Module, device: torch.device, buffers: dict[str, torch.Tensor]) -> None:
+    """Allocate the (sharded) parameters on ``device``, uninitialised, and put
+    the buffers' values back (``to_empty`` allocates those too)."""
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
+
+
+def fill_shards(module: nn.Module, source) -> None:
+    """Copy each parameter's rows for this rank from ``source`` (``InMemoryRows``
+    or ``SafetensorsRows``) into its local shard. A tied parameter is read
+    once, under whichever of its names the source has."""
+    available = source.names()
+    with torch.no_grad():
+        for names, param in _parameters_with_aliases(module):
+            name = next((n for n in names if n in available), None)
+            if name is None:
+                raise KeyError(f"fsdp: no weights for parameter {names[0]!r} (aliases {names[1:]})")
+            if source.shape(name) != tuple(param.shape):
+                raise ValueError(f"fsdp: {name!r} has shape {source.shape(name)} in the checkpoint, "
+                                 f"{tuple(param.shape)} in the model")
+            start, stop = local_rows(param)
+            param.to_local().copy_(source(name, start, stop))
+
+
+def _parameters_with_aliases(module: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
+    by_identity: dict[int, tuple[list[str], nn.Parameter]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_identity.setdefault(id(param), ([], param))[0].append(name)
+    return list(by_identity.values())

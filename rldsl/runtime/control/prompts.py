@@ -74,7 +74,10 @@ def _templated(pipe: PipelinePlan, prompts: list[Prompt]) -> list[Prompt]:
     """With the policy's `chat_template`, each prompt as the model's chat
     template writes it (every engine then encodes the same text); the text
     as written stays in ``meta["raw_prompt"]``."""
-    model = next((m for m in pipe.models if m.name == pipe.stage(pipe.batch.train_stage).model), None)
+    models = getattr(pipe, "models", None) or []  # a bare plan of datasets only (tests) has none
+    if not any(m.chat_template for m in models):
+        return prompts
+    model = next((m for m in models if m.name == pipe.stage(pipe.batch.train_stage).model), None)
     if model is None or not model.chat_template:
         return prompts
     from rldsl.models import chat_formatter

@@ -1,7 +1,7 @@
 """The `rldsl` command line.
 
 check / plan / graph / explain import only the compiler (lark, networkx):
-they must start fast; audit reads a run's journal, as light. run / report
+they must start fast; audit reads a run's journal, as light. run / report / export
 import the runtime lazily.
 Exit codes: 0 ok, 1 findings (errors, or warnings with --strict), 2 usage
 error or unreadable file.
@@ -275,6 +275,15 @@ def cmd_audit(args) -> int:
     return audit_command(Path(args.run_dir), args.format)
 
 
+def cmd_export(args) -> int:
+    try:
+        from rldsl.runtime.export import export_command
+    except ImportError as err:
+        _missing_extras(err)
+    return export_command(Path(args.run_dir), Path(args.out), version=args.version, force=args.force,
+                          pipeline=args.pipeline)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rldsl", description="Checked pipelines for asynchronous RL post-training.")
     common = argparse.ArgumentParser(add_help=False)
@@ -336,10 +345,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("export", parents=[common], help="write a run's trained policy as a Hugging Face model")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (new, or empty)")
+    p.add_argument("--version", type=int, metavar="V", help="the checkpoint of this version (default: the newest "
+                                                            "complete one)")
+    p.add_argument("--pipeline", metavar="NAME", help="which pipeline, for a run of several")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
+    p.set_defaults(func=cmd_export)
     return parser
 
 
-_CHECKED_COMMANDS = ("check", "plan", "graph", "explain", "audit", "fmt")  # never a traceback, whatever the input
+# never a traceback, whatever the input
+_CHECKED_COMMANDS = ("check", "plan", "graph", "explain", "audit", "fmt", "export")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,6 +99,9 @@ def test_no_import_cycles():
     # models and tasks never import engines
     ("rldsl.models", ("rldsl.runtime.engines", "rldsl.runtime.control", "rldsl.runtime.ray_lowering")),
     ("rldsl.tasks", ("rldsl.runtime.engines", "rldsl.runtime.control", "rldsl.runtime.ray_lowering")),
+    # the exporter reads a finished run's files offline: no Ray, no controller, no data plane
+    ("rldsl.runtime.export", ("external:ray", "rldsl.runtime.control", "rldsl.runtime.dataplane",
+                              "rldsl.runtime.inprocess")),
     ("rldsl.plan", ("rldsl.compiler", "rldsl.runtime")),
     # the bundle layout is the plan's: `check` and the launcher share it, so it knows neither of them
     ("rldsl.layout", ("rldsl.compiler", "rldsl.runtime", "external:ray")),

@@ -1,0 +1,166 @@
+"""`rldsl export RUN_DIR --out DIR`: a run's trained policy as a Hugging Face directory.
+
+Which checkpoint: the newest complete one (``trainer.json`` and
+``progress.json`` both written, ``ray_lowering/checkpoint.py``), or the
+version asked for. Which model and engine: the run's own ``plan.json``,
+the train stage's model source and engine (``trainer.json`` records the
+engine that wrote the files, and wins). The directory is written next to
+``--out`` under a temporary name and moved into place when complete, so an
+interrupted export leaves no half-written model behind.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rldsl.plan import ExecutionPlan, PipelinePlan, PlanFormatError
+from rldsl.runtime.export.checkpoints import ExportError, read_checkpoint
+from rldsl.runtime.export.writer import DEFAULT_SHARD_SIZE, save_model, size_on_disk
+from rldsl.runtime.ray_lowering.checkpoint import PROGRESS_FILE, TRAINER_DIR, TRAINER_MARKER, checkpoint_dir
+
+EXIT_OK, EXIT_USAGE = 0, 2
+OPTIONAL_LIBRARIES = ("transformers", "tokenizers", "safetensors")
+RUN_DIR_HELP = "pass the directory a `rldsl run` wrote (its last line names it), e.g. runs/grpo_async-..."
+
+
+@dataclass
+class Exported:
+    out: Path
+    version: int
+    engine: str
+    source: str  # the plan's model source
+    architecture: str  # the transformers class, e.g. GPT2LMHeadModel
+    bytes: int
+
+
+def export_command(run_dir: Path, out: Path, version: int | None = None, force: bool = False,
+                   pipeline: str | None = None) -> int:
+    try:
+        done = export_run(run_dir, out, version, force, pipeline)
+    except ImportError as err:
+        if err.name not in OPTIONAL_LIBRARIES:
+            raise  # our own bug, not a missing install
+        return _usage_error(ExportError(f"exporting needs `{err.name}`, which is not installed",
+                                        "pip install -e '.[run,hf]'"))
+    except ExportError as err:
+        return _usage_error(err)
+    print(f"exported v{done.version:06d} of {done.source} ({done.engine} trainer) as {done.architecture}, "
+          f"{done.bytes / 1e6:.1f} MB of weights")
+    print(f"wrote {done.out}  (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    return EXIT_OK
+
+
+def _usage_error(err: ExportError) -> int:
+    print(f"error: {err}", file=sys.stderr)
+    if err.help_text:
+        print(f"  = help: {err.help_text}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def export_run(run_dir: Path, out: Path, version: int | None = None, force: bool = False,
+               pipeline: str | None = None, max_shard_size: str = DEFAULT_SHARD_SIZE) -> Exported:
+    run_dir, out = Path(run_dir), Path(out).resolve()  # `--out .` has a name and a parent too
+    plan = _read_plan(run_dir)
+    pipe, root = _pipeline(plan, run_dir, pipeline)
+    checkpoint = _checkpoint(root, version)
+    source, planned_engine = _policy(pipe)
+    engine = _marker(checkpoint).get("engine", planned_engine)  # the engine that wrote the files
+    _check_out(out, run_dir, force)
+    model = read_checkpoint(engine, checkpoint / TRAINER_DIR, source)
+    staging = out.parent / f".{out.name}.exporting"
+    try:
+        shutil.rmtree(staging, ignore_errors=True)  # left by an export that was killed
+        staging.mkdir()
+        architecture = save_model(staging, model.config, model.state, max_shard_size)
+        model.write_tokenizer(staging)
+        if out.exists():
+            shutil.rmtree(out)  # only with --force (or empty): _check_out said so
+        staging.rename(out)
+    except BaseException as err:  # an interrupted export leaves nothing behind
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise ExportError(f"cannot write {out}: {err}", "choose another --out") from err
+        if isinstance(err, ValueError):  # a tensor without a place in the architecture, or a wrong shape
+            raise ExportError(f"the checkpoint does not fit the model ({model.source}): {err}") from err
+        raise
+    return Exported(out, int(checkpoint.name[1:]), engine, model.source, architecture, size_on_disk(out))
+
+
+def _read_plan(run_dir: Path) -> ExecutionPlan:
+    if not run_dir.is_dir() or not (run_dir / "plan.json").is_file():
+        raise ExportError(f"{run_dir} is not a run directory (it has no plan.json)", RUN_DIR_HELP)
+    try:
+        return ExecutionPlan.from_json((run_dir / "plan.json").read_text())
+    except (OSError, UnicodeDecodeError, PlanFormatError, ValueError, KeyError, TypeError) as err:
+        raise ExportError(f"{run_dir / 'plan.json'} cannot be read: {err}", RUN_DIR_HELP) from err
+
+
+def _pipeline(plan: ExecutionPlan, run_dir: Path, name: str | None) -> tuple[PipelinePlan, Path]:
+    """The pipeline to export and its checkpoint root (a run of several
+    pipelines keeps each one's under RUN_DIR/<pipeline>)."""
+    names = [pipe.name for pipe in plan.pipelines]
+    if name is None and len(names) > 1:
+        raise ExportError(f"{run_dir} ran {len(names)} pipelines: say which to export",
+                          "--pipeline " + " or --pipeline ".join(names))
+    if name is not None and name not in names:
+        raise ExportError(f"{run_dir} has no pipeline {name!r}", "pipelines: " + ", ".join(names))
+    pipe = plan.pipeline(name)
+    return pipe, run_dir / pipe.name if len(names) > 1 else run_dir
+
+
+def _policy(pipe: PipelinePlan) -> tuple[str, str]:
+    """The trained model's source and the train stage's engine."""
+    train = next((stage for stage in pipe.stages if stage.name == pipe.batch.train_stage), None)
+    source = next((model.source for model in pipe.models if train and model.name == train.model), None)
+    if source is None or train.engine is None:
+        raise ExportError(f"pipeline {pipe.name} trains no model, so there is nothing to export")
+    return source, train.engine.name
+
+
+def _is_complete(directory: Path) -> bool:
+    return (directory / TRAINER_MARKER).is_file() and (directory / PROGRESS_FILE).is_file()
+
+
+def _complete_versions(root: Path) -> list[int]:
+    found = root / "checkpoints"
+    candidates = sorted(found.glob("v[0-9]*")) if found.is_dir() else []
+    return [int(d.name[1:]) for d in candidates if d.name[1:].isdigit() and _is_complete(d)]
+
+
+def _checkpoint(root: Path, version: int | None) -> Path:
+    versions = _complete_versions(root)
+    if not versions:
+        raise ExportError(f"{root} has no complete checkpoint (checkpoints/vNNNNNN/ with trainer.json and "
+                          "progress.json)",
+                          "a run checkpoints every `run { checkpoint_every }` versions and when it is stopped; "
+                          "runs that ended before their first checkpoint have none")
+    if version is None:
+        return checkpoint_dir(root, versions[-1])
+    if version not in versions:
+        raise ExportError(f"{root} has no complete checkpoint at version {version}",
+                          "complete checkpoints: " + ", ".join(str(v) for v in versions))
+    return checkpoint_dir(root, version)
+
+
+def _marker(checkpoint: Path) -> dict:
+    try:
+        return json.loads((checkpoint / TRAINER_MARKER).read_text())
+    except (OSError, ValueError) as err:
+        raise ExportError(f"{checkpoint / TRAINER_MARKER} cannot be read: {err}",
+                          "export another version with --version") from err
+
+
+def _check_out(out: Path, run_dir: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} exists and is not a directory", "choose another --out")
+    run = run_dir.resolve()
+    if out == run or out in run.parents:  # --force would delete the run
+        raise ExportError(f"--out {out} is the run directory or holds it", "export to a directory of its own")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ExportError(f"{out} exists and is not empty", "choose another --out, or add --force to replace it")
+    if not out.parent.is_dir():
+        raise ExportError(f"{out.parent} does not exist", "create it first, or choose another --out")

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import pytest
+
+from tests.ports import free_port
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -254,16 +255,11 @@ def _worker(rank: int, world_size: int, shard: int, port: int, directory: str, r
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def run_ranks(world_size: int, shard: int, directory, worker=_worker) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(worker, args=(world_size, shard, _free_port(), str(directory), results), nprocs=world_size,
+        mp.spawn(worker, args=(world_size, shard, free_port(), str(directory), results), nprocs=world_size,
                  join=True)
         return dict(results)
 
@@ -279,7 +275,7 @@ def assert_all_ranks_exact(results: dict, world_size: int) -> None:
 def one_process_group():
     """A one-rank group in this process, torn down after (other tests start their own)."""
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"  # the trainer uses the GPU if any
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -5,9 +5,10 @@ weights; the first stage only relays activations and returns None."""
 
 from __future__ import annotations
 
-import socket
 
 import pytest
+
+from tests.ports import free_port
 import torch
 
 from tests.test_megatron_engine import PARALLEL_SHAPE, make_batch, random_hf_weights
@@ -55,11 +56,6 @@ def _worker(rank: int, port: int, results: dict):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 def test_pipeline_parallel_logprobs_equal_the_unsplit_model_on_the_last_stage_only():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'rldsl[gpu]')")
@@ -67,7 +63,7 @@ def test_pipeline_parallel_logprobs_equal_the_unsplit_model_on_the_last_stage_on
 
     with mp.Manager() as manager:
         shared = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), shared), nprocs=2, join=True)
+        mp.spawn(_worker, args=(free_port(), shared), nprocs=2, join=True)
         results = dict(shared)
     mask = make_batch(PARALLEL_SHAPE)["response_mask"]
     for forwards in FORWARDS:

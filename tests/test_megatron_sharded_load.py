@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 
 import pytest
+
+from tests.ports import free_port
 import torch
 
 from rldsl.runtime.engines.megatron import hf_weights as hmw
@@ -208,11 +209,6 @@ def _worker(rank: int, port: int, checkpoints: dict, results: dict):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 @pytest.mark.megatron
 def test_each_rank_reads_only_its_shard_and_gets_the_full_read_weights(checkpoints):
@@ -223,7 +219,7 @@ def test_each_rank_reads_only_its_shard_and_gets_the_full_read_weights(checkpoin
 
     with mp.Manager() as manager:
         shared = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), dict(checkpoints), shared), nprocs=2, join=True)
+        mp.spawn(_worker, args=(free_port(), dict(checkpoints), shared), nprocs=2, join=True)
         results = dict(shared)
     for kind, path in checkpoints.items():
         whole = sum(t.numel() * t.element_size() for t in read_hf_weights(path).values())

@@ -10,9 +10,10 @@ all-reduced N at finish.
 
 import copy
 import os
-import socket
 
 import pytest
+
+from tests.ports import free_port
 import torch
 import torch.multiprocessing as mp
 
@@ -144,17 +145,12 @@ def _dp_worker(rank: int, world_size: int, port: int, results: dict):
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_split_step_equals_full_batch_data_parallel_gloo(world_size):
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_dp_worker, args=(world_size, _free_port(), results), nprocs=world_size, join=True)
+        mp.spawn(_dp_worker, args=(world_size, free_port(), results), nprocs=world_size, join=True)
         results = dict(results)
     assert len(results) == world_size * len(LOSS_CONFIGS) * (len(DP_LAYOUTS[world_size]) + 1)
     worst = max(results.values())

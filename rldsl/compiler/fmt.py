@@ -22,7 +22,7 @@ def format_source(source: str, diagnostics: list[Diagnostic]) -> tuple[str, int]
     text = _normalise_line_ends(source)
     lines = text.split("\n")
     for span, replacement in edits:  # from the last, so earlier spans stay where they are
-        lines = _replace(lines, span, replacement)
+        lines = replace_span(lines, span, replacement)
     return _regular_layout("\n".join(lines)), len(edits)
 
 
@@ -30,7 +30,8 @@ def _normalise_line_ends(text: str) -> str:
     return text.replace("\r\n", "\n")
 
 
-def _replace(lines: list[str], span: Span, replacement: str) -> list[str]:
+def replace_span(lines: list[str], span: Span, replacement: str) -> list[str]:
+    """``lines`` with the text under ``span`` (1-based, end exclusive) replaced."""
     first, last = lines[span.line - 1], lines[span.end_line - 1]
     joined = first[: span.col - 1] + replacement + last[span.end_col - 1:]
     return lines[: span.line - 1] + joined.split("\n") + lines[span.end_line:]

@@ -94,9 +94,9 @@ def _only(blocks: list[ast.Block], override: str) -> ast.Block:
 
 
 def _splice(lines: list[str], span: ast.Span, text: str) -> str:
-    first, last = lines[span.line - 1], lines[span.end_line - 1]
-    joined = first[: span.col - 1] + text + last[span.end_col - 1:]
-    return "\n".join(lines[: span.line - 1] + [joined] + lines[span.end_line:])
+    from rldsl.compiler.fmt import replace_span
+
+    return "\n".join(replace_span(lines, span, text))
 
 
 def _append_block(lines: list[str], pipeline: ast.PipelineSyntax, kind: str, key: str, value: str) -> str:

@@ -68,7 +68,8 @@ def _print_diagnostics(result, args) -> None:
     from rldsl.compiler.diagnostics import render_text
 
     if result.diagnostics:
-        sys.stderr.write(render_text(result.diagnostics, result.source, result.filename, color=_color(args)))
+        sys.stderr.write(render_text(result.diagnostics, result.source, result.filename, color=_color(args),
+                                     verbose=getattr(args, "verbose", False)))
         _note_overrides(args)
 
 
@@ -108,7 +109,8 @@ def cmd_check(args) -> int:
     else:
         for r in results:
             if r.diagnostics:
-                sys.stderr.write(render_text(r.diagnostics, r.source, r.filename, color=_color(args)))
+                sys.stderr.write(render_text(r.diagnostics, r.source, r.filename, color=_color(args),
+                                             verbose=args.verbose))
                 _note_overrides(args)
             else:
                 print(f"{r.filename}: ok")
@@ -289,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                         help="colour diagnostics (auto: only on a terminal)")
+    common.add_argument("--verbose", action="store_true",
+                        help="show in full the findings another finding explains (folded under it by default)")
     settable = argparse.ArgumentParser(add_help=False)
     settable.add_argument("--set", action="append", default=[], dest="overrides", metavar="TARGET.KEY=VALUE",
                           help="change a setting as if the file said so (repeatable): `actor.lr=1e-5`, "

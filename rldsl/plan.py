@@ -87,6 +87,24 @@ class ModelPlan:
 
 
 @dataclass(frozen=True)
+class EnvironmentPlan:
+    """A multi-turn environment a generate stage runs its episodes in
+    (``rldsl.runtime.environments``)."""
+
+    name: str
+    fn: str  # "module:Class"
+    max_turns: int
+    max_tokens: int  # an episode's response budget: the model's and the environment's tokens
+    timeout_s: float = 10.0  # per reset or step call (0: none)
+    processes: int = 2
+
+
+# The reward function that reads an environment episode's summed reward (the
+# generator's `episode_reward` field) instead of scoring text.
+EPISODE_REWARD_FN = "rldsl.environments:episode_reward"
+
+
+@dataclass(frozen=True)
 class DatasetPlan:
     name: str
     source: str
@@ -108,6 +126,8 @@ class StalenessPlan:
 # the plan; the runtime's advantages.py computes them).
 ADVANTAGE_NORMALISATION = {"grpo": "group", "dr_grpo": "none", "rloo": "none", "reinforce_pp": "batch",
                            "reinforce_pp_baseline": "batch"}
+# Every `normalize`: the group's std, each sample's leave-one-out std, the batch's, none.
+NORMALISATIONS = ("group", "leave_one_out", "batch", "none")
 
 
 @dataclass(frozen=True)
@@ -144,6 +164,51 @@ def receives_weights(kind: str, frozen: bool = False) -> bool:
     return kind == "generate" or (kind == "logprob" and not frozen)
 
 
+def recomputes_at_batch_start(stage: "StagePlan") -> bool:
+    """A policy logprob stage with ``recompute = batch_start``: it scores
+    each row with the trainer's weights at the start of the step that
+    trains it, and the trainer's fence compares with its own version."""
+    return (stage.kind == "logprob" and not stage.settings.get("frozen")
+            and stage.settings.get("recompute") == "batch_start")
+
+
+# Engines that stream weights rank to rank: trainers that send buckets, and
+# generate stages whose batcher applies a stream between two decode batches.
+COLLECTIVE_TRAINERS = ("torch", "fsdp", "megatron", "sim")
+COLLECTIVE_RECEIVERS = ("torch", "sim")
+
+
+@dataclass(frozen=True)
+class WeightReceiver:
+    """What decides whether a receiver can stand in a collective push
+    (``engine`` None: not known yet, which blocks nothing)."""
+
+    name: str
+    kind: str
+    engine: str | None
+    shares_trainer_gpus: bool
+
+
+def collective_blocker(trainer: str, trainer_engine: str | None, receivers,
+                       receivers_sleep: bool = False) -> str | None:
+    """The one rule for `transport = collective` (RLP511 in `check`, the saved
+    plan's re-check and the launcher's choice): why weights cannot go rank to
+    rank, or None when they can."""
+    if trainer_engine is not None and trainer_engine not in COLLECTIVE_TRAINERS:
+        return f"trainer `{trainer}` uses engine `{trainer_engine}`, which does not stream buckets"
+    for receiver in sorted(receivers, key=lambda r: r.name):
+        if receiver.kind != "generate":
+            return f"`{receiver.name}` is a {receiver.kind} stage, which takes weights only between its calls"
+        if receiver.engine is not None and receiver.engine not in COLLECTIVE_RECEIVERS:
+            return f"`{receiver.name}` uses engine `{receiver.engine}`, which takes weights only through the " \
+                   "object store"
+        if receiver.shares_trainer_gpus:
+            return f"`{receiver.name}` shares GPUs with the trainer, so it sleeps while the trainer runs"
+    if receivers_sleep:
+        return "its receivers sleep (partial overlap or GPUs leased from another pipeline) and would miss pushes"
+    return None
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """``steps`` counts rollout batches (weight versions). A run written in
@@ -160,6 +225,8 @@ class RunPlan:
     epochs: int = 0  # the run's length in passes over the training prompts, when written so
     samples: int = 0  # ... in trained samples, when written so
     log: list[str] = field(default_factory=lambda: ["tensorboard"])  # metric backends besides metrics.jsonl
+    keep_checkpoints: int = 0  # the newest complete checkpoints kept (0: all)
+    eval_timeout_s: float = 0.0  # a held-out evaluation not answered this long after its request times out (0: never)
 
     def resolved(self, train_prompts: int, prompts_per_step: int) -> "RunPlan":
         """Steps from epochs, once the number of training prompts is known
@@ -194,9 +261,13 @@ class PipelinePlan:
     batch: BatchPlan
     run: RunPlan
     sharing: SharingPlan = field(default_factory=SharingPlan)
+    environments: list[EnvironmentPlan] = field(default_factory=list)
 
     def stage(self, name: str) -> StagePlan:
         return next(s for s in self.stages if s.name == name)
+
+    def environment(self, name: str) -> EnvironmentPlan:
+        return next(e for e in self.environments if e.name == name)
 
     def stages_of(self, kind: str) -> list[StagePlan]:
         return [s for s in self.stages if s.kind == kind]
@@ -206,6 +277,16 @@ class PipelinePlan:
         syncs (which the compiler made exactly the ``receives_weights`` stages
         of the trained model)."""
         return {e.dst for e in self.edges if e.kind == "weights"}
+
+    def collective_blocker(self, receivers_sleep: bool = False) -> str | None:
+        """``collective_blocker`` for this plan's trainer and weight receivers."""
+        trainer = self.stage(self.batch.train_stage)
+        trainer_gpus = _gpus_of(trainer)
+        receivers = [WeightReceiver(s.name, s.kind, s.engine.name if s.engine else None,
+                                    bool(trainer_gpus & _gpus_of(s)))
+                     for s in self.stages if s.name in self.weight_receivers()]
+        return collective_blocker(trainer.name, trainer.engine.name if trainer.engine else None, receivers,
+                                  receivers_sleep)
 
     @property
     def eval_size(self) -> int:
@@ -219,6 +300,22 @@ class PipelinePlan:
         train = self.stage(self.batch.train_stage)
         has_weights = train.engine.name in ("torch", "megatron", "fsdp")
         return has_weights and bool(self.stages_of("generate")) and self.eval_size > 0
+
+    @property
+    def eval_on(self) -> str:
+        """Where held-out evaluation decodes: ``evaluator`` (a CPU copy of
+        the policy in an actor of its own) or ``generators`` (the generate
+        stage's replicas, with the weights they hold)."""
+        return (self.datasets[0].options.get("eval_on") or "evaluator") if self.datasets else "evaluator"
+
+    @property
+    def has_evaluator(self) -> bool:
+        """An evaluator actor runs (evaluation on, and not on the generators)."""
+        return self.evaluates and self.eval_on == "evaluator"
+
+
+def _gpus_of(stage: StagePlan) -> set[tuple[int, int]]:
+    return {place for rank in stage.ranks for place in rank.all_gpus()}
 
 
 @dataclass(frozen=True)

@@ -112,3 +112,30 @@ def test_unknown_names_are_refused():
         compute_advantages(REWARDS, "grpo", "std")
     with pytest.raises(ValueError):
         default_normalisation("ppo")
+
+
+def test_leave_one_out_std_by_hand():
+    """Each sample over the std of the *other* three: in group A every sample's
+    others are two of one reward and one of the other (std 1/sqrt(3)); in
+    group B the last sample's others are all 1 (std 0: left unscaled)."""
+    assert compute_advantages(REWARDS, "grpo", "leave_one_out") == approx(
+        [[ROOT3 / 2, -ROOT3 / 2, -ROOT3 / 2, ROOT3 / 2], [0.25 * ROOT3, 0.25 * ROOT3, 0.25 * ROOT3, -0.75]])
+    # NeMo RL's `use_leave_one_out_baseline` with `normalize_rewards`: rloo's baseline, the others' std
+    assert compute_advantages(REWARDS, "rloo", "leave_one_out") == approx(
+        [[2 / ROOT3, -2 / ROOT3, -2 / ROOT3, 2 / ROOT3], [1 / ROOT3, 1 / ROOT3, 1 / ROOT3, -1.0]])
+
+
+def test_reward_clip_bounds_rewards_before_the_baseline():
+    assert compute_advantages([[3.0, -4.0, 0.5]], "reinforce_pp", "none", reward_clip=1.0) == [[1.0, -1.0, 0.5]]
+    # clipped first, so the group's mean is 1/6, not -1/6
+    assert compute_advantages([[3.0, -4.0, 0.5]], "grpo", "none", reward_clip=1.0) == \
+        approx([[5 / 6, -7 / 6, 1 / 3]])
+
+
+def test_advantage_clip_bounds_advantages_after_the_scaling():
+    # group B scaled by its std 0.5: [0.5, 0.5, 0.5, -1.5]
+    assert compute_advantages(REWARDS, "grpo", "group", advantage_clip=1.0) == approx(
+        [[ROOT3 / 2, -ROOT3 / 2, -ROOT3 / 2, ROOT3 / 2], [0.5, 0.5, 0.5, -1.0]])
+    assert compute_advantages(REWARDS, "grpo", "group", advantage_clip=0.0)[1][3] == pytest.approx(-1.5, abs=1e-5)
+    with pytest.raises(ValueError, match="advantage_clip"):
+        compute_advantages(REWARDS, "grpo", "group", advantage_clip=-1.0)

@@ -497,3 +497,18 @@ def test_a_trainer_rank_lost_during_the_weight_export_ends_the_run_as_a_lost_tra
 
     with pytest.raises(TrainerLost, match="trainer rank 0 of `actor` died during export_weights"):
         run_controller(make_settings(), wrap=wrap)
+
+
+def test_a_step_that_took_no_optimizer_step_journals_its_samples_as_skipped_not_trained():
+    def wrap(handles):
+        async def finish(step):
+            result = await handles.finish_train_step(step)
+            return dataclasses.replace(result, metrics={**result.metrics, "skipped": 1.0}) if step == 1 else result
+
+        return dataclasses.replace(handles, finish_train_step=finish)
+
+    records: list[dict] = []
+    summary, _, _ = run_controller(make_settings(steps=3), wrap=wrap, on_step=records.append)
+    ledger = summary["ledger"]
+    assert ledger["dropped"].get("step_skipped") == 4 and ledger["trained"] == 8
+    assert [r["samples"] for r in records] == [4, 0, 4]

@@ -367,15 +367,17 @@ def test_hybrid_sharding_four_ranks_two_per_copy(tmp_path):
 def read_bytes_counted() -> list[int]:
     """Wraps the safetensors row reader (in this spawned process); the list
     collects the bytes each read returned."""
-    read: list[int] = []
-    original = loading.SafetensorsRows.__call__
+    from rldsl.models.hf_checkpoint import SafetensorsCheckpoint
 
-    def counting(self, name, start, stop):
-        rows = original(self, name, start, stop)
+    read: list[int] = []
+    original = SafetensorsCheckpoint.read_slice
+
+    def counting(self, name, dim, start, stop):
+        rows = original(self, name, dim, start, stop)
         read.append(rows.numel() * rows.element_size())
         return rows
 
-    loading.SafetensorsRows.__call__ = counting
+    SafetensorsCheckpoint.read_slice = counting
     return read
 
 

@@ -34,6 +34,13 @@ def test_responses_shorter_than_some_answers(tokens, expected):
                               f"  samples_per_prompt = 4\n  max_new_tokens = {tokens}\n")) == expected
 
 
+@pytest.mark.parametrize(("tokens", "expected"), [(1, ["RLP314"]), (3, ["RLP315"]), (4, [])])
+def test_truncated_mask_needs_room_for_the_end_token_too(tokens, expected):
+    """builtin:arith answers are 1 to 3 characters; a masked response trains only if it ended."""
+    assert codes(BASE.replace("  samples_per_prompt = 4\n", f"  samples_per_prompt = 4\n  max_new_tokens = {tokens}\n"
+                              "  truncated = mask\n")) == expected
+
+
 def test_only_certain_cases_are_reported():
     short = BASE.replace("  samples_per_prompt = 4\n", "  samples_per_prompt = 4\n  max_new_tokens = 1\n")
     assert codes(short.replace('"rldsl.rewards:exact_match"', '"rldsl.rewards:char_match"')) == []  # partial credit

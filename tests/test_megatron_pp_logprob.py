@@ -79,6 +79,8 @@ def test_pipeline_parallel_logprobs_equal_the_unsplit_model_on_the_last_stage_on
 class _StubEngine:
     """Every rank computes; the worker decides who writes."""
 
+    version = 0
+
     def logprobs(self, batch):
         return torch.zeros(len(batch["response_ids"]), 3)
 
@@ -103,7 +105,8 @@ def test_only_the_last_pipeline_stage_first_tp_rank_of_each_replica_writes_and_r
     writers, reporters = [], []
     for rank in stage.ranks:
         worker = workers.LogprobWorker(pipe, stage, rank.index, {"backend": "memory"})
-        worker._get = lambda keys, fields: {"response_ids": torch.zeros(len(keys), 3, dtype=torch.long)}
+        worker._get = lambda keys, fields: {"response_ids": torch.zeros(len(keys), 3, dtype=torch.long),
+                                            "version": torch.zeros(len(keys), dtype=torch.long)}
         written = []
         worker._put = lambda keys, fields, written=written: written.append(fields)
         if worker.logprob(keys) is not None:

@@ -138,7 +138,7 @@ def counting_reads():
 
 
 def test_safetensors_slices_equal_the_full_read_and_read_only_the_share(checkpoints):
-    from rldsl.runtime.engines.megatron.hf_checkpoint import open_hf_weights, read_hf_config, read_hf_weights
+    from rldsl.models.hf_checkpoint import open_hf_weights, read_hf_config, read_hf_weights
 
     path = checkpoints["untied"]
     shape = hmw.LlamaShape.from_hf_config(read_hf_config(path))
@@ -156,7 +156,7 @@ def test_safetensors_slices_equal_the_full_read_and_read_only_the_share(checkpoi
 
 
 def test_a_bin_checkpoint_is_read_whole_with_a_warning(tmp_path, caplog):
-    from rldsl.runtime.engines.megatron.hf_checkpoint import open_hf_weights
+    from rldsl.models.hf_checkpoint import open_hf_weights
 
     hf = random_hf_weights(SHAPES["llama"])
     torch.save(hf, tmp_path / "pytorch_model.bin")
@@ -215,7 +215,7 @@ def test_each_rank_reads_only_its_shard_and_gets_the_full_read_weights(checkpoin
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'rldsl[gpu]')")
     import torch.multiprocessing as mp
 
-    from rldsl.runtime.engines.megatron.hf_checkpoint import read_hf_weights
+    from rldsl.models.hf_checkpoint import read_hf_weights
 
     with mp.Manager() as manager:
         shared = manager.dict()

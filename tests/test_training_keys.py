@@ -36,7 +36,8 @@ def test_mini_batches_epochs_and_the_loss_family_reach_the_plan():
     assert (batch.rollout_batch, batch.global_batch, batch.minibatches, batch.ppo_epochs) == (32, 8, 4, 2)
     assert train["loss"] == {"name": "grpo", "clip": 0.2, "clip_high": 0.28, "dual_clip": 3.0, "kl": 0.0,
                              "kl_estimator": "k2", "kl_in": "reward", "agg": "seq_mean_token_sum",
-                             "ratio": "sequence", "behaviour_cap": 0.0}
+                             "ratio": "sequence", "behaviour_cap": 0.0, "kl_input_clamp": 0.0,
+                             "kl_output_clamp": 0.0, "correction": "none", "correction_level": "token"}
     assert (train["advantage"], train["normalize"]) == ("rloo", "none")  # the estimator's scaling, written out
     assert (train["lr_schedule"], train["warmup"], train["min_lr"], train["micro_batch_tokens"]) == \
         ("cosine", 3, 1e-6, 512)

@@ -98,9 +98,12 @@ def _summary_lines(audit: Audit) -> list[str]:
         samples += f", {totals['rolled_back']} rolled back"
     lags = " ".join(f"{lag}:{n}" for lag, n in totals["lag_histogram"].items())
     end = replay.segments[-1].describe_exit()
+    token_lags = " ".join(f"{lag}:{n}" for lag, n in totals["token_lag_histogram"].items())
     return [f"journal: {audit.path} (pipeline {audit.pipeline}, {_describe_segments(replay)})", samples,
             f"lag: max {totals['max_lag']} (max_lag {max_lag}); {lags}" if lags
             else f"lag: nothing trained (max_lag {max_lag})",
+            *([f"token lag (samples whose weights changed mid-generation, decode steps): {token_lags}"]
+              if token_lags else []),
             f"end: {end}" + ("" if totals["exit"] == FINISHED else "; the journal shows the run did not finish")]
 
 

@@ -21,7 +21,8 @@ from rldsl.runtime.protocols import FIELD_BEHAVIOUR_LOGPROBS, FIELD_REF_LOGPROBS
 # The proofs, in the order they are reported.
 ENDED_ONCE = "every dispatched sample ended exactly once (trained or dropped)"
 TRAINED_ONCE = "no sample trained twice, across resumes"
-LAG = "every trained sample's lag <= max_lag, and = trainer version - generating version"
+LAG = ("every trained sample's lag <= max_lag, and = trainer version - generating version "
+       "(with per-token versions: every token's lag <= max_lag, the sample's is its oldest token's)")
 LOGPROBS = ("every logprob field trained on was computed as the staleness rules assume "
             "(behaviour_logprobs by the generating version, ref_logprobs by frozen weights)")
 PROOFS = (ENDED_ONCE, TRAINED_ONCE, LAG, LOGPROBS)
@@ -129,7 +130,8 @@ class Violation:
 class Sample:
     """One key within one segment."""
 
-    generated: int | None = None  # the weight version that generated it
+    generated: int | None = None  # the weight version that generated it (its oldest token's)
+    tokens: list | None = None  # [version, steps] runs over its group's decode steps, when weights changed mid-group
     writes: dict[str, dict] = field(default_factory=dict)  # logprob field -> the event that wrote it last
     outcome: str | None = None  # "trained" or the drop reason
 
@@ -166,6 +168,7 @@ class Replay:
         self.dispatched = 0
         self.rolled_back = 0
         self.dropped: Counter[str] = Counter()
+        self.token_lags: Counter[int] = Counter()  # decode steps of trained samples by lag (per-token versions)
 
     def replay(self, events: list[dict]) -> "Replay":
         if events and events[0]["e"] != j.RUN:
@@ -205,6 +208,7 @@ class Replay:
     def _on_generated(self, event: dict) -> None:
         for key, sample in self._known(event).items():
             sample.generated = event.get("version")
+            sample.tokens = event.get("tokens")
             if event.get("field"):
                 sample.writes[event["field"]] = {"stage": "generation", "version": event.get("version")}
 
@@ -223,7 +227,7 @@ class Replay:
                                         f"{segment.number} step {event.get('step')}", keys)
         samples = self._ended(event, j.TRAINED)
         self._check_lag(event, samples)
-        self._check_logprobs(samples)
+        self._check_logprobs(samples, event.get("version"))
         for key in samples:
             self.trained_at[key] = (segment.number, event.get("step"), event.get("lag"))
 
@@ -269,12 +273,33 @@ class Replay:
             else:
                 self._violate(LAG, f"lag {lag} recorded, but generated at version {generated} and trained at "
                                    f"version {version}", keys)
+        self._check_token_lags(event, samples, max_lag)
 
-    def _check_logprobs(self, samples: dict[str, Sample]) -> None:
+    def _check_token_lags(self, event: dict, samples: dict[str, Sample], max_lag: int | None) -> None:
+        """Samples with per-token versions: each token's lag within the bound,
+        and the recorded version their oldest token's (the lag the trainer used)."""
+        version, found = event.get("version"), defaultdict(list)
+        for key, sample in samples.items():
+            if sample.tokens is None:
+                continue
+            problem = token_runs_problem(sample.tokens, sample.generated)
+            if problem is None and version is not None:
+                lags = Counter({version - v: n for v, n in sample.tokens})
+                self.token_lags.update(lags)
+                worst = max(lags)
+                if max_lag is not None and worst > max_lag:
+                    problem = (f"{lags[worst]} token(s) at lag {worst} > max_lag {max_lag} "
+                               f"(step {event.get('step')})")
+            if problem:
+                found[problem].append(key)
+        for problem, keys in found.items():
+            self._violate(LAG, problem, keys)
+
+    def _check_logprobs(self, samples: dict[str, Sample], trained_at: int | None = None) -> None:
         found = defaultdict(list)
         for key, sample in samples.items():
             for name, write in sample.writes.items():
-                problem = logprob_problem(name, write, sample.generated)
+                problem = logprob_problem(name, write, sample.generated, trained_at)
                 if problem:
                     found[problem].append(key)
         for problem, keys in found.items():
@@ -328,17 +353,33 @@ class Replay:
             "rolled_back": self.rolled_back,
             "max_lag": max(lags) if lags else None,
             "lag_histogram": dict(sorted(lags.items())),
+            "token_lag_histogram": dict(sorted(self.token_lags.items())),
             "steps": max((step for _, step, _ in self.trained_at.values() if step is not None), default=0),
             "resumes": max(len(self.segments) - 1, 0),
             "exit": last.exit if last else None,
         }
 
 
-def logprob_problem(name: str, write: dict, generated: int | None) -> str | None:
+def token_runs_problem(runs, generated: int | None) -> str | None:
+    """Why a ``tokens`` list is not well formed, or None: ``[version, steps]``
+    pairs with steps >= 1, the oldest version the one recorded as generating."""
+    if not isinstance(runs, list) or not runs or not all(
+            isinstance(run, list) and len(run) == 2 and all(isinstance(x, int) for x in run) and run[1] >= 1
+            for run in runs):
+        return f"per-token versions {str(runs)[:60]} are not [version, steps] runs"
+    oldest = min(version for version, _ in runs)
+    if oldest != generated:
+        return f"generated at version {generated}, but its oldest token is version {oldest}"
+    return None
+
+
+def logprob_problem(name: str, write: dict, generated: int | None, trained_at: int | None = None) -> str | None:
     """Why a logprob field is not what the staleness rules assume, or None.
     behaviour_logprobs must come from the generating weights exactly (the
-    importance ratio and the lag assume it); ref_logprobs from frozen weights.
-    Other fields carry no rule."""
+    importance ratio and the lag assume it), or, written with ``batch_start``
+    (``recompute = batch_start``), from the trainer's version ``trained_at``
+    of the step that trained it; ref_logprobs from frozen weights. Other
+    fields carry no rule."""
     stage = write.get("stage")
     if name == FIELD_REF_LOGPROBS and not write.get("frozen"):
         return f"{name} by stage `{stage}` whose weights are not frozen (version {write.get('version')})"
@@ -350,6 +391,10 @@ def logprob_problem(name: str, write: dict, generated: int | None) -> str | None
         between = write.get("between")
         known = f"between versions {between[0]} and {between[1]}" if between else "at an unknown version"
         return f"{name} by stage `{stage}` {known}: not provably the generating version {generated}"
+    if write.get("batch_start"):
+        if write["version"] != trained_at:
+            return f"{name} by stage `{stage}` at version {write['version']}, trained at version {trained_at}"
+        return None
     if write["version"] != generated:
         return f"{name} by stage `{stage}` at version {write['version']}, generated at version {generated}"
     return None

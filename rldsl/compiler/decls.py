@@ -68,6 +68,7 @@ class Pipeline:
     name_span: Span
     models: dict[str, Decl] = field(default_factory=dict)
     datasets: dict[str, Decl] = field(default_factory=dict)
+    environments: dict[str, Decl] = field(default_factory=dict)  # multi-turn environments of generate stages
     stages: dict[str, Decl] = field(default_factory=dict)
     blocks: dict[str, Decl] = field(default_factory=dict)  # staleness, buffer, placement, run
     edges: list[FlowEdge] = field(default_factory=list)

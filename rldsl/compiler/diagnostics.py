@@ -2,6 +2,14 @@
 
 A pass never raises on bad input; it returns ``Diagnostic`` values. The
 renderers here are the only place that knows how a finding looks.
+
+A finding may explain others (``Diagnostic.explains``): two pipelines on the
+same GPUs without `share` make every cross-pipeline pair of non-sleeping
+engines an RLP504 and the GPUs' summed memory an RLP506. ``order_by_cause``
+puts such a root first and the findings it explains right after it, marked
+``explained_by``; the text shows them as one line each under the root (in
+full with ``verbose``), JSON in full. Nothing is dropped and everything is
+counted: a folded error still fails `check`.
 """
 
 
@@ -30,6 +38,15 @@ class Span(NamedTuple):
 NO_SPAN = Span(1, 1, 1, 1)
 
 
+class Consequence(NamedTuple):
+    """A finding a root explains: the one of ``code`` at ``span`` (and about
+    ``subject`` when given, for a rule that reports several things at one span)."""
+
+    code: str
+    span: Span
+    subject: str = ""
+
+
 class Diagnostic(NamedTuple):
     code: str
     severity: str
@@ -41,6 +58,11 @@ class Diagnostic(NamedTuple):
     related: tuple[tuple[Span, str], ...] = ()
     # A mechanical fix (`rldsl fmt --fix` applies it): this span's text becomes this text.
     edit: tuple[Span, str] | None = None
+    # What the finding is about, as a root names it in a Consequence (a stage pair, a GPU).
+    subject: str = ""
+    explains: tuple[Consequence, ...] = ()
+    # Set by order_by_cause: the root (its code and span) this finding follows from.
+    explained_by: tuple[str, Span] | None = None
 
     @property
     def is_error(self) -> bool:
@@ -50,6 +72,45 @@ class Diagnostic(NamedTuple):
 def sort_diagnostics(diags: Iterable[Diagnostic]) -> list[Diagnostic]:
     unique = {(d.span, d.code, d.message): d for d in diags}
     return sorted(unique.values(), key=lambda d: (d.span, d.code, d.message))
+
+
+def _claimed(root: Diagnostic, d: Diagnostic) -> bool:
+    return d is not root and any(c.code == d.code and c.span == d.span and c.subject in ("", d.subject)
+                                 for c in root.explains)
+
+
+def order_by_cause(diags: Iterable[Diagnostic]) -> list[Diagnostic]:
+    """Roots first, each followed by the findings it explains (``explained_by``
+    set, under the outermost root when explanations chain); then every other
+    finding by position. The same findings, reordered: none is dropped."""
+    ordered = sort_diagnostics(diags)
+    parent: dict[int, int] = {}
+    for r, root in enumerate(ordered):
+        for i, d in enumerate(ordered):
+            if i not in parent and _claimed(root, d) and not _descends(r, i, parent):
+                parent[i] = r
+    top = {i: _outermost(i, parent) for i in parent}
+    roots = sorted(set(top.values()))
+    out = []
+    for r in roots:
+        root = ordered[r]
+        out.append(root)
+        out += [ordered[i]._replace(explained_by=(root.code, root.span)) for i in sorted(top) if top[i] == r]
+    return out + [d for i, d in enumerate(ordered) if i not in parent and i not in roots]
+
+
+def _descends(index: int, ancestor: int, parent: dict[int, int]) -> bool:
+    while index in parent:
+        index = parent[index]
+        if index == ancestor:
+            return True
+    return index == ancestor
+
+
+def _outermost(index: int, parent: dict[int, int]) -> int:
+    while index in parent:
+        index = parent[index]
+    return index
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str | None:
@@ -71,12 +132,17 @@ class _Style:
         return f"\x1b[{code}m{text}\x1b[0m" if self.color else text
 
 
-def render_text(diags: Sequence[Diagnostic], source: str, filename: str, color: bool = False) -> str:
-    """rustc-like text: header, location arrow, the line as written, carets."""
+def render_text(diags: Sequence[Diagnostic], source: str, filename: str, color: bool = False,
+                verbose: bool = False) -> str:
+    """rustc-like text: header, location arrow, the line as written, carets.
+    A finding another one explains is a line under that root, or with
+    ``verbose`` a finding of its own that names its root."""
     style = _Style(color)
     lines = source_lines(source)
     out: list[str] = []
     for d in diags:
+        if d.explained_by and not verbose:
+            continue
         sev_color = "1;31" if d.is_error else "1;33"
         out.append(style(f"{d.severity}[{d.code}]", sev_color) + style(f": {d.message}", "1"))
         out.extend(_render_snippet(d.span, lines, filename, style, sev_color))
@@ -84,11 +150,27 @@ def render_text(diags: Sequence[Diagnostic], source: str, filename: str, color: 
             out.extend(_render_snippet(span, lines, filename, style, "1;34", label=label))
         for note in d.notes:
             out.append(style("  = note", "1;34") + f": {note}")
+        if d.explained_by:
+            code, span = d.explained_by
+            out.append(style("  = note", "1;34") + f": follows from [{code}] at {filename}:{span.line}:{span.col}")
         if d.help:
             out.append(style("  = help", "1;36") + f": {d.help}")
+        out.extend(_folded(d, diags, filename, style, verbose))
         out.append("")
     out.append(summary_line(diags))
     return "\n".join(out) + "\n"
+
+
+def _folded(root: Diagnostic, diags: Sequence[Diagnostic], filename: str, style: "_Style", verbose: bool) -> list[str]:
+    """The findings ``root`` explains, one line each: fix the root and they go too."""
+    explained = [d for d in diags if d.explained_by == (root.code, root.span)]
+    if not explained:
+        return []
+    where = "below" if verbose else "in full with `--verbose`"
+    out = [style("  = explains", "1;34") + f": {len(explained)} finding{'s' * (len(explained) != 1)} that follow "
+           f"from it ({where}):"]
+    out += [f"      {d.severity}[{d.code}] {filename}:{d.span.line}:{d.span.col}: {d.message}" for d in explained]
+    return out
 
 
 def source_lines(source: str) -> list[str]:
@@ -101,7 +183,8 @@ def source_lines(source: str) -> list[str]:
 SNIPPET_WIDTH = 120  # a longer line is shown as a window around the caret
 
 
-def _render_snippet(span: Span, lines: list[str], filename: str, style: _Style, color: str, label: str = "") -> list[str]:
+def _render_snippet(span: Span, lines: list[str], filename: str, style: _Style, color: str,
+                    label: str = "") -> list[str]:
     gutter = " " * len(str(span.line))
     out = [f"{gutter}{style('-->', '1;34')} {filename}:{span.line}:{span.col}"]
     if not 1 <= span.line <= len(lines):
@@ -140,7 +223,9 @@ def summary_line(diags: Sequence[Diagnostic]) -> str:
     warnings = len(diags) - errors
     if not diags:
         return "ok: no findings"
-    return f"{errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}"
+    explained = sum(bool(d.explained_by) for d in diags)
+    folded = f" ({explained} of them explained by another finding)" if explained else ""
+    return f"{errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}{folded}"
 
 
 def to_json(diags: Sequence[Diagnostic], filename: str) -> dict:
@@ -160,6 +245,8 @@ def to_json(diags: Sequence[Diagnostic], filename: str) -> dict:
                 "notes": list(d.notes),
                 "range": _range(d.span),
                 "related": [{"range": _range(s), "message": m} for s, m in d.related],
+                "explained_by": {"code": d.explained_by[0], "range": _range(d.explained_by[1])}
+                if d.explained_by else None,
             }
             for d in diags
         ],
@@ -192,7 +279,9 @@ def to_sarif(diags: Sequence[Diagnostic], filename: str, rules: dict[str, str]) 
                     {
                         "ruleId": d.code,
                         "level": "error" if d.is_error else "warning",
-                        "message": {"text": d.message + (f" (help: {d.help})" if d.help else "")},
+                        "message": {"text": d.message + (f" (help: {d.help})" if d.help else "")
+                                    + (f" (follows from {d.explained_by[0]} at line {d.explained_by[1].line})"
+                                       if d.explained_by else "")},
                         "locations": [
                             {
                                 "physicalLocation": {

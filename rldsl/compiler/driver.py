@@ -3,7 +3,9 @@
     parse -> resolve -> IR -> dataflow, weight and engine rules -> placement
     -> sharing, batch, buffer and memory rules -> lowering
 
-Each step is a pure function; findings are collected. Every rule runs
+Each step is a pure function; findings are collected, then ordered by
+cause: a finding that explains others (``Diagnostic.explains``) comes
+first with them folded under it, none dropped. Every rule runs
 whenever its own inputs resolved, whatever else in the file is wrong: a
 value that did not resolve is marked invalid (never replaced by a default)
 and the rules reading it are skipped, so one mistake is reported once and
@@ -16,17 +18,24 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Program
-from rldsl.compiler.diagnostics import ERROR, NO_SPAN, Diagnostic, sort_diagnostics
+from rldsl.compiler.diagnostics import ERROR, NO_SPAN, Diagnostic, order_by_cause
 from rldsl.compiler.ir import build_ir
 from rldsl.compiler.parser import parse
 from rldsl.compiler.placement import Placement, place
 from rldsl.compiler.resolve import resolve
-from rldsl.compiler.rules import batching, dataflow, engines, learning, sharing, training, weights
+from rldsl.compiler.rules import (
+    batching, dataflow, engines, environments, learning, reward_models, sharing, training, weights,
+)
 
-PIPELINE_PASSES = dataflow.PASSES + weights.PASSES + engines.PASSES + training.PASSES + learning.PASSES
+if TYPE_CHECKING:  # the plan type only: lowering imports it when a plan is made
+    from rldsl.plan import ExecutionPlan
+
+PIPELINE_PASSES = dataflow.PASSES + weights.PASSES + engines.PASSES + training.PASSES + learning.PASSES + \
+    environments.PASSES + reward_models.PASSES
 PROGRAM_PLACED_PASSES = (sharing.check_sharing, sharing.check_pipeline_sharing)
 # these read the placement when there is one
 PLACED_PASSES = batching.PASSES + (sharing.check_on_policy_disjoint, weights.check_transport)
@@ -78,10 +87,11 @@ def compile_source(text: str, filename: str = "<input>", base_dir: Path | None =
 
         diags += check_memory(program, placement, base_dir)
         result.memory = estimate(program, placement, base_dir)
-    result.diagnostics = sort_diagnostics(diags)
+        diags = sharing.explain_memory(program, diags, result.memory)
+    result.diagnostics = order_by_cause(diags)
     if result.ok:  # `check` too: a plan that checks must be one Ray can lay out (RLP512)
         plan = _lower(result, base_dir)
-        result.diagnostics = sort_diagnostics(diags + check_layout(plan, program))
+        result.diagnostics = order_by_cause(diags + check_layout(plan, program))
         result.plan = plan if want_plan and result.ok else None
     return result
 
@@ -106,7 +116,8 @@ def _lower(result: CompileResult, base_dir: Path):
     from rldsl.compiler.memory import model_params
 
     program = result.program
-    params = {f"{pipe.name}/{m.name}": model_params(m, base_dir) for pipe in program.pipelines for m in pipe.models.values()}
+    params = {f"{pipe.name}/{m.name}": model_params(m, base_dir)
+              for pipe in program.pipelines for m in pipe.models.values()}
     warnings = [f"warning[{d.code}]: {d.message}" for d in result.diagnostics]
     digest = hashlib.sha256(result.source.encode()).hexdigest()
     return lower(program, result.contexts, result.placement, params, warnings, digest, base_dir)

@@ -14,11 +14,14 @@ import re
 
 from rldsl.compiler.diagnostics import Diagnostic, Span
 
+RENAMED = "RLP109"
+
 
 def format_source(source: str, diagnostics: list[Diagnostic]) -> tuple[str, int]:
     """``(text, renamed)``: ``source`` with the edits of ``diagnostics`` applied
     and its layout made regular; ``renamed``: how many edits were applied."""
-    edits = sorted((d.edit for d in diagnostics if d.edit is not None), reverse=True)
+    # only renames: other rules' edits change what the pipeline does, which `fmt` never does
+    edits = sorted((d.edit for d in diagnostics if d.edit is not None and d.code == RENAMED), reverse=True)
     text = _normalise_line_ends(source)
     lines = text.split("\n")
     for span, replacement in edits:  # from the last, so earlier spans stay where they are

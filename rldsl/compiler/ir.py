@@ -10,19 +10,23 @@ from __future__ import annotations
 import networkx as nx
 
 from rldsl.compiler.decls import Decl, Pipeline
+from rldsl.plan import EPISODE_REWARD_FN
 
 DATA = "data"
 WEIGHTS = "weights"
 
 # What each node kind writes to the data plane (see rldsl.runtime.protocols).
 _GENERATED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "version")
+# ... and by a generate stage with an environment: which tokens are the model's, and each episode's outcome
+EPISODE_FIELDS = ("loss_mask", "episode_reward", "episode_status", "turns")
 
 
 def produced_fields(kind: str, decl: Decl | None) -> tuple[str, ...]:
     if kind == "dataset":
         return ("prompt", "answer")
     if kind == "generate":
-        return _GENERATED + (("behaviour_logprobs",) if decl.get("logprobs") else ())
+        return _GENERATED + (("behaviour_logprobs",) if decl.get("logprobs") else ()) + \
+            (EPISODE_FIELDS if decl.get("environment") else ("loss_mask",) if decl.get("truncated") == "mask" else ())
     if kind == "reward":
         return ("reward",)
     if kind == "logprob":
@@ -35,6 +39,8 @@ def consumed_fields(kind: str, decl: Decl | None, max_lag: int) -> dict[str, str
     if kind == "generate":
         return {"prompt": "generation starts from prompts"}
     if kind in ("reward",):
+        if decl is not None and decl.get("fn") == EPISODE_REWARD_FN:
+            return {"episode_reward": f"`{EPISODE_REWARD_FN}` reads the reward of an environment's episode"}
         return {"response_ids": "rewards score responses", "answer": "rewards compare against the answer"}
     if kind == "logprob":
         return {"response_ids": "logprobs are computed over responses"}
@@ -46,8 +52,19 @@ def consumed_fields(kind: str, decl: Decl | None, max_lag: int) -> dict[str, str
         if max_lag > 0:
             need["behaviour_logprobs"] = (f"max_lag = {max_lag} trains off-policy samples: the importance ratio "
                                           "needs behaviour logprobs")
+        weighting = token_weighting(loss)
+        if weighting:
+            need["behaviour_logprobs"] = f"{weighting} weighs each token by pi_prox / pi_behaviour"
         return need
     return {}
+
+
+def token_weighting(loss) -> str:
+    """The loss argument that weighs tokens by the behaviour policy (``correction = tis``), or ''."""
+    args = loss.args if loss is not None else {}
+    if args.get("correction", "none") != "none":
+        return f"correction = {args['correction']}"
+    return f"behaviour_cap = {args['behaviour_cap']:g}" if args.get("behaviour_cap") else ""
 
 
 def build_ir(pipe: Pipeline) -> nx.MultiDiGraph:

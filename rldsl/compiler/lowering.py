@@ -8,10 +8,12 @@ from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl, Program
 from rldsl.compiler.ir import generations
 from rldsl.compiler.placement import Placement, StagePlacement
+from rldsl.compiler.reward_types import RewardComponent
+from rldsl.compiler.schema import JUDGE_KEYS
 from rldsl.compiler.types import EngineSpec, GpuRequest, LossSpec, Ref
 from rldsl.plan import (
-    ADVANTAGE_NORMALISATION, BatchPlan, ClusterPlan, DatasetPlan, EdgePlan, EnginePlan, ExecutionPlan, ModelPlan,
-    NodeGpus, PipelinePlan, RankPlan, RunPlan, SharingPlan, StagePlan, StalenessPlan,
+    ADVANTAGE_NORMALISATION, BatchPlan, ClusterPlan, DatasetPlan, EdgePlan, EnginePlan, EnvironmentPlan,
+    ExecutionPlan, ModelPlan, NodeGpus, PipelinePlan, RankPlan, RunPlan, SharingPlan, StagePlan, StalenessPlan,
 )
 
 
@@ -52,7 +54,13 @@ def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None],
                         sizing.micro_batch, sizing.capacity, sizing.max_inflight, sizing.ppo_epochs),
         run=_run(run, sizing.prompts_per_step * sizing.samples_per_prompt),
         sharing=SharingPlan(float(pipe.block("placement")["weight"]), int(pipe.block("placement")["priority"])),
+        environments=[_environment(e, base_dir) for e in pipe.environments.values()],
     )
+
+
+def _environment(decl: Decl, base_dir: Path) -> EnvironmentPlan:
+    return EnvironmentPlan(decl.name, _anchored_spec(decl["fn"], base_dir), decl["max_turns"], decl["max_tokens"],
+                           float(decl["timeout"]), decl["processes"])
 
 
 def _run(run: Decl, rollout_batch: int) -> RunPlan:
@@ -61,7 +69,7 @@ def _run(run: Decl, rollout_batch: int) -> RunPlan:
     epochs, samples = run.get("epochs", 0), int(run.get("samples", 0))
     steps = -(-samples // rollout_batch) if samples else 0 if epochs else run["steps"]
     return RunPlan(steps, run["seed"], run["eval_every"], run["checkpoint_every"], run["watchdog"], run["restarts"],
-                   epochs, samples, list(run["log"]))
+                   epochs, samples, list(run["log"]), run["keep_checkpoints"], eval_timeout_s=run["eval_timeout"])
 
 
 def _dataset(decl: Decl, base_dir: Path) -> DatasetPlan:
@@ -90,13 +98,31 @@ def _anchored_function(settings: dict, key: str, base_dir: Path) -> dict:
     there whatever the working directory (`rldsl.rewards.load_reward` reads
     the `@DIR` suffix); an installed module is left to the import system."""
     spec = settings.get(key)
-    module, sep, _ = (spec or "").partition(":")
-    top = module.split(".")[0]
-    if not sep or not top or "@" in spec:
-        return settings
-    if (base_dir / f"{top}.py").is_file() or (base_dir / top).is_dir():
-        settings = {**settings, key: f"{spec}@{base_dir.resolve()}"}
+    if isinstance(spec, list):  # a reward stage's named components
+        return {**settings, key: [{**part, "fn": _anchored_spec(part["fn"], base_dir)} for part in spec]}
+    return {**settings, key: _anchored_spec(spec, base_dir)} if spec else settings
+
+
+def _anchored_functions(settings: dict, base_dir: Path) -> dict:
+    """A reward stage's functions: `fn`, and a reward model's `template` and `parse`."""
+    for key in ("fn", "template", "parse"):
+        settings = _anchored_function(settings, key, base_dir)
     return settings
+
+
+def _anchored_spec(spec: str, base_dir: Path) -> str:
+    module, sep, _ = spec.partition(":")
+    top = module.split(".")[0]
+    if sep and top and "@" not in spec and _beside(base_dir, top):
+        return f"{spec}@{base_dir.resolve()}"
+    return spec
+
+
+def _beside(base_dir: Path, module: str) -> bool:
+    try:
+        return (base_dir / f"{module}.py").is_file() or (base_dir / module).is_dir()
+    except OSError:  # a name too long for a file is no file
+        return False
 
 
 def _gpu_shares(placement: Placement) -> dict[int, int]:
@@ -105,7 +131,7 @@ def _gpu_shares(placement: Placement) -> dict[int, int]:
 
 def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement, shares: dict[int, int],
            base_dir: Path = Path(".")) -> StagePlan:
-    engine = stage.get("engine")
+    engine = stage.get("engine") if stage.stage_kind != "reward" or stage.get("model") else None
     ranks = []
     for rank in (sp.ranks if sp else ()):
         node = placement.node_of(rank.gpus[0]) if rank.gpus else 0
@@ -118,8 +144,8 @@ def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement, shares:
         kind=stage.stage_kind,
         engine=EnginePlan(engine.name, dict(engine.args)) if engine else None,
         model=stage["model"].name if stage.get("model") else None,
-        settings=_anchored_function(_derived(stage, _settings(stage, skip=("engine", "model", "gpus", "colocate"))),
-                                    "fn", base_dir),
+        settings=_anchored_functions(_derived(stage, _settings(stage, skip=("engine", "model", "gpus", "colocate"))),
+                                     base_dir),
         ranks=ranks,
         tp=sp.tp if sp else 1, pp=sp.pp if sp else 1, dp=sp.dp if sp else 1,
         colocated_with=_sharing(sp, placement) if sp else [],
@@ -139,6 +165,8 @@ def _derived(stage: Decl, settings: dict) -> dict:
     """Defaults that depend on other keys, written out so the runtime reads no language rules."""
     if stage.stage_kind == "train" and "normalize" not in settings:
         settings["normalize"] = ADVANTAGE_NORMALISATION[settings["advantage"]]
+    if stage.stage_kind == "reward" and not stage.get("model"):  # a reward without a model: its plan as before
+        settings = {k: v for k, v in settings.items() if k not in JUDGE_KEYS}
     return settings
 
 
@@ -165,6 +193,8 @@ def _json(value):
         return {"name": value.name, **value.args}
     if isinstance(value, GpuRequest):
         return list(value.ids) if value.ids is not None else value.count
+    if isinstance(value, RewardComponent):
+        return {"name": value.name, "fn": value.fn, "weight": value.weight}
     if isinstance(value, tuple):
         return [_json(v) for v in value]
     return value

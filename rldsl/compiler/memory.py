@@ -122,13 +122,15 @@ def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, 
     engine, kind = stage["engine"], stage.stage_kind
     c = _DTYPE_BYTES[model.get("dtype") or engine.args.get("dtype", "fp32")]  # the model's dtype wins
     shape = model_shape(model, base_dir, params)
-    sleeps = can_sleep(engine)
+    sleeps = can_sleep(engine) and kind != "reward"  # a reward model stays resident: nothing puts it to sleep
     if engine.name in ("vllm", "sglang"):
         return mm.reserving_generator(params, c, sp.tp * sp.pp, engine.args["gpu_memory"], capacity, sleeps)
     if kind == "generate":
         rows = stage["samples_per_prompt"] * max(1, stage.get("concurrency", 0)) \
             if stage.valid("samples_per_prompt", "concurrency") else None
         return mm.torch_generator(params, shape, c, rows, _row_tokens(pipe, shape), sleeps)
+    if kind == "reward":
+        return _reward_model(pipe, stage, params, shape, c)
     if kind == "logprob":
         rows = stage["micro_batch"] if stage.valid("micro_batch") else None
         row = _row_tokens(pipe, shape)
@@ -140,6 +142,18 @@ def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, 
         return mm.megatron_trainer(params, shape, c, sp.tp, sp.pp, sp.dp,
                                    bool(engine.args.get("distributed_optimizer")), tokens, bucket, sleeps)
     return mm.torch_trainer(params, shape, c, tokens, bucket, sleeps)
+
+
+def _reward_model(pipe: Pipeline, stage: Decl, params: int, shape: mm.ModelShape, c: int) -> mm.StageMemory:
+    """A reward model on the torch engine: the weights and one forward of
+    `micro_batch` rows (`score`), or the KV cache of a greedy decode of them,
+    the judge's answer after the row (`generate`)."""
+    rows = stage["micro_batch"] if stage.valid("micro_batch") else None
+    row = _row_tokens(pipe, shape)
+    if stage.get("judge") == "generate":
+        answer = stage["max_new_tokens"] if stage.valid("max_new_tokens") else None
+        return mm.torch_generator(params, shape, c, rows, row + answer if row and answer else None, sleeps=False)
+    return mm.logprob_stage(params, shape, c, 1, rows * row if rows and row else None, sleeps=False)
 
 
 def _generators(pipe: Pipeline) -> list[Decl]:

@@ -116,7 +116,17 @@ def place(program: Program) -> tuple[Placement | None, list[Diagnostic]]:
 
 
 def gpu_stages(pipe: Pipeline) -> list[Decl]:
-    return [s for s in pipe.stages.values() if s.stage_kind in GPU_KINDS]
+    return [s for s in pipe.stages.values() if takes_gpus(s)]
+
+
+def takes_gpus(stage: Decl) -> bool:
+    """Generate, logprob and train stages, and a reward stage with a reward model
+    (one whose model did not resolve too: it may have taken GPUs)."""
+    return stage.stage_kind in GPU_KINDS or (stage.stage_kind == "reward" and has_reward_model(stage))
+
+
+def has_reward_model(stage: Decl) -> bool:
+    return bool(stage.get("model")) or not stage.valid("model")
 
 
 def _parallelism(stage: Decl) -> tuple[int, int]:
@@ -175,7 +185,7 @@ def _id_range(placement: Placement) -> str:
 # --------------------------------------------------------------- counts
 
 
-_KIND_ORDER = {kind: rank for rank, kind in enumerate(GPU_KINDS)}
+_KIND_ORDER = {kind: rank for rank, kind in enumerate((*GPU_KINDS, "reward"))}  # reward models last
 
 
 def _place_counts(program: Program, pipe: Pipeline, placement: Placement, diags: list[Diagnostic]) -> None:
@@ -269,7 +279,7 @@ def _colocation_problem(program: Program, stage: Decl, target: Decl | None, pipe
         return f"{name} cannot colocate with itself"
     if stage.explicit("gpus"):
         return f"{name} gives both `gpus` and `colocate`"
-    if target.stage_kind not in GPU_KINDS:
+    if not takes_gpus(target):
         return f"{program.label(pipe.name, target.name)} is a {target.stage_kind} stage and has no GPUs to share"
     if (pipe.name, target.name) not in placement.stages:
         return (f"{program.label(pipe.name, target.name)} has no GPUs of its own: its colocation chain loops or "

@@ -54,7 +54,7 @@ def _member_problems(program: Program, pipe: Pipeline, groups) -> tuple[list[Dia
                 key = "gpus" if stage.explicit("gpus") or not stage.valid("gpus") else "colocate"
                 out.append(Diagnostic("RLP507", ERROR, f"stage {label} is in a placement group and also sets "
                                       f"`{key}`", stage.span_of(key), help=f"remove `{key}`: the group decides"))
-            elif stage.stage_kind not in _GPU_KINDS:
+            elif stage.stage_kind not in _GPU_KINDS and not (stage.stage_kind == "reward" and stage.get("model")):
                 out.append(Diagnostic("RLP507", ERROR, f"stage {label} is a {stage.stage_kind} stage and "
                                       "uses no GPUs", ref.span, help="placement groups hold GPU stages: remove "
                                                                      f"{label} from `groups`"))

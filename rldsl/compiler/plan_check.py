@@ -26,7 +26,6 @@ from rldsl.compiler.rules.batching import (
     minibatch_finding,
     splits_evenly,
 )
-from rldsl.compiler.rules.weights import COLLECTIVE_RECEIVERS, COLLECTIVE_TRAINERS
 from rldsl.plan import ExecutionPlan, PipelinePlan
 
 _BATCH_FIELDS = {"capacity": "buffer_capacity", "max_inflight": "max_inflight", "global_batch": "global_batch",
@@ -267,20 +266,7 @@ def _transport(pipe: PipelinePlan, where: str) -> list[PlanFinding]:
 
 
 def _collective_blocker(pipe: PipelinePlan) -> str | None:
-    trainer = pipe.stage(pipe.batch.train_stage)
-    if trainer.engine is None or trainer.engine.name not in COLLECTIVE_TRAINERS:
-        engine = trainer.engine.name if trainer.engine else None
-        return f"trainer `{trainer.name}` uses engine `{engine}`, which does not stream buckets"
-    trainer_gpus = {place for rank in trainer.ranks for place in rank.all_gpus()}
-    for name in sorted(pipe.weight_receivers()):
-        target = next((s for s in pipe.stages if s.name == name), None)
-        if target is None:
-            return f"its receiver `{name}` is no stage of the pipeline"
-        if target.kind != "generate":
-            return f"`{name}` is a {target.kind} stage, which takes weights only between its calls"
-        engine = target.engine.name if target.engine else None
-        if engine not in COLLECTIVE_RECEIVERS:
-            return f"`{name}` uses engine `{engine}`, which takes weights only through the object store"
-        if trainer_gpus & {place for rank in target.ranks for place in rank.all_gpus()}:
-            return f"`{name}` shares GPUs with the trainer, so it sleeps while the trainer runs"
-    return None
+    missing = sorted(pipe.weight_receivers() - {s.name for s in pipe.stages})
+    if missing:
+        return f"its receiver `{missing[0]}` is no stage of the pipeline"
+    return pipe.collective_blocker()

@@ -12,7 +12,8 @@ from rldsl.plan import LEASE_QUANTUM_S, ExecutionPlan, PipelinePlan
 
 def actor_count(plan: ExecutionPlan) -> int:
     # + one controller each, + an evaluator for each pipeline that evaluates
-    return sum(len(s.ranks) for p in plan.pipelines for s in p.stages) + sum(1 + p.evaluates for p in plan.pipelines)
+    ranks = sum(len(s.ranks) for p in plan.pipelines for s in p.stages)
+    return ranks + sum(1 + p.has_evaluator for p in plan.pipelines)
 
 
 def summary_line(plan: ExecutionPlan) -> str:
@@ -67,7 +68,7 @@ def _gpu_map(plan: ExecutionPlan, result: CompileResult) -> list[str]:
             out.append(f"    gpu {local}: {', '.join(here) or '(idle)'}{mem_text}")
     cpu = [f"{p.name + '/' if many else ''}{s.name}{_index_ranges([r.index for r in s.ranks if not r.gpus])}"
            for p in plan.pipelines for s in p.stages if any(not r.gpus for r in s.ranks)]
-    evaluators = [f"{p.name + '/' if many else ''}evaluator" for p in plan.pipelines if p.evaluates]
+    evaluators = [f"{p.name + '/' if many else ''}evaluator" for p in plan.pipelines if p.has_evaluator]
     out.append(f"  cpu: {', '.join(cpu + evaluators + ['controller' + ('s' if many else '')])}")
     return out
 
@@ -185,13 +186,16 @@ def _staleness(pipe: PipelinePlan) -> list[str]:
     st = pipe.staleness
     lag = st.max_lag
     meaning = ("on-policy: every sample is trained by the weights that generated it" if lag == 0 else
-               f"a sample is trained at most {lag} version{'s' * (lag != 1)} (rollout batch{'es' * (lag != 1)}) after the weights "
-               "that generated it")
+               f"a sample is trained at most {lag} version{'s' * (lag != 1)} (rollout batch{'es' * (lag != 1)}) "
+               "after the weights that generated it")
     out = [f"staleness: max_lag = {lag} ({meaning}); order {st.order}; too-stale samples: {st.too_stale}"]
     out += [f"  = {system}: {text}" for system, text in staleness_equivalents(pipe)]
     out.append(f"run: {_run_length(pipe)}, seed {pipe.run.seed}, watchdog {format_duration(pipe.run.watchdog_s)}, "
                f"restarts {pipe.run.restarts}")
     out.append(f"evaluation: {_evaluation(pipe)}")
+    budget = pipe.datasets[0].options.get("max_prompt_tokens", 0) if pipe.datasets else 0
+    if budget:
+        out.append(f"prompts: those over {budget} tokens are dropped when the dataset is read (the count is logged)")
     return out
 
 
@@ -205,12 +209,13 @@ def _evaluation(pipe: PipelinePlan) -> str:
         return "off (eval_size = 0)"
     if not pipe.evaluates:
         return "none (the trainer's engine holds no weights)"
+    where = " (decoded on the generators)" if pipe.eval_on == "generators" else ""
     if source:
-        return f"{size} prompts of {source}"
+        return f"{size} prompts of {source}{where}"
     if dataset.source.startswith("jsonl:") and "{split}" not in dataset.source:
         return (f"{size} prompts held out of {dataset.source}: the rows whose prompt hashes into the eval share "
                 "(about 5%), which training never reads")
-    return f"{size} prompts of the held-out split of {dataset.source}"
+    return f"{size} prompts of the held-out split of {dataset.source}{where}"
 
 
 def _run_length(pipe: PipelinePlan) -> str:

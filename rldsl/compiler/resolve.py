@@ -86,7 +86,7 @@ def _resolve_pipeline(syntax: ast.PipelineSyntax, diags: list[Diagnostic], quali
     for block in syntax.blocks:
         _resolve_pipeline_block(pipe, block, declared, diags)
     for name in pipe.ambiguous:
-        for table in (pipe.models, pipe.datasets, pipe.stages):
+        for table in (pipe.models, pipe.datasets, pipe.environments, pipe.stages):
             table.pop(name, None)
     for flow in syntax.flows:
         for hop_from, hop_to in zip(flow.hops, flow.hops[1:]):
@@ -120,7 +120,7 @@ def _resolve_pipeline_block(pipe: Pipeline, block: ast.Block, declared: dict, di
         name = block.head[1]
         decl = _resolve_block(block, kind, name.text, BLOCK_KEYS[kind], diags, name.span, pipe)
         if _claim(pipe, name, declared, diags):
-            (pipe.models if kind == "model" else pipe.datasets)[name.text] = decl
+            {"model": pipe.models, "dataset": pipe.datasets, "environment": pipe.environments}[kind][name.text] = decl
     else:
         decl = _resolve_block(block, kind, kind, BLOCK_KEYS[kind], diags, block.kind.span, pipe)
         if kind in pipe.blocks:
@@ -168,7 +168,8 @@ def _resolve_block(block: ast.Block, kind: str, name: str, keys: dict[str, Key],
         key = entry.key.text
         if key not in keys:
             diags.append(Diagnostic("RLP103", ERROR, f"unknown key `{key}` in {what}", entry.key.span,
-                                    help=did_you_mean(key, keys) or "keys: " + ", ".join(keys)))
+                                    help=did_you_mean(key, keys) or _key_elsewhere(key, kind) or
+                                    "keys: " + ", ".join(keys)))
             continue
         value, errors = _convert(keys[key], entry)
         diags.extend(errors)
@@ -207,6 +208,12 @@ def _convert(spec: Key, entry: ast.Entry):
     return spec.type.convert(entry.value)
 
 
+def _key_elsewhere(key: str, kind: str) -> str | None:
+    """For a stage key that belongs to other stage kinds (`environment` on a reward stage): which."""
+    owners = [k for k, keys in STAGE_KEYS.items() if key in keys] if kind == "stage" else []
+    return f"`{key}` is a key of {' and '.join(owners)} stages" if owners else None
+
+
 def _what(kind: str, name: str) -> str:
     return f"{kind} `{name}`" if kind != name else f"`{kind}`"
 
@@ -217,7 +224,8 @@ def _what(kind: str, name: str) -> str:
 def _bind_references(pipe: Pipeline, diags: list[Diagnostic]) -> None:
     for decl in pipe.stages.values():
         for key, setting in list(decl.settings.items()):
-            table, what = (pipe.models, "model") if key == "model" else (pipe.stages, "stage")
+            table, what = {"model": (pipe.models, "model"), "environment": (pipe.environments, "environment")}.get(
+                key, (pipe.stages, "stage"))
             unknown = [ref for ref in _refs(setting.value) if not _check_ref(pipe, ref, table, what, diags)]
             if unknown:  # every unknown name is reported, then the key is invalid
                 decl.invalid.add(key)

@@ -13,7 +13,13 @@ from rldsl.compiler.types import (
     COUNT, DURATION, SIZE, Bool, CallOf, EngineSpec, Enum, Float, Fraction, GpuRequest, GroupItem, Gpus, Int,
     ListOf, LossSpec, RefTo, SleepLevel, Str,
 )
-from rldsl.plan import ADVANTAGE_NORMALISATION, RunPlan, StalenessPlan
+from rldsl.compiler.reward_types import RewardFns
+from rldsl.plan import ADVANTAGE_NORMALISATION, NORMALISATIONS, RunPlan, StalenessPlan
+
+UPDATE_MODES = ("between_requests", "interrupt")  # a generate stage's `update`; the first is the default
+EVAL_ON = ("evaluator", "generators")  # a dataset's `eval_on`; the first is the default
+RECOMPUTE_MODES = ("behaviour", "batch_start")  # a policy logprob stage's `recompute`; the first is the default
+INTERRUPTING_ENGINES = ("torch",)  # engines that resume rows in flight under new weights (RLP110)
 
 REQUIRED = object()  # a key without a default
 DERIVED = object()  # a default computed from other settings by a later pass
@@ -42,13 +48,13 @@ _DTYPE = Enum(("fp32", "bf16", "fp16"))
 
 ENGINES: dict[str, EngineInfo] = {
     "torch": EngineInfo(
-        ("generate", "logprob", "train"), {"dtype": _DTYPE, "offload": Bool()}, "offload", False, (),
+        ("generate", "logprob", "train", "reward"), {"dtype": _DTYPE, "offload": Bool()}, "offload", False, (),
         "plain PyTorch on CPU or GPU; the builtin tiny model and local Hugging Face models"),
     "vllm": EngineInfo(
-        ("generate", "logprob"),
+        ("generate", "logprob", "reward"),
         {**_PARALLEL, "gpu_memory": Fraction(), "sleep": SleepLevel(), "max_model_len": Int(low=1),
          "dtype": _DTYPE},
-        "sleep", True, ("generate", "logprob"),
+        "sleep", True, ("generate", "logprob", "reward"),
         "vLLM's offline engine; `gpu_memory` is the share of each GPU it reserves; a replica is tp x pp GPUs "
         "and, with pp > 1, may span nodes (whole tp groups on each)",
         pp_kinds=("generate", "logprob")),
@@ -103,9 +109,14 @@ LOSSES = {"grpo": {
     "clip": Fraction(), "clip_high": Fraction(), "dual_clip": Float(low=0), "kl": Float(low=0),
     "kl_estimator": Enum(("k1", "k2", "k3")), "kl_in": Enum(("loss", "reward")), "agg": Enum(AGGREGATIONS),
     "ratio": Enum(("token", "sequence")), "behaviour_cap": Float(low=0),
+    "kl_input_clamp": Float(low=0), "kl_output_clamp": Float(low=0),
+    "correction": Enum(("none", "tis", "mis", "icepop")), "correction_level": Enum(("token", "sequence")),
+    "correction_low": Float(low=0), "correction_high": Float(low=0),
 }}
 LOSS_DEFAULTS = {"grpo": {"clip": 0.2, "dual_clip": 0.0, "kl": 0.0, "kl_estimator": "k3", "kl_in": "loss",
-                          "agg": "token_mean", "ratio": "token", "behaviour_cap": 0.0}}  # clip_high: clip's
+                          "agg": "token_mean", "ratio": "token", "behaviour_cap": 0.0,
+                          "kl_input_clamp": 0.0, "kl_output_clamp": 0.0, "correction": "none",
+                          "correction_level": "token"}}  # clip_high: clip's; correction_low/high: the correction's
 ADVANTAGES = tuple(ADVANTAGE_NORMALISATION)
 GROUP_BASELINES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # zero advantages with one sample
 LOSS = CallOf("loss", LOSSES, _loss)
@@ -118,6 +129,31 @@ _GPU_PLACEMENT = {
     "colocate": Key(RefTo(("stage",)), None, "share the GPUs of another stage, sleeping/offloading in turn"),
 }
 
+_FUNCTION = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"  # a `module:function` reference
+JUDGE_MODES = ("score", "generate")  # a reward model's `judge`; the first is the default
+# A reward stage's reward model (docs/language.md#stage-reward); every key but `model` means nothing without one
+# (RLP113), and a stage without one keeps a plan as before: no engine, none of these settings.
+REWARD_MODEL_KEYS = {
+    "model": Key(RefTo(("model",)), None, "a reward model scoring each response, a component named after the "
+                                          "stage (then `fn` is optional)"),
+    "engine": Key(ENGINE, EngineSpec("torch", dict(ENGINE_ARG_DEFAULTS["torch"]), None),
+                  "the reward model's engine: `torch` or `vllm`"),
+    **_GPU_PLACEMENT,
+    "judge": Key(Enum(JUDGE_MODES), JUDGE_MODES[0], "`score`: a sequence-classification model's logit is the "
+                                                    "reward; `generate`: the model answers a judge prompt and "
+                                                    "`parse` reads the reward from its text"),
+    "template": Key(Str(_FUNCTION, "a `module:function` reference", 'for example "rldsl.rewards.judge:judge_prompt"'),
+                    "rldsl.rewards.judge:judge_prompt",
+                    "`judge = generate`: `(prompt, response, answer) -> str`, the judge's prompt"),
+    "parse": Key(Str(_FUNCTION, "a `module:function` reference", 'for example "rldsl.rewards.judge:first_number"'),
+                 "rldsl.rewards.judge:out_of_ten",
+                 "`judge = generate`: `(text) -> float`, the reward read from the judge's answer"),
+    "weight": Key(Float(), 1.0, "the reward model's weight in the stage's sum"),
+    "max_new_tokens": Key(Int(low=1), 16, "`judge = generate`: the judge's answer length limit in tokens"),
+    "micro_batch": Key(Int(low=1), 8, "responses per forward (or per greedy decode) of the reward model"),
+}
+JUDGE_KEYS = tuple(k for k in REWARD_MODEL_KEYS if k != "model")
+
 STAGE_KEYS: dict[str, dict[str, Key]] = {
     "generate": {
         "model": Key(RefTo(("model",)), REQUIRED, "the model generated from"),
@@ -127,18 +163,32 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
         "max_new_tokens": Key(Int(low=1), 64, "response length limit in tokens"),
         "temperature": Key(Float(low=0), 1.0, "sampling temperature"),
         "top_p": Key(Fraction(), 1.0, "nucleus sampling share"),
+        "top_k": Key(Int(low=0), 0, "sample among the k most likely tokens (0: all)"),
+        "truncated": Key(Enum(("train", "mask")), "train", "a response cut at `max_new_tokens` before it ended: "
+                                                          "trained like any other, or `mask`ed out of the loss"),
+        "stop_token_ids": Key(ListOf(Int(low=0)), [], "token ids that end a response besides EOS (kept in it, as "
+                                                       "EOS is)"),
         "logprobs": Key(Bool(), True, "return per-token behaviour logprobs"),
         "concurrency": Key(Int(low=0), 0, "prompt groups in flight per replica, decoded as one batch "
                                            "(0: a step's groups spread over the replicas)"),
+        "environment": Key(RefTo(("environment",)), None, "a multi-turn environment each sample runs an episode "
+                           "in (`max_new_tokens` is then each turn's budget)"),
+        "update": Key(Enum(UPDATE_MODES), UPDATE_MODES[0], "when a new weight version reaches decoding: "
+                      "`between_requests` (a sample has one version) or `interrupt` (at the next decode step; "
+                      "tokens record their versions)"),
     },
     "reward": {
-        "fn": Key(Str(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "a `module:function` reference",
-                      'for example "rldsl.rewards:exact_match"'), REQUIRED, "the reward function, `module:function`"),
+        "fn": Key(RewardFns(Str(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "a `module:function` reference",
+                                'for example "rldsl.rewards:exact_match"')), None,
+                  "the reward function, `module:function`; or named components summed with weights, "
+                  "`[correct(\"m:f\"), format(\"m:g\", weight = 0.1)]`, each logged as `reward/<name>` "
+                  "(required unless `model` is given)"),
         "workers": Key(Int(low=1), 1, "CPU worker processes"),
         "timeout": Key(DURATION, 10.0, "per-sample limit; a slower reward drops the sample"),
         # 2: rldsl.runtime.reward_pool.DEFAULT_PROCESSES (the compiler imports no runtime)
         "processes": Key(Int(low=1), 2, "reward processes per worker: a call's samples are scored across "
                                         "them, and a hung or crashed one is killed and replaced"),
+        **REWARD_MODEL_KEYS,
     },
     "logprob": {
         "model": Key(RefTo(("model",)), REQUIRED, "the model scored with"),
@@ -146,6 +196,9 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
         "engine": Key(ENGINE, EngineSpec("torch", dict(ENGINE_ARG_DEFAULTS["torch"]), None), "logprob engine"),
         **_GPU_PLACEMENT,
         "micro_batch": Key(Int(low=1), 8, "rows per forward pass"),
+        "recompute": Key(Enum(RECOMPUTE_MODES), RECOMPUTE_MODES[0],
+                         "a policy stage's weights per row: `behaviour` (the version that generated it) or "
+                         "`batch_start` (the trainer's, at the start of the step that trains it)"),
     },
     "train": {
         "model": Key(RefTo(("model",)), REQUIRED, "the model trained"),
@@ -160,18 +213,28 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
         "micro_batch_tokens": Key(Int(low=0), 0, "token budget of one forward on one rank, rows packed up to it "
                                                  "(0: `micro_batch` rows)"),
         "loss": Key(LOSS, LossSpec("grpo", dict(LOSS_DEFAULTS["grpo"]), None),
-                    "`grpo(clip, clip_high, dual_clip, kl, kl_estimator, kl_in, agg, ratio, behaviour_cap)`"),
+                    "`grpo(clip, clip_high, dual_clip, kl, kl_estimator, kl_in, agg, ratio, behaviour_cap, "
+                    "kl_input_clamp, kl_output_clamp, correction, correction_level, correction_low, "
+                    "correction_high)`"),
         "advantage": Key(Enum(ADVANTAGES), "grpo", "advantage estimator"),
-        "normalize": Key(Enum(("group", "batch", "none")), DERIVED, "advantage scaling: by the group's std, "
-                                                                    "whitened over the rollout batch, or none "
-                                                                    "(default: the estimator's)"),
+        "normalize": Key(Enum(NORMALISATIONS), DERIVED, "advantage scaling: by the group's std, by the std of "
+                                                        "the group's other samples (`leave_one_out`), whitened "
+                                                        "over the rollout batch, or none (default: the "
+                                                        "estimator's)"),
+        "reward_clip": Key(Float(low=0), 0.0, "rewards clipped to [-c, c] before the baseline (0: off)"),
+        "advantage_clip": Key(Float(low=0), 0.0, "advantages clipped to [-c, c] after scaling (0: off)"),
         "dynamic_sampling": Key(Bool(), False, "drop prompt groups whose rewards are all equal and sample more "
                                                "(DAPO)"),
         "lr": Key(Float(low=0), 1e-5, "AdamW learning rate"),
         "lr_schedule": Key(Enum(("constant", "linear", "cosine")), "constant", "learning rate after warmup"),
-        "warmup": Key(Int(low=0), 0, "optimizer steps of linear warmup from 0"),
+        "warmup": Key(Int(low=0), 0, "optimizer steps of linear warmup from `warmup_start_lr`"),
+        "warmup_start_lr": Key(Float(low=0), 0.0, "the learning rate warmup starts from"),
         "min_lr": Key(Float(low=0), 0.0, "where `linear` and `cosine` decay to, at the run's last optimizer step"),
         "weight_decay": Key(Float(low=0), 0.0, "AdamW weight decay"),
+        "adam_betas": Key(ListOf(Fraction(), allow_single=False), None,
+                          "Adam's (beta1, beta2), such as `[0.9, 0.95]` (default: the engine's, (0.9, 0.99) for "
+                          "`torch` and `fsdp`, (0.9, 0.999) for `megatron`)"),
+        "adam_eps": Key(Float(low=0), 1e-8, "Adam's epsilon"),
         "max_grad_norm": Key(Float(low=0), 1.0, "gradient clipping (0 disables)"),
     },
     "sync": {
@@ -195,7 +258,8 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
     },
     "model": {
         "source": Key(Str(r"(builtin:[\w\-]+|hf:.+)", "a model source",
-                          'use "builtin:tiny-lm" or "hf:/path/to/model"'), REQUIRED, "`builtin:tiny-lm` or `hf:<local path>`"),
+                          'use "builtin:tiny-lm" or "hf:/path/to/model"'), REQUIRED,
+                      "`builtin:tiny-lm` or `hf:<local path>`"),
         "params": Key(COUNT, None, "parameter count (read from the model when omitted)"),
         "dtype": Key(_DTYPE, None, "weights dtype (default: the engine's)"),
         "chat_template": Key(Bool(), False, "format each prompt with the tokenizer's chat template, as a user turn "
@@ -207,6 +271,8 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "prompt_field": Key(Str(), "prompt", "jsonl field holding the prompt"),
         "answer_field": Key(Str(), "answer", "jsonl field holding the reference answer"),
         "shuffle": Key(Bool(), True, "shuffle each epoch"),
+        "max_prompt_tokens": Key(Int(low=0), 0, "prompts longer than this many tokens of the policy's tokenizer "
+                                                "are dropped when the dataset is read, and counted (0: keep all)"),
         "sources": Key(ListOf(_DATA_SOURCE), None, "a mixture: several sources, drawn by `weights` "
                                                    "(then `source` may be left out)"),
         "weights": Key(ListOf(Float(low=0)), None, "relative share of each of `sources` (default: equal)"),
@@ -220,6 +286,22 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
                                'use "reward" or "rldsl.rewards:exact_match"'), "reward",
                            "how evaluation scores a response: `reward` (the pipeline's reward functions, summed) "
                            "or a `module:function` (`rldsl.rewards:exact_match`)"),
+        "eval_on": Key(Enum(EVAL_ON), EVAL_ON[0],
+                       "where evaluation decodes: `evaluator` (a CPU copy of the policy beside training: costs "
+                       "the run nothing, slow for large models) or `generators` (the generate stage's replicas, "
+                       "with the weights they hold: fast, but a replica pauses generation while it evaluates)"),
+    },
+    "environment": {
+        "fn": Key(Str(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "a `module:Class` reference",
+                      'for example "rldsl.environments:ArithRetry"'), REQUIRED,
+                  "the environment class, `module:Class`, with `reset(prompt, answer)` and "
+                  "`step(messages, completion)`"),
+        "max_turns": Key(Int(low=1), REQUIRED, "model turns per episode at most"),
+        "max_tokens": Key(Int(low=1), REQUIRED, "an episode's response budget in tokens, the model's and the "
+                                                "environment's together"),
+        "timeout": Key(DURATION, 10.0, "limit of one `reset` or `step` call; a slower one drops its sample"),
+        "processes": Key(Int(low=1), 2, "environment processes per generator replica; a hung or crashed one is "
+                                        "killed and replaced"),
     },
     "staleness": {
         "max_lag": Key(Int(low=0), StalenessPlan.max_lag,
@@ -247,7 +329,11 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "samples": Key(COUNT, None, "run length in trained samples (rounded up to whole steps)"),
         "seed": Key(Int(low=0), 0, "random seed"),
         "eval_every": Key(Int(low=0), 0, "held-out evaluation every N steps (0: start and end only)"),
+        "eval_timeout": Key(DURATION, 0.0, "longest a held-out evaluation may take from its request; one that "
+                                           "overruns is reported as timed out, the run goes on (0: no limit)"),
         "checkpoint_every": Key(Int(low=0), 0, "checkpoint every N steps (0: only on stop)"),
+        "keep_checkpoints": Key(Int(low=0), 0, "complete checkpoints kept, the newest; older ones are deleted "
+                                               "(0: keep all)"),
         "watchdog": Key(DURATION, 120.0, "stop with a report when no pump progresses this long"),
         "restarts": Key(Int(low=0), RunPlan.restarts, "times a lost trainer rank is restarted, with every actor, "
                                                       "from the last checkpoint before the run gives up"),
@@ -256,7 +342,7 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
     },
 }
 
-NAMED_BLOCKS = ("model", "dataset")  # `model NAME { }`
+NAMED_BLOCKS = ("model", "dataset", "environment")  # `model NAME { }`
 SINGLE_BLOCKS = ("staleness", "buffer", "placement", "run")  # at most one per pipeline
 STAGE_KINDS = tuple(STAGE_KEYS)
 BLOCK_KINDS = ("cluster", "stage", *NAMED_BLOCKS, *SINGLE_BLOCKS)

@@ -6,6 +6,8 @@ builtin model's supervised warm start is the torch engines' business
 engines.
 """
 
+import functools
+
 from rldsl.models.base import BUILTIN_TINY
 from rldsl.models.tokenizer import CharTokenizer
 
@@ -37,10 +39,13 @@ def load_tokenizer(source: str):
     return CharTokenizer()
 
 
+@functools.lru_cache(maxsize=8)
 def chat_formatter(source: str):
     """``text -> text`` through the model's chat template: the prompt as a
     user turn, the assistant's turn opened. Only `hf:` models have one; a
-    tokenizer without a template is refused rather than silently skipped."""
+    tokenizer without a template is refused rather than silently skipped.
+    Cached: the preflight and every dataset load of a run ask for the same
+    model's, and a tokenizer takes a while to load."""
     if not source.startswith("hf:"):
         raise ValueError(f"`chat_template = true` needs an `hf:` model with a chat template; {source} has none")
     inner = load_tokenizer(source).inner

@@ -132,7 +132,13 @@ def _curves(steps: list[dict], evals: list[dict]) -> dict[str, Series]:
         "gradient norm": per_step(trainer("grad_norm")),
         "samples/s": per_step(rate(lambda s: s.get("samples"))),
         "tokens/s": per_step(rate(trainer("tokens"))),
+        "generator/trainer mismatch: KL(behaviour || proximal)": per_step(trainer("mismatch_kl")),
+        "generator/trainer mismatch: largest p_prox / p_behaviour": per_step(trainer("mismatch_ratio_max")),
     }
+    if any(s.get("trainer", {}).get("capped_fraction") for s in steps):  # a correction acted
+        curves["tokens truncated or masked by the correction (share)"] = per_step(trainer("capped_fraction"))
+    for part in dict.fromkeys(name for s in steps for name in s.get("reward_components") or {}):
+        curves[f"reward: {part}"] = per_step(lambda s, part=part: (s.get("reward_components") or {}).get(part))
     return {name: series for name, series in curves.items() if series.x}
 
 

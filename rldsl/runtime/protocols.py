@@ -16,6 +16,12 @@ dataflow vocabulary the compiler type-checks (see ``rldsl.compiler.fields``):
 - ``version``       int64 [n]      weight version that generated the sample
 - ``reward``        float32 [n]
 - ``advantage``     float32 [n]    group-normalised, set by the controller
+- ``loss_mask``     int64 [n, Lr]  written by a generate stage with an
+  environment: 1 on the model's tokens, 0 on the environment's (which the
+  response holds between turns and no trainer trains); absent: all 1
+- ``episode_reward`` float32 [n], ``episode_status`` int64 [n], ``turns``
+  int64 [n]: an environment episode's summed reward, how it ended
+  (``rldsl.runtime.environments.EpisodeStatus``) and its model turns
 
 Every call is synchronous from the engine's point of view; the runtime wraps
 engines in Ray actors and awaits them from the controller's asyncio pumps.
@@ -36,8 +42,37 @@ FIELD_RESPONSE_MASK = "response_mask"
 FIELD_BEHAVIOUR_LOGPROBS = "behaviour_logprobs"
 FIELD_REF_LOGPROBS = "ref_logprobs"
 FIELD_VERSION = "version"
+FIELD_TOKEN_VERSIONS = "token_versions"  # [rows, T]: the version that drew each token (update = interrupt)
 FIELD_REWARD = "reward"
 FIELD_ADVANTAGE = "advantage"
+FIELD_LOSS_MASK = "loss_mask"
+FIELD_EPISODE_REWARD = "episode_reward"
+FIELD_EPISODE_STATUS = "episode_status"
+FIELD_TURNS = "turns"
+
+
+def trained_tokens(batch: Batch):
+    """The tokens the loss counts: the response mask, times the loss mask
+    where an environment wrote one (its own tokens are context, never trained)."""
+    mask = batch[FIELD_RESPONSE_MASK]
+    loss_mask = batch.get(FIELD_LOSS_MASK)
+    return mask if loss_mask is None else mask * loss_mask.to(device=mask.device, dtype=mask.dtype)
+
+
+def mask_truncated(batch: Batch, max_new_tokens: int, end_ids) -> int:
+    """Write a ``loss_mask`` that leaves out every response cut at
+    ``max_new_tokens`` before it ended (its last token no EOS or stop token):
+    `truncated = mask` (DAPO's overlong filtering, ROLL's ``max_len_mask``).
+    The rows keep their rewards, so their groups' advantages are unchanged.
+    Returns how many rows were masked."""
+    import torch  # here, not at import: check and plan read this module
+
+    mask = batch[FIELD_RESPONSE_MASK]
+    lengths = mask.sum(dim=1)
+    last = batch[FIELD_RESPONSE_IDS].gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+    truncated = (lengths >= max_new_tokens) & ~torch.isin(last, torch.tensor(list(end_ids), dtype=last.dtype))
+    batch[FIELD_LOSS_MASK] = mask * (~truncated).to(mask.dtype)[:, None]
+    return int(truncated.sum())
 
 
 def logprob_field(frozen: bool) -> str:
@@ -64,12 +99,15 @@ class Prompt:
 @dataclass(frozen=True)
 class Generated:
     """What a generator replica reports for one prompt group: the weight
-    version every row was generated with (a replica swaps weights only
-    between batches, so a group never spans two) and its response tokens
-    (the trainer's ranks are balanced by them)."""
+    version its rows were generated with (with ``update = interrupt`` the
+    oldest: a group's lag is its oldest token's) and its response tokens (the
+    trainer's ranks are balanced by them). ``token_versions``: when weights
+    changed mid-group, the version of each decode step as ``(version,
+    steps)`` runs in order; empty when every token is ``version``'s."""
 
     version: int
     tokens: int = 0
+    token_versions: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,6 +118,20 @@ class RewardFailure:
 
     reason: str
     detail: str = ""
+
+
+class ComponentReward(float):
+    """A reward stage's weighted sum of named components: the float that is
+    trained on, with each component's own value in ``parts`` (the step's
+    ``reward/<name>`` metrics)."""
+
+    def __new__(cls, total: float, parts: dict[str, float]):
+        reward = super().__new__(cls, total)
+        reward.parts = dict(parts)
+        return reward
+
+    def __reduce__(self):
+        return ComponentReward, (float(self), self.parts)
 
 
 @dataclass

@@ -24,8 +24,8 @@ from typing import Callable
 
 from rldsl.rewards import RewardLoadError
 from rldsl.runtime.control.ledger import REWARD_INVALID, REWARD_RAISED, REWARD_TIMEOUT
-from rldsl.runtime.protocols import RewardFailure
-from rldsl.runtime.reward_process import FrameBuffer, write_frame
+from rldsl.runtime.protocols import ComponentReward, RewardFailure
+from rldsl.runtime.reward_process import FrameBuffer, describe_spec, write_frame
 
 STARTUP_TIMEOUT_S = 120.0  # importing a reward's module may be slow; it is not the reward's timeout
 
@@ -35,7 +35,7 @@ TIMED_OUT, DIED = object(), object()
 class RewardChild:
     """One reward process and the two pipes to it."""
 
-    def __init__(self, fn_spec: str):
+    def __init__(self, fn_spec: str | list):
         to_child_read, self._to_child = os.pipe()
         self._from_child, from_child_write = os.pipe()
         try:
@@ -64,7 +64,7 @@ class RewardChild:
         reply = self.receive(time.monotonic() + STARTUP_TIMEOUT_S)
         if reply is TIMED_OUT or reply is DIED:
             what = "did not start in time" if reply is TIMED_OUT else f"exited while starting ({self.reap()})"
-            raise RewardLoadError(f"reward {self.fn_spec!r}: its process {what}")
+            raise RewardLoadError(f"reward {describe_spec(self.fn_spec)}: its process {what}")
         if reply[0] == "load_error":
             raise RewardLoadError(reply[1])
         self._ready = True
@@ -132,9 +132,9 @@ class RewardChild:
 
 
 def reply_result(reply) -> float | RewardFailure:
-    kind, payload = reply
+    kind, payload, *parts = reply
     if kind == "ok":
-        return payload
+        return ComponentReward(payload, parts[0]) if parts else payload
     return RewardFailure(REWARD_INVALID if kind == "invalid" else REWARD_RAISED, payload)
 
 

@@ -48,6 +48,7 @@ from rldsl.runtime.reward_child import (
     timeout_failure,
     watch_handed_off,
 )
+from rldsl.runtime.reward_process import describe_spec
 
 DEFAULT_PROCESSES = 2  # per worker: a hung sample blocks one, the other keeps scoring
 HAND_OFF_SHARE = 0.1  # of the timeout a sample may run while work waits, before its slot hands it off
@@ -61,14 +62,15 @@ Sample = tuple[str, str, str]  # (response, answer, prompt)
 
 
 class RewardPool:
-    """``score(samples)`` -> one float or ``RewardFailure`` per sample.
+    """``score(samples)`` -> one float or ``RewardFailure`` per sample (a
+    ``ComponentReward``, a float with its parts, for named components).
 
     Processes start at construction (in the background: the constructor
     returns at once); ``wait_ready`` waits for them and raises
     ``RewardLoadError`` when the function does not import.
     """
 
-    def __init__(self, fn_spec: str, processes: int = DEFAULT_PROCESSES, timeout_s: float | None = None):
+    def __init__(self, fn_spec: str | list, processes: int = DEFAULT_PROCESSES, timeout_s: float | None = None):
         self.fn_spec = fn_spec
         self.timeout_s = timeout_s or None  # 0 or None: no deadline, crashes are still isolated
         self._queue = _ChunkQueue()
@@ -91,7 +93,8 @@ class RewardPool:
         deadline = time.monotonic() + timeout_s
         for slot in self._slots:
             if not slot.started.wait(max(0.0, deadline - time.monotonic())):
-                raise RewardLoadError(f"reward {self.fn_spec!r}: its process did not start within {timeout_s:g}s")
+                raise RewardLoadError(f"reward {describe_spec(self.fn_spec)}: its process did not start within "
+                                      f"{timeout_s:g}s")
             if slot.start_error:
                 raise slot.start_error
 
@@ -275,7 +278,8 @@ class _Slot:
             try:
                 self.child = RewardChild(self.pool.fn_spec)
             except OSError as error:
-                raise RewardLoadError(f"reward {self.pool.fn_spec!r}: cannot start a reward process: {error}") from None
+                raise RewardLoadError(f"reward {describe_spec(self.pool.fn_spec)}: cannot start a reward process: "
+                                      f"{error}") from None
         try:
             self.child.wait_ready()
         except RewardLoadError:

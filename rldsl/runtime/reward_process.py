@@ -8,7 +8,8 @@ after that each message in is a chunk, a list of ``(response, answer,
 prompt)``, and every sample is answered on its own the moment it is scored,
 so the pool always knows which sample is running and can time each one.
 
-Answers: ``("ok", float)``, ``("raised", "ValueError: ...")`` or
+Answers: ``("ok", float)`` (``("ok", total, {name: value})`` for a stage's
+named components), ``("raised", "ValueError: ...")`` or
 ``("invalid", "reward returned str, not a number")``. Only floats and
 strings cross the pipe, so a result that does not pickle cannot break it.
 
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 
-from rldsl.rewards import RewardLoadError, checked_reward, load_reward
+from rldsl.rewards import RewardComponentError, RewardLoadError, WeightedRewards, checked_reward, load_reward
 
 _HEADER = struct.Struct("!I")  # the length of the pickle that follows
 _READ_SIZE = 1 << 16
@@ -78,31 +79,57 @@ class FrameBuffer:
         return message
 
 
-def score_sample(fn, response: str, answer: str, prompt: str) -> tuple[str, float | str]:
+def score_sample(fn, response: str, answer: str, prompt: str) -> tuple:
+    """``("ok", float)``, for named components ``("ok", total, {name: value})``;
+    ``("raised", text)`` or ``("invalid", text)``."""
     try:
+        if isinstance(fn, WeightedRewards):
+            parts = fn.parts(response, answer, prompt)
+            return "ok", fn.total(parts), parts
         value = fn(response, answer, prompt)
+    except RewardComponentError as error:
+        return "raised", str(error)
     except BaseException as error:  # noqa: BLE001 - sys.exit() in a reward drops only its sample too
         return "raised", f"{type(error).__name__}: {error}"
     number, problem = checked_reward(value)
     return ("invalid", problem) if problem else ("ok", number)
 
 
+def describe_spec(spec) -> str:
+    """A reward spec for messages: ``'m:f'``, or the components' names and functions."""
+    if isinstance(spec, str):
+        return repr(spec)
+    return "[" + ", ".join(f"{part['name']}({part['fn']!r})" for part in spec) + "]"
+
+
 def main(argv: list[str]) -> None:
+    def answer(fn, chunk):
+        for response, answer_text, prompt in chunk:
+            yield score_sample(fn, response, answer_text, prompt)
+
+    serve(argv, load_reward, answer, lambda spec, error: str(error) if isinstance(error, RewardLoadError)
+          else f"reward {describe_spec(spec)}: {type(error).__name__}: {error}")
+
+
+def serve(argv: list[str], load, answer, describe_load_error) -> None:
+    """The child side of a killable process (rewards, environments): read
+    ``(sys_path, spec)``, ``load(spec)`` once (``("load_error", text)`` if it
+    fails, else ``("ready",)``), then write the frames ``answer(loaded,
+    message)`` yields for each message, until the pipe closes."""
     read_fd, write_fd, parent_pid = (int(a) for a in argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker to handle, not its rewards
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker to handle, not its children
     _exit_when_orphaned(parent_pid)
     parent_path, spec = read_frame(read_fd)
     sys.path[:0] = [entry for entry in parent_path if entry not in sys.path]
     try:
-        fn = load_reward(spec)
-    except BaseException as error:  # noqa: BLE001 - reported to the pool, which raises it in the worker
-        text = str(error) if isinstance(error, RewardLoadError) else f"reward {spec!r}: {type(error).__name__}: {error}"
-        write_frame(write_fd, ("load_error", text))
+        loaded = load(spec)
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it in the worker
+        write_frame(write_fd, ("load_error", describe_load_error(spec, error)))
         return
     write_frame(write_fd, ("ready",))
-    while (chunk := read_frame(read_fd)) is not None:
-        for response, answer, prompt in chunk:
-            write_frame(write_fd, score_sample(fn, response, answer, prompt))
+    while (message := read_frame(read_fd)) is not None:
+        for frame in answer(loaded, message):
+            write_frame(write_fd, frame)
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

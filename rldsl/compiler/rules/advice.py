@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl, Pipeline
+from rldsl.compiler.diagnostics import Span
+from rldsl.compiler.ir import token_weighting
 
 
 def free_name(pipe: Pipeline, base: str) -> str:
@@ -38,6 +40,10 @@ def producer_help(ctx: Context, stage: Decl, field: str) -> str:
         if generators:
             return _before(generators[0], stage.name)
         return f"add a generate stage and put it in the flow before `{stage.name}`"
+    if field == "episode_reward":
+        envs = sorted(pipe.environments) or [free_name(pipe, "env")]
+        return (f"give the generate stage before `{stage.name}` an environment (`environment = {envs[0]}`), "
+                "or score the responses with another `fn`")
     datasets = sorted(pipe.datasets)
     start = datasets[0] if datasets else free_name(pipe, "prompts")
     return f"start the flow at a dataset: `flow {start} -> ... -> {stage.name}`"
@@ -45,6 +51,22 @@ def producer_help(ctx: Context, stage: Decl, field: str) -> str:
 
 def _model_of(stage: Decl) -> str | None:
     return stage["model"].name if stage.valid("model") and stage.get("model") else None
+
+
+def unfrozen_reference(ctx: Context, train: Decl) -> Decl | None:
+    """The logprob stage meant as the reference when the trainer's kl needs one and no stage is `frozen`:
+    the first policy scorer (it then also takes no weight sync, so its RLP205 follows from this)."""
+    loss = train.get("loss") if train.valid("loss") else None
+    if loss is None or loss.args.get("kl", 0) <= 0:
+        return None
+    scorers = sorted((s for s in ctx.pipe.stages_of("logprob") if s.valid("frozen")), key=lambda s: s.name)
+    return scorers[0] if scorers and not any(s.get("frozen") for s in scorers) else None
+
+
+def frozen_edit(stage: Decl) -> tuple[Span, str]:
+    """`frozen` added after the stage's `model` (every logprob stage writes one)."""
+    at = stage.span_of("model")
+    return Span(at.end_line, at.end_col, at.end_line, at.end_col), "  frozen"
 
 
 def _reference_help(ctx: Context, train: Decl) -> str:
@@ -65,7 +87,8 @@ def _behaviour_help(ctx: Context, train: Decl) -> str:
     pipe = ctx.pipe
     upstream = ctx.upstream(train.name)
     quiet = sorted(s.name for s in pipe.stages_of("generate") if s.name in upstream and s.get("logprobs") is False)
-    on_policy = "or train on-policy with max_lag = 0"
+    weighting = token_weighting(train.get("loss")) if train.valid("loss") else ""
+    on_policy = f"or drop `{weighting}` from the loss" if weighting else "or train on-policy with max_lag = 0"
     if quiet:
         return f"remove `logprobs = false` from `{quiet[0]}`, {on_policy}"
     policy_scorers = sorted(s.name for s in pipe.stages_of("logprob") if s.valid("frozen") and not s.get("frozen"))

@@ -93,6 +93,43 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "`seq_mean_token_mean`).",
        "loss = grpo(clip = 0.2, level = sequence)   # now: agg = seq_mean_token_mean",
        _KEYS),
+    _r("RLP110", ERROR, "`update = interrupt` the pipeline cannot honour",
+       "`update = interrupt` applies a new weight version at the next decode step, with rows in flight: the "
+       "engine must prefill them again under the new weights and record the version and log-probability of "
+       "each token, which only the `torch` engine does. A policy logprob stage (`logprob` without `frozen`) "
+       "that scores each sample at its generating version (`recompute = behaviour`) cannot be combined with it "
+       "either: it recomputes behaviour_logprobs with one version for the whole sample, while the sample's "
+       "tokens came from several. With `recompute = batch_start` it scores with the trainer's weights at the "
+       "step's start, whatever generated the tokens, and is accepted.",
+       "stage generate rollout { model = policy  engine = vllm  samples_per_prompt = 4  update = interrupt }",
+       "the generate stage's `update` and `engine`; the logprob stages' `frozen` and `recompute`."),
+    _r("RLP111", ERROR, "`recompute` on a frozen logprob stage",
+       "`recompute` says which weights a policy logprob stage scores each row with: `behaviour` (the version "
+       "that generated the row, kept by the stage) or `batch_start` (the trainer's weights at the start of the "
+       "step that trains the row: verl's and ROLL's old-log-prob recompute). A `frozen` stage is a reference "
+       "that never receives weights, so it has nothing to choose.",
+       "stage logprob reference { model = policy  frozen  recompute = batch_start }",
+       "each logprob stage's `frozen` and `recompute`."),
+    _r("RLP113", ERROR, "reward-model setting without a reward model, or one the judge does not read",
+       "A reward stage scores with `fn` on CPU workers, with a reward model (`model = NAME`), or both. `engine`, "
+       "`gpus`, `colocate`, `judge`, `template`, `parse`, `weight`, `max_new_tokens` and `micro_batch` describe the "
+       "reward model and mean nothing without one; `template`, `parse` and `max_new_tokens` are read only by a "
+       "generating judge (`judge = generate`), not by a scoring one.",
+       "stage reward score { fn = \"rldsl.rewards:exact_match\"  judge = generate }",
+       "each reward stage's `fn`, `model`, `judge` and the keys it writes."),
+    _r("RLP114", ERROR, "reward model unfit for its `judge`",
+       "`judge = score` runs a Hugging Face sequence-classification model with one label (its logit is the "
+       "reward) on the torch engine: a builtin model, a config.json whose `architectures` hold no "
+       "`...ForSequenceClassification`, or one with several labels, is refused. `judge = generate` needs a model "
+       "that generates: a classifier is refused. A config.json that cannot be read here is left to `rldsl run`.",
+       "model rm { source = \"builtin:tiny-lm\" }\nstage reward judge { model = rm  judge = score }",
+       "each reward stage's `model` (its `source`, and an `hf:` model's config.json), `judge` and `engine`."),
+    _r("RLP115", ERROR, "held-out evaluation by a reward that includes a reward model",
+       "Held-out evaluation scores responses on the CPU beside training, with reward functions only; with "
+       "`eval_metric = reward` (the default) and a reward model in the pipeline it cannot compute the reward "
+       "trained on. Name a function, or turn evaluation off.",
+       "stage reward judge { model = rm }   # with the dataset's default `eval_metric = reward`",
+       "the reward stages' `model`, each dataset's `eval_metric` and `eval_size`."),
     _r("RLP201", ERROR, "dataflow cycle",
        "Data edges (`flow`) must form a DAG; the cycle is named. Weight edges (`sync`) close the RL loop and "
        "are not part of this check.",
@@ -184,13 +221,15 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "buffer { capacity = 8 }   # with prompts_per_step = 8 and max_lag = 1",
        "the train stage (exactly one) and its `prompts_per_step`, the staleness `max_lag`, the buffer's "
        "`capacity` and `max_inflight`: nothing of the dataflow or the placement."),
-    _r("RLP307", ERROR, "decoupled loss with several optimizer steps per rollout batch",
-       "`behaviour_cap` turns on the decoupled objective (AReaL): the ratio is taken against the proximal "
-       "policy, the weights the rollout batch started with, and the behaviour policy only weights each token. "
-       "The trainer holds those weights only until its first optimizer step, so mini-batches "
-       "(global_batch below the rollout batch) or ppo_epochs > 1 would make the ratio meaningless.",
-       "global_batch = 16  loss = grpo(behaviour_cap = 5.0)   # rollout batch 32",
-       _STEP + ", its `ppo_epochs` and its `loss`."),
+    _r("RLP307", ERROR, "a proximal policy the engine cannot recompute",
+       "`behaviour_cap` (AReaL's decoupled objective) and `correction` (truncated or masked importance "
+       "sampling) take the ratio against the proximal policy, the weights the rollout batch started with, and "
+       "weight each token by pi_prox / pi_behaviour. With several optimizer steps per rollout batch "
+       "(global_batch below the rollout batch, or ppo_epochs > 1) the torch and fsdp trainers recompute the "
+       "proximal logprobs with the batch-start weights before the first optimizer step; the megatron trainer "
+       "has no such pass and no longer holds those weights after its first optimizer step.",
+       "engine = megatron(tp = 1)  global_batch = 16  loss = grpo(correction = tis)   # rollout batch 32",
+       _STEP + ", its `ppo_epochs`, its `engine` and its `loss`."),
     _r("RLP308", ERROR, "dynamic sampling that cannot refill a step",
        "dynamic_sampling (DAPO) drops prompt groups whose rewards are all equal and samples more prompts in "
        "their place, so each step stays full. An in-order step trains exactly its own prompts and cannot take "
@@ -218,9 +257,13 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "`dual_clip` is 0 (off) or above 1: it caps a negative-advantage token's loss at dual_clip x |A|, "
        "which must lie above the clipped loss. `behaviour_cap` is 0 (off) or at least 1: a cap below 1 would "
        "drop the tokens the behaviour policy preferred. A `linear` or `cosine` schedule decays from `lr` to "
-       "`min_lr`, so `min_lr` must not exceed `lr`.",
+       "`min_lr`, so `min_lr` must not exceed `lr`; a warmup rises from `warmup_start_lr` to `lr`, so "
+       "`warmup_start_lr` must not exceed it either. `adam_betas` are two values, each below 1. A "
+       "`correction` keeps the on-policy weight 1 (`correction_low` <= 1 <= `correction_high`), `icepop` is "
+       "token-level, and `behaviour_cap` and a `correction` are not combined (both weight the tokens).",
        "loss = grpo(dual_clip = 0.5)",
-       "the train stage's `loss`; for `min_lr`, its `lr`, `min_lr` and `lr_schedule`."),
+       "the train stage's `loss`; for `min_lr`, its `lr`, `min_lr` and `lr_schedule`; for `warmup_start_lr`, "
+       "its `lr` and `warmup_start_lr`; its `adam_betas`; the loss's `correction` arguments."),
     _r("RLP313", WARNING, "evaluation on the training prompts",
        "Held-out evaluation reads the dataset's `eval_source`, or else the eval split of its first source (a "
        "`jsonl:` file without `{split}` in its path is split by a hash of each prompt: about 5% of its rows are "
@@ -232,17 +275,20 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "The run would go to its end and train nothing. Two cases are certain from the file: one sample per "
        "prompt with `advantage = reinforce_pp` and `normalize = group` (a one-sample group has no spread: "
        "every advantage is zero, so is every loss; the group-baseline estimators are RLP303's), and exact "
-       "match on a builtin task with responses shorter than every answer (the reward is a constant 0).",
+       "match on a builtin task with responses shorter than every answer (the reward is a constant 0; with "
+       "`truncated = mask` the answer's end token must fit too, since only responses that ended are trained, "
+       "so a right answer cut at the limit rewards nothing).",
        "loss ...  advantage = reinforce_pp  normalize = group   # with samples_per_prompt = 1",
        "the train stage's `advantage` and `normalize` and its generator's `samples_per_prompt`; for the "
-       "reward case the reward's `fn`, the dataset's builtin source, the policy's source and `max_new_tokens`."),
+       "reward case the reward's `fn`, the dataset's builtin source, the policy's source, `max_new_tokens` and "
+       "`truncated`."),
     _r("RLP315", WARNING, "responses shorter than some answers",
        "With exact match as the only reward on a builtin task, a response must be as long as the answer. "
        "`max_new_tokens` below the task's longest answer leaves those prompts unrewardable: they train "
-       "nothing and cap the reachable accuracy.",
+       "nothing and cap the reachable accuracy. With `truncated = mask` the end token must fit as well.",
        "stage generate rollout { model = policy  max_new_tokens = 2 }   # builtin:arith answers run to 3",
        "the reward's `fn`, the dataset's builtin source, the policy's source and the generator's "
-       "`max_new_tokens`."),
+       "`max_new_tokens` and `truncated`."),
     _r("RLP401", WARNING, "on-policy with disjoint generate and train GPUs",
        "With max_lag = 0 generation of step t+1 must wait for the weights of step t, so on separate GPUs each "
        "side idles while the other works. Allow max_lag = 1 or colocate the stages.",
@@ -307,7 +353,10 @@ RULES: dict[str, Rule] = {r.code: r for r in [
     _r("RLP509", ERROR, "GPUs shared between pipelines without `share`",
        "Pipelines of one file share a GPU only when one names the other in its `placement { share = [...] }`: "
        "then their stages take turns on it (RLP504 and RLP505 apply across pipelines). An undeclared overlap is "
-       "usually a slip in GPU ids, or placement groups of two pipelines both starting at GPU 0.",
+       "usually a slip in GPU ids, or placement groups of two pipelines both starting at GPU 0 (groups split the "
+       "whole cluster, so such pipelines take turns with `share` or are placed by `gpus` ids instead). It comes "
+       "first, with the findings it explains folded under it: RLP504 and RLP505 between stages of the two "
+       "pipelines, and RLP506 of a shared GPU where each pipeline's own stages would fit.",
        "pipeline a { ... gpus = [0] ... }   pipeline b { ... gpus = [0] ... }   # and no `share`",
        "the placement of stages of two pipelines and both pipelines' `share`."),
     _r("RLP510", ERROR, "fsdp shard groups do not divide the data-parallel ranks",
@@ -330,7 +379,48 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "driving several GPUs (a tp = 2 generator replica) cannot share them with another stage's actors; and a "
        "replica across nodes needs its GPUs to itself. A plan that checks is a plan that launches.",
        "stage generate rollout { engine = vllm(tp = 2)  colocate = actor }",
-       "the whole plan: it runs only on a file with no error (the plan must exist)."),]}
+       "the whole plan: it runs only on a file with no error (the plan must exist)."),
+    _r("RLP601", ERROR, "an environment's episode outgrows the model's context",
+       "Each turn of an episode re-reads the whole conversation: the prompt, then up to `max_tokens` of response "
+       "(the model's turns and the environment's answers), and decodes up to the generate stage's "
+       "`max_new_tokens` more. That must fit the engine's `max_model_len` (vLLM, SGLang) or the builtin tiny "
+       "model's 64 positions. The prompt counts with the datasets' `max_prompt_tokens` when every one sets it.",
+       "environment retry { fn = \"rldsl.environments:ArithRetry\"  max_turns = 3  max_tokens = 60 }\n"
+       "stage generate rollout { model = policy  max_new_tokens = 8  environment = retry ... }",
+       "each generate stage's `environment`, `max_new_tokens`, `engine` and model `source`; the environment's "
+       "`max_turns` and `max_tokens`; the datasets' `max_prompt_tokens`."),
+    _r("RLP602", WARNING, "an environment's turns do not fit its token budget",
+       "`max_turns` turns of up to `max_new_tokens` each are more than an episode's `max_tokens`, which also holds "
+       "the environment's answers: a long episode ends at the budget with its last turn cut short.",
+       "environment retry { ... max_turns = 4  max_tokens = 24 }   # with max_new_tokens = 8",
+       "as RLP601."),
+    _r("RLP603", WARNING, "environment used by no generate stage",
+       "An `environment` block that no generate stage names (`environment = NAME`) runs nothing. (The key "
+       "belongs to generate stages; on another stage kind it is RLP103.)",
+       "environment unused { fn = \"rldsl.environments:ArithRetry\"  max_turns = 2  max_tokens = 24 }",
+       "every generate stage's `environment` (when one did not resolve, the rule is skipped)."),
+    _r("RLP604", ERROR, "environment class that cannot be found",
+       "`fn` names `module:Class`. A builtin (`rldsl.environments`) class is looked up; another module must be "
+       "installed, on PYTHONPATH, or beside the pipeline file (its code is not run by `check`; a class missing "
+       "from it fails the run at start, with the environment's own message).",
+       "environment retry { fn = \"rldsl.environments:ArithRetri\"  max_turns = 3  max_tokens = 36 }",
+       "the environment's `fn` and the pipeline file's directory."),
+    _r("RLP605", ERROR, "environment samples scored by something other than their episode's reward",
+       "A sample of a generate stage with an environment is an episode: its reward is the sum of the rewards "
+       "its environment gave, read by a reward stage with `fn = \"rldsl.environments:episode_reward\"`, which "
+       "also drops the samples whose episode failed (the environment raised, hung, died, or the conversation "
+       "re-tokenized differently). Any other reward function would score a transcript. Held-out evaluation "
+       "decodes a single turn, so it needs an `eval_metric` function rather than the pipeline's reward.",
+       "stage reward score { fn = \"rldsl.rewards:exact_match\" }   # after a generate stage with an environment",
+       "the generate stages' `environment`, the flows (which reward stages follow them), each reward stage's "
+       "`fn`, and the datasets' `eval_metric` and `eval_size`."),
+    _r("RLP606", ERROR, "`truncated = mask` on a generate stage with an environment",
+       "`truncated = mask` leaves a single response cut at `max_new_tokens` out of the loss (overlong "
+       "filtering). The samples of a stage with an environment are episodes: which tokens are trained is the "
+       "environment's loss mask, and an episode ends by `max_turns` and `max_tokens`, so the setting has no "
+       "meaning there and is refused rather than ignored.",
+       "stage generate rollout { model = policy  environment = retry  truncated = mask ... }",
+       "the generate stages' `environment` and `truncated`."),]}
 
 
 DEPENDENCIES = """\
@@ -363,16 +453,18 @@ So the rule families depend on each other only through these inputs:
 |---|---|---|
 | syntax | RLP001, RLP002, RLP003 | the text |
 | declarations | RLP101-RLP107, RLP109 | the syntax tree |
-| engines | RLP108 | each stage's engine |
+| engines | RLP108, RLP110, RLP111 | each stage's engine; `update`; logprob stages' `frozen` and `recompute` |
+| reward models | RLP113-RLP115 | each reward stage's `fn`, `model` and judge keys, its config.json, the datasets |
 | dataflow | RLP201-RLP204, RLP207, RLP208 | the flows and the declarations |
 | weights | RLP205, RLP206, RLP209, RLP511 | syncs, models, and the flows for RLP209; RLP511 the placement |
 | batch sizes | RLP301-RLP303, RLP510 | trainer and generator sizes; RLP302 and RLP510 the trainer's GPU count |
-| learning | RLP314, RLP315 | the estimator, samples per prompt, the reward, the builtin task and `max_new_tokens` |
+| learning | RLP314, RLP315 | the estimator, samples per prompt, the reward, the builtin task, the response limits |
 | training | RLP307-RLP313 | the trainer's loss, sampling and schedule keys, the run length, the datasets |
 | buffer | RLP304-RLP306 | the trainer's prompts_per_step, staleness and buffer |
 | placement | RLP501-RLP503, RLP507, RLP508, RLP512 | cluster, `gpus`, `colocate`, placement groups, engines |
 | sharing | RLP401, RLP504, RLP505, RLP509 | placed stages |
 | memory | RLP506 | placed stages and their models |
+| environments | RLP601-RLP606 | generate stages' environments, their budgets, reward stages, `eval_metric` |
 
 Each rule's entry below says what it reads.
 """

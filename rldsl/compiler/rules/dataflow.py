@@ -9,9 +9,9 @@ from __future__ import annotations
 import networkx as nx
 
 from rldsl.compiler.context import Context
-from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
-from rldsl.compiler.ir import DATA, consumed_fields, produced_fields
-from rldsl.compiler.rules.advice import free_name, producer_help
+from rldsl.compiler.diagnostics import ERROR, WARNING, Consequence, Diagnostic
+from rldsl.compiler.ir import DATA, EPISODE_FIELDS, consumed_fields, produced_fields, token_weighting
+from rldsl.compiler.rules.advice import free_name, frozen_edit, producer_help, unfrozen_reference
 from rldsl.compiler.types import arg_span
 
 # Which node kinds may feed which: dataset -> generate -> (reward|logprob)* -> train.
@@ -133,8 +133,17 @@ def check_fields(ctx: Context) -> list[Diagnostic]:
             if field not in available and field not in unknown:
                 out.append(Diagnostic("RLP204", ERROR, f"stage {ctx.label(name)} consumes `{field}` but nothing "
                                       "upstream produces it", _field_span(ctx, stage, field), notes=(why,),
-                                      help=producer_help(ctx, stage, field)))
+                                      help=producer_help(ctx, stage, field), **_reference_fix(ctx, stage, field)))
     return out
+
+
+def _reference_fix(ctx: Context, stage, field: str) -> dict:
+    """A policy scorer upstream that is meant as the reference: `frozen` fixes this finding, and its
+    RLP205 (a policy scorer needs a sync, a frozen one does not) follows from the same slip."""
+    scorer = unfrozen_reference(ctx, stage) if field == "ref_logprobs" else None
+    if scorer is None or scorer.name not in ctx.upstream(stage.name):
+        return {}
+    return {"edit": frozen_edit(scorer), "explains": (Consequence("RLP205", scorer.name_span),)}
 
 
 def _consumed(ctx: Context, stage) -> dict[str, str]:
@@ -156,6 +165,8 @@ def _upstream_fields(ctx: Context, name: str) -> tuple[set[str], set[str]]:
         decl, kind = node["decl"], node["kind"]
         if kind == "generate" and not decl.valid("logprobs"):
             unknown.add("behaviour_logprobs")
+        if kind == "generate" and not decl.valid("environment"):
+            unknown.update(EPISODE_FIELDS)
         if kind == "logprob" and not decl.valid("frozen"):
             unknown.update(("ref_logprobs", "behaviour_logprobs"))
         available.update(produced_fields(kind, decl))
@@ -165,6 +176,9 @@ def _upstream_fields(ctx: Context, name: str) -> tuple[set[str], set[str]]:
 def _field_span(ctx: Context, stage, field: str):
     if field == "ref_logprobs" and stage.explicit("loss"):
         return arg_span(stage["loss"], "kl")
+    weighting = token_weighting(stage.get("loss")) if stage.stage_kind == "train" and stage.valid("loss") else ""
+    if field == "behaviour_logprobs" and weighting:
+        return arg_span(stage["loss"], weighting.split(" = ")[0])
     if field == "behaviour_logprobs" and ctx.pipe.block("staleness").explicit("max_lag"):
         return ctx.pipe.block("staleness").span_of("max_lag")
     return stage.name_span

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
-from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
+from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic, Span
 from rldsl.tasks import ANSWER_CHARACTERS
 
 EXACT_MATCH = "rldsl.rewards:exact_match"
@@ -31,7 +31,8 @@ def check_zero_advantages(ctx: Context) -> list[Diagnostic]:
                        notes=("a one-sample group has no spread: its normalised advantage is 0, and so is the loss "
                               "on every token",),
                        help="`normalize = batch` (reinforce_pp's default) whitens over the rollout batch instead; "
-                            "or sample several responses per prompt")]
+                            "or sample several responses per prompt",
+                       edit=(train.span_of("normalize"), "batch"))]
 
 
 def check_answer_lengths(ctx: Context) -> list[Diagnostic]:
@@ -41,20 +42,32 @@ def check_answer_lengths(ctx: Context) -> list[Diagnostic]:
     if known is None:
         return []
     gen, source = known
-    shortest, longest = ANSWER_CHARACTERS[source]
+    # `truncated = mask` trains a response only if it ended: the answer and its EOS must fit
+    ending = 1 if gen.valid("truncated") and gen.get("truncated") == "mask" else 0
+    shortest, longest = (n + ending for n in ANSWER_CHARACTERS[source])
     limit = gen["max_new_tokens"]
     if limit >= longest:
         return []
     span = gen.span_of("max_new_tokens") if gen.explicit("max_new_tokens") else gen.name_span
+    needs = " and its end token (`truncated = mask` trains only responses that ended)" if ending else ""
     if limit < shortest:
         return [Diagnostic("RLP314", ERROR, f"{ctx.label(gen.name)} cannot be rewarded: `max_new_tokens = {limit}` "
-                           f"is shorter than every answer of {source} ({shortest} to {longest} characters)", span,
-                           notes=("exact_match then scores every sample 0: a constant reward, no advantage, no "
-                                  "learning",),
-                           help=f"allow at least `max_new_tokens = {longest}`")]
+                           f"is shorter than every answer of {source}{needs} ({shortest} to {longest} tokens)", span,
+                           notes=("exact_match then scores every trained sample 0: a constant reward, no advantage, "
+                                  "no learning",),
+                           help=f"allow at least `max_new_tokens = {longest}`",
+                           edit=_max_new_tokens_edit(gen, longest))]
     return [Diagnostic("RLP315", WARNING, f"`max_new_tokens = {limit}` is shorter than the longer answers of "
-                       f"{source} (up to {longest} characters): exact_match can never reward those prompts", span,
-                       help=f"allow `max_new_tokens = {longest}`, or more")]
+                       f"{source}{needs} (up to {longest} tokens): exact_match can never reward those prompts", span,
+                       help=f"allow `max_new_tokens = {longest}`, or more", edit=_max_new_tokens_edit(gen, longest))]
+
+
+def _max_new_tokens_edit(gen: Decl, tokens: int) -> tuple[Span, str]:
+    """Its value replaced, or the key added after `samples_per_prompt`, which every generate stage writes."""
+    if gen.explicit("max_new_tokens"):
+        return gen.span_of("max_new_tokens"), str(tokens)
+    at = gen.span_of("samples_per_prompt")
+    return Span(at.end_line, at.end_col, at.end_line, at.end_col), f"  max_new_tokens = {tokens}"
 
 
 def _exact_match_on_builtin(ctx: Context) -> tuple[Decl, str] | None:

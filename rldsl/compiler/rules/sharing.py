@@ -10,7 +10,7 @@ from itertools import combinations
 
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Program
-from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
+from rldsl.compiler.diagnostics import ERROR, WARNING, Consequence, Diagnostic, Span
 from rldsl.compiler.placement import Placement, StagePlacement
 from rldsl.compiler.schema import ENGINES, can_sleep
 from rldsl.compiler.types import arg_span
@@ -44,11 +44,20 @@ def _sleep_findings(program: Program, a: StagePlacement, b: StagePlacement) -> l
         if not can_sleep(engine):
             arg = ENGINES[engine.name].can_sleep_arg
             enable = f"`{engine.name}({arg} = true)`" if arg else "an engine that can release the GPU"
+            span = arg_span(engine, arg) if arg else engine.span
+            written = arg and arg in (engine.arg_spans or {})
             out.append(Diagnostic("RLP504", ERROR, f"{program.label(this.pipeline, this.stage)} shares GPUs with "
                                   f"{program.label(other.pipeline, other.stage)} but its engine `{engine.name}` "
-                                  "cannot sleep or offload", arg_span(engine, arg) if arg else engine.span,
-                                  help=f"enable it, {enable}, or give the stages separate GPUs"))
+                                  "cannot sleep or offload", span,
+                                  help=f"enable it, {enable}, or give the stages separate GPUs",
+                                  edit=(span, f"{arg} = true") if written else None,
+                                  subject=_pair(this, other)))
     return out
+
+
+def _pair(a: StagePlacement, b: StagePlacement) -> str:
+    """The subject of a finding about two stages sharing GPUs (RLP509 names the ones it explains)."""
+    return " & ".join(sorted((f"{a.pipeline}/{a.stage}", f"{b.pipeline}/{b.stage}")))
 
 
 def _wake_findings(program: Program, sp: StagePlacement) -> list[Diagnostic]:
@@ -63,7 +72,8 @@ def _wake_findings(program: Program, sp: StagePlacement) -> list[Diagnostic]:
     return [Diagnostic("RLP504", ERROR, f"{program.label(sp.pipeline, sp.stage)} sleeps at level 2, which discards "
                        "its weights, and no sync sends it new ones: it would wake without weights",
                        arg_span(engine, "sleep"),
-                       help="use `sleep = 1` (or `true`): level 1 keeps the weights in host memory")]
+                       help="use `sleep = 1` (or `true`): level 1 keeps the weights in host memory",
+                       edit=(arg_span(engine, "sleep"), "sleep = 1"))]
 
 
 def _receives_sync(pipe, stage: str) -> bool | None:
@@ -74,6 +84,10 @@ def _receives_sync(pipe, stage: str) -> bool | None:
 
 
 def _partial_overlap_findings(program: Program, a: StagePlacement, b: StagePlacement) -> list[Diagnostic]:
+    return [d._replace(subject=_pair(a, b)) for d in _overlap_findings(program, a, b)]
+
+
+def _overlap_findings(program: Program, a: StagePlacement, b: StagePlacement) -> list[Diagnostic]:
     big, small = (a, b) if len(a.gpus) >= len(b.gpus) else (b, a)
     span = _placement_span(program, small)
     big_name, small_name = program.label(big.pipeline, big.stage), program.label(small.pipeline, small.stage)
@@ -115,7 +129,8 @@ def _ids(sp: StagePlacement) -> str:
 
 
 def check_pipeline_sharing(program: Program, placement: Placement) -> list[Diagnostic]:
-    """RLP509: pipelines share GPUs only when one of them names the other in `share`."""
+    """RLP509: pipelines share GPUs only when one of them names the other in `share`. It explains the
+    RLP504 and RLP505 findings between their stages: without the overlap those stages would not meet."""
     shared: dict[tuple[str, str], dict[int, list[StagePlacement]]] = {}
     for gpu, residents in sorted(placement.residents().items()):
         for a, b in combinations(sorted(residents, key=lambda s: (s.pipeline, s.stage)), 2):
@@ -128,16 +143,95 @@ def check_pipeline_sharing(program: Program, placement: Placement) -> list[Diagn
         gpu, residents = next(iter(gpus.items()))
         stage = next(s for s in residents if s.pipeline == second)
         names = ", ".join(sorted({program.label(s.pipeline, s.stage) for s in residents}))
-        block = program.pipeline(second).block("placement")
-        where = "its `placement` block" if block.explicit("groups") or block.explicit("ratios") \
-            else "a `placement { }` block"
+        consequences = _pair_findings(program, gpus)
         out.append(Diagnostic(
             "RLP509", ERROR, f"pipelines `{first}` and `{second}` share GPU {gpu} ({names}) without declaring it",
             _placement_span(program, stage),
             notes=(f"GPUs shared by `{first}` and `{second}`: {', '.join(map(str, gpus))}",),
-            help=f"if they are meant to take turns, add `share = [{first}]` to {where} in pipeline `{second}`; "
-                 "otherwise give them separate GPUs"))
+            help=_undeclared_help(program, first, second, any(d.code == "RLP504" for d in consequences)),
+            edit=_share_edit(program, first, second), subject=f"{first} & {second}",
+            explains=tuple(Consequence(d.code, d.span, d.subject) for d in consequences)))
     return out
+
+
+def _pair_findings(program: Program, gpus: dict[int, list[StagePlacement]]) -> list[Diagnostic]:
+    """The RLP504 and RLP505 findings between stages of the two pipelines on these GPUs."""
+    stages = {(s.pipeline, s.stage): s for residents in gpus.values() for s in residents}
+    pairs = {((a.pipeline, a.stage), (b.pipeline, b.stage))
+             for residents in gpus.values() for a in residents for b in residents if a.pipeline < b.pipeline}
+    out = []
+    for key_a, key_b in sorted(pairs):
+        a, b = stages[key_a], stages[key_b]
+        out += _sleep_findings(program, a, b)
+        if set(a.gpus) != set(b.gpus):
+            out += _partial_overlap_findings(program, a, b)
+    return out
+
+
+def _undeclared_help(program: Program, first: str, second: str, sleepless: bool) -> str:
+    """Placement groups split the whole cluster from GPU 0: a pipeline placed by groups cannot be given
+    separate GPUs, only ids can."""
+    block = program.pipeline(second).block("placement")
+    where = "its `placement` block" if block.explicit("groups") or block.explicit("ratios") \
+        else "a `placement { }` block"
+    turns = f"add `share = [{first}]` to {where} in pipeline `{second}`"
+    if sleepless:
+        turns += " and let every engine on the shared GPUs sleep or offload (the RLP504 findings it explains)"
+    grouped = [name for name in (first, second) if program.pipeline(name).block("placement").explicit("groups")]
+    if not grouped:
+        return f"if they are meant to take turns, {turns}; otherwise give them separate GPUs"
+    which = f"pipeline `{grouped[0]}` splits" if len(grouped) == 1 else "both pipelines split"
+    return (f"{which} the whole cluster into placement groups from GPU 0, so the two cannot have separate GPUs "
+            f"while {'it keeps' if len(grouped) == 1 else 'they keep'} them: to take turns, {turns}; to run side by "
+            f"side, place {' and '.join(f'`{g}`' for g in grouped)} with `gpus = [...]` ids on GPUs of "
+            f"{'its' if len(grouped) == 1 else 'their'} own in place of `groups`")
+
+
+def _share_edit(program: Program, first: str, second: str) -> tuple[Span, str]:
+    """Insert `share = [first]` into the second pipeline's placement block, or add the block."""
+    pipe = program.pipeline(second)
+    block = pipe.block("placement")
+    if block.span != pipe.span:  # the block is written: before its closing brace
+        end = block.span
+        return Span(end.end_line, end.end_col - 1, end.end_line, end.end_col - 1), f"share = [{first}] "
+    end = pipe.span
+    return Span(end.end_line, end.end_col - 1, end.end_line, end.end_col - 1), f"  placement {{ share = [{first}] }}\n"
+
+
+def explain_memory(program: Program, diags: list[Diagnostic], memory: list) -> list[Diagnostic]:
+    """RLP509 also explains the RLP506 of a GPU the two pipelines share when each pipeline's own stages
+    there fit: the overflow is their sum. ``memory``: rldsl.compiler.memory.GpuMemory per GPU; an RLP506
+    stands at its GPU's biggest stage, once per stage, so it is explained only when every overflow it
+    stands for is."""
+    capacity = program.cluster.get("gpu_memory") if program.cluster.valid("gpu_memory") else None
+    if not capacity:
+        return diags
+    by_biggest: dict[str, list] = {}
+    for mem in memory:
+        if mem.used > capacity and mem.by_stage:
+            by_biggest.setdefault(max(mem.by_stage, key=lambda s: s[1])[0], []).append(mem)
+    out = []
+    for d in diags:
+        if d.code == "RLP509" and d.subject:
+            pipes = set(d.subject.split(" & "))
+            extra = tuple(Consequence("RLP506", _stage_decl(program, name).name_span)
+                          for name, mems in sorted(by_biggest.items())
+                          if all(_overflow_by_sum(mem, pipes, capacity) for mem in mems))
+            d = d._replace(explains=d.explains + extra)
+        out.append(d)
+    return out
+
+
+def _stage_decl(program: Program, label: str):
+    pipeline, stage = label.split("/")
+    return program.pipeline(pipeline).stages[stage]
+
+
+def _overflow_by_sum(mem, pipes: set[str], capacity: float) -> bool:
+    """The GPU holds stages of both pipelines and nothing else, and each pipeline's alone would fit."""
+    held = {name.split("/")[0] for name, _ in mem.by_stage}
+    alone = [sum(b for name, b in mem.by_stage if name.split("/")[0] == p) for p in pipes]
+    return held == pipes and all(total <= capacity for total in alone)
 
 
 def _declared(program: Program, a: str, b: str) -> bool | None:
@@ -161,4 +255,5 @@ def check_on_policy_disjoint(ctx: Context) -> list[Diagnostic]:
     span = staleness.span_of("max_lag") if staleness.explicit("max_lag") else ctx.pipe.name_span
     return [Diagnostic("RLP401", WARNING, f"on-policy (max_lag = 0) with {ctx.label(gen.name)} and "
                        f"{ctx.label(train.name)} on disjoint GPUs: each side idles while the other works", span,
-                       help="allow `max_lag = 1` in `staleness { }`, or colocate the stages")]
+                       help="allow `max_lag = 1` in `staleness { }`, or colocate the stages",
+                       edit=(span, "1") if staleness.explicit("max_lag") else None)]

@@ -14,26 +14,31 @@ from rldsl.compiler.types import arg_span
 RUN_LENGTHS = ("steps", "epochs", "samples")
 
 
+PROXIMAL_PASS_ENGINES = ("torch", "fsdp", "sim")  # trainers with a proximal pass (sim: no weights to drift)
+CORRECTION_DEFAULT_BOUNDS = {"tis": (0.0, 2.0), "mis": (0.0, 2.0), "icepop": (0.5, 5.0)}  # as the engines'
+
+
 def check_decoupled_loss(ctx: Context) -> list[Diagnostic]:
-    """RLP307: the decoupled loss's proximal policy is the trainer's own
-    weights at the optimizer step, which are the rollout batch's start only
-    when there is one optimizer step per rollout batch."""
+    """RLP307: behaviour_cap and a correction weigh tokens by pi_prox / pi_behaviour; over several optimizer
+    steps per rollout batch only a trainer with a proximal pass still holds the batch-start policy."""
     sizing, train = ctx.sizing(), ctx.train_stage()
-    if sizing is None or train is None or not train.valid("loss", "ppo_epochs"):
+    if sizing is None or train is None or not train.valid("loss", "ppo_epochs", "engine"):
         return []
-    cap = train["loss"].args.get("behaviour_cap", 0.0)
+    engine, args = train["engine"].name, train["loss"].args
+    setting = "behaviour_cap" if args.get("behaviour_cap") else "correction"
     steps = (sizing.prompts_per_step * sizing.samples_per_prompt // sizing.global_batch) * sizing.ppo_epochs
-    if not cap or steps <= 1:
+    if args.get(setting) in (None, 0.0, "none") or steps <= 1 or engine in PROXIMAL_PASS_ENGINES:
         return []
     causes = [f"global_batch = {sizing.global_batch}"] if train.explicit("global_batch") else []
     causes += [f"ppo_epochs = {sizing.ppo_epochs}"] if sizing.ppo_epochs > 1 else []
     return [Diagnostic(
-        "RLP307", ERROR, f"behaviour_cap = {cap} (the decoupled loss) with {steps} optimizer steps per rollout batch "
-        f"({', '.join(causes)})", arg_span(train["loss"], "behaviour_cap"),
-        notes=("the decoupled loss takes its ratio against the proximal policy, the weights the rollout batch "
-               "started with; after the first optimizer step the trainer no longer holds them",),
-        help="take one optimizer step per rollout batch (leave global_batch and ppo_epochs out), or drop "
-             "behaviour_cap")]
+        "RLP307", ERROR, f"{setting} = {args[setting]} with {steps} optimizer steps per rollout batch "
+        f"({', '.join(causes)}) on engine `{engine}`, which has no proximal pass", arg_span(train["loss"], setting),
+        notes=("the weight pi_prox / pi_behaviour needs the proximal policy, the weights the rollout batch started "
+               "with; the torch and fsdp trainers recompute its logprobs before the first optimizer step, the "
+               f"`{engine}` trainer does not and no longer holds those weights after it",),
+        help=f"train with engine = torch or fsdp, take one optimizer step per rollout batch (leave global_batch "
+             f"and ppo_epochs out), or drop {setting}")]
 
 
 LOSS_BOUNDS = {  # argument: (what an active value must exceed, inclusive, why)
@@ -42,14 +47,19 @@ LOSS_BOUNDS = {  # argument: (what an active value must exceed, inclusive, why)
 }
 
 
+TYPICAL = {"dual_clip": 3.0, "behaviour_cap": 5.0}  # the value an RLP312 edit writes
+
+
 def check_loss_arguments(ctx: Context) -> list[Diagnostic]:
-    """RLP312: dual_clip and behaviour_cap are 0 (off) or above 1; a decay does not end above lr."""
+    """RLP312: dual_clip and behaviour_cap are 0 (off) or above 1; a decay does not end above lr, a warmup
+    does not start above it; Adam has two betas below 1."""
     train = ctx.train_stage()
     if train is None:
         return []
-    out = _min_lr_findings(train)
+    out = _min_lr_findings(train) + _warmup_start_findings(train) + _adam_betas_findings(train)
     if not train.valid("loss"):
         return out
+    out += _correction_findings(train["loss"])
     for name, (bound, inclusive, why) in LOSS_BOUNDS.items():
         value = train["loss"].args.get(name, 0.0)
         if value and (value < bound or (value == bound and not inclusive)):
@@ -57,8 +67,36 @@ def check_loss_arguments(ctx: Context) -> list[Diagnostic]:
             out.append(Diagnostic("RLP312", ERROR, f"{name} = {value}: it must be 0 (off) or {relation} {bound:g}",
                                   arg_span(train["loss"], name), notes=(why,),
                                   help=f"leave {name} out, or set it {relation} {bound:g} (3.0 is typical for "
-                                       "dual_clip, 5.0 for behaviour_cap)"))
+                                       "dual_clip, 5.0 for behaviour_cap)",
+                                  edit=(arg_span(train["loss"], name), f"{name} = {TYPICAL.get(name, 0)}")))
     return out
+
+
+def _correction_findings(loss) -> list[Diagnostic]:
+    """A correction's bounds keep the on-policy weight 1; icepop is token-level; one token weighting at a time."""
+    args = loss.args
+    correction = args.get("correction", "none")
+    if correction == "none":
+        return []
+    if args.get("behaviour_cap"):
+        return [Diagnostic("RLP312", ERROR, f"behaviour_cap = {args['behaviour_cap']} and correction = {correction} "
+                           "both weigh each token by pi_prox / pi_behaviour", arg_span(loss, "behaviour_cap"),
+                           help="keep one: behaviour_cap = c is correction = mis with correction_high = c")]
+    if correction == "icepop" and args.get("correction_level") == "sequence":
+        return [Diagnostic("RLP312", ERROR, "correction = icepop masks tokens, not sequences",
+                           arg_span(loss, "correction_level"),
+                           help="leave correction_level out, or use correction = mis for a sequence-level mask")]
+    low, high = CORRECTION_DEFAULT_BOUNDS[correction]
+    low, high = args.get("correction_low", low), args.get("correction_high", high)
+    if low <= 1 <= high:
+        return []
+    wrong = "correction_low" if low > 1 else "correction_high"
+    return [Diagnostic("RLP312", ERROR, f"correction bounds [{low:g}, {high:g}] leave out the weight 1",
+                       arg_span(loss, wrong),
+                       notes=("a token the generator and the trainer agree on has weight 1: a correction must keep "
+                              "it whole",),
+                       help="set correction_low at most 1 and correction_high at least 1 (2.0 is typical), "
+                            "or leave them out")]
 
 
 def _min_lr_findings(train: Decl) -> list[Diagnostic]:
@@ -67,7 +105,28 @@ def _min_lr_findings(train: Decl) -> list[Diagnostic]:
         return []
     return [Diagnostic("RLP312", ERROR, f"min_lr = {train['min_lr']} is above lr = {train['lr']}: a "
                        f"{train['lr_schedule']} decay would rise", train.span_of("min_lr"),
-                       help=f"set min_lr below {train['lr']} (a tenth of it is typical), or leave it out")]
+                       help=f"set min_lr below {train['lr']} (a tenth of it is typical), or leave it out",
+                       edit=(train.span_of("min_lr"), f"{train['lr'] / 10:g}"))]
+
+
+def _warmup_start_findings(train: Decl) -> list[Diagnostic]:
+    if not train.valid("lr", "warmup_start_lr") or train["warmup_start_lr"] <= train["lr"]:
+        return []
+    return [Diagnostic("RLP312", ERROR, f"warmup_start_lr = {train['warmup_start_lr']} is above lr = {train['lr']}: "
+                       "the warmup would fall", train.span_of("warmup_start_lr"),
+                       help=f"set warmup_start_lr below {train['lr']} (a tenth of it is typical), or leave it out")]
+
+
+def _adam_betas_findings(train: Decl) -> list[Diagnostic]:
+    betas = train.get("adam_betas") if train.valid("adam_betas") else None
+    if betas is None or (len(betas) == 2 and all(beta < 1 for beta in betas)):
+        return []
+    written = ", ".join(f"{beta:g}" for beta in betas)
+    return [Diagnostic("RLP312", ERROR, f"adam_betas = [{written}]: Adam takes two betas, each in [0, 1)",
+                       train.span_of("adam_betas"),
+                       notes=("beta1 averages the gradients, beta2 their squares; a beta of 1 never forgets",),
+                       help="write two values below 1, such as `adam_betas = [0.9, 0.95]`, or leave it out for "
+                            "the engine's")]
 
 
 def check_dynamic_sampling(ctx: Context) -> list[Diagnostic]:
@@ -83,7 +142,8 @@ def check_dynamic_sampling(ctx: Context) -> list[Diagnostic]:
             "RLP308", ERROR, "dynamic_sampling with order = in_order: a step whose groups are dropped cannot be "
             "refilled", train.span_of("dynamic_sampling"),
             notes=("an in-order step trains exactly its own prompts, so every dropped group leaves it short",),
-            help="use order = any (the default), or leave dynamic_sampling out"))
+            help="use order = any (the default), or leave dynamic_sampling out",
+            edit=(staleness.span_of("order"), "any")))
     gen = ctx.generator_for(train)
     if gen is not None and gen.valid("samples_per_prompt") and gen["samples_per_prompt"] < 2:
         out.append(Diagnostic(
@@ -152,7 +212,8 @@ def check_warmup(ctx: Context) -> list[Diagnostic]:
                        f"{total}: the learning rate never reaches lr = {train.get('lr')}", train.span_of("warmup"),
                        notes=("warmup counts optimizer steps: rollout batches x (rollout batch / global_batch) x "
                               "ppo_epochs",),
-                       help=f"set warmup below {total} (a few percent of the run is typical)")]
+                       help=f"set warmup below {total} (a few percent of the run is typical)",
+                       edit=(train.span_of("warmup"), str(total // 20)))]
 
 
 def check_held_out(ctx: Context) -> list[Diagnostic]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
-from rldsl.compiler.diagnostics import ERROR, Diagnostic
-from rldsl.compiler.rules.advice import free_name
-from rldsl.plan import receives_weights
+from rldsl.compiler.diagnostics import ERROR, Diagnostic, Span
+from rldsl.compiler.rules.advice import free_name, frozen_edit, unfrozen_reference
+from rldsl.plan import WeightReceiver, collective_blocker, receives_weights
 
 
 def _model(stage: Decl) -> str | None:
@@ -33,10 +33,14 @@ def check_sync(ctx: Context) -> list[Diagnostic]:
         src = sync["from"]
         source = pipe.stages[src.name]
         if source.stage_kind != "train":
+            edit = _redirect(ctx, sync, trains[0]) if trains else None
             fix = f"`from = {trains[0]}`" if trains else "`from` names a train stage"
+            if edit:
+                first, second = sorted((sync.span_of("from"), sync.span_of("to")))
+                fix = f"`{'from' if first == sync.span_of('from') else 'to'} = {edit[1]}`"
             out.append(Diagnostic("RLP206", ERROR, f"sync {ctx.label(sync.name)} sends weights from "
                                   f"{ctx.label(source.name)}, a {source.stage_kind} stage", src.span,
-                                  help=f"weights come from the trainer: {fix}"))
+                                  help=f"weights come from the trainer: {fix}", edit=edit))
             continue
         for ref in sync["to"] if sync.valid("to") else ():
             out += _target_findings(ctx, sync, source, pipe.stages[ref.name], ref)
@@ -56,8 +60,26 @@ def _target_findings(ctx: Context, sync: Decl, source: Decl, target: Decl, ref) 
         return [Diagnostic("RLP206", ERROR, f"sync {ctx.label(sync.name)} sends `{sent}` weights to "
                            f"{ctx.label(target.name)}, which runs model `{runs}`", ref.span,
                            help=f"a sync joins a trainer and generators of the same model: set `model = {sent}` "
-                                f"in `{target.name}`, or remove it from `to`")]
+                                f"in `{target.name}`, or remove it from `to`",
+                           edit=(target.span_of("model"), sent))]
     return []
+
+
+def _redirect(ctx: Context, sync: Decl, train: str, also: str | None = None) -> tuple[Span, str] | None:
+    """A sync written the wrong way round (`from = rollout  to = actor`) turned around: `from` the trainer,
+    `to` the stages of its `to` and its old `from` (and ``also``) that take weights. One edit over the
+    written `from ... to ...` (or `to ... from ...`); None when no receiver is left."""
+    if not sync.valid("to", "from"):
+        return None
+    names = [ref.name for ref in sync["to"]] + [sync["from"].name] + ([also] if also else [])
+    targets = list(dict.fromkeys(n for n in names if n != train and _weights_known(ctx.pipe.stages[n])
+                                 and _receives_weights(ctx.pipe.stages[n])))
+    if not targets:
+        return None
+    to = targets[0] if len(targets) == 1 else f"[{', '.join(targets)}]"
+    first, second = sorted((sync.span_of("from"), sync.span_of("to")))
+    text = f"{train}  to = {to}" if first == sync.span_of("from") else f"{to}  from = {train}"
+    return Span(first.line, first.col, second.end_line, second.end_col), text
 
 
 def _describe(stage: Decl) -> str:
@@ -91,23 +113,36 @@ def check_missing_syncs(ctx: Context) -> list[Diagnostic]:
             if model is None or not _weights_known(stage) or not _receives_weights(stage) or _model(stage) != model:
                 continue
             if (train.name, stage.name) not in synced:
+                help_text, edit = _sync_help(ctx, train, stage)
                 out.append(Diagnostic("RLP205", ERROR, f"{ctx.label(stage.name)} runs model `{model}`, which "
                                       f"{ctx.label(train.name)} trains, but receives no weight sync",
-                                      stage.name_span, help=_sync_help(ctx, train, stage)))
+                                      stage.name_span, help=help_text, edit=edit))
     return out
 
 
-def _sync_help(ctx: Context, train: Decl, stage: Decl) -> str:
+def _sync_help(ctx: Context, train: Decl, stage: Decl) -> tuple[str, tuple[Span, str]]:
+    """The help and its edit. A policy scorer where the trainer's kl needs a reference and none is frozen
+    is most likely that reference: `frozen` comes first (RLP204 says the same)."""
     syncs = sorted(ctx.pipe.stages_of("sync"), key=lambda s: s.name)
     own = [s for s in syncs if s["from"].name == train.name]
     if own:
         targets = ", ".join([ref.name for ref in own[0]["to"]] + [stage.name])
-        return f"add it to the `to` of sync `{own[0].name}`: `to = [{targets}]`"
-    misdirected = [s for s in syncs if ctx.pipe.stages[s["from"].name].stage_kind != "train"]
-    if misdirected:  # RLP206 reports it: that sync is meant to be this one
-        return f"send the weights from the trainer: `stage sync {misdirected[0].name} {{ from = {train.name}  " \
-               f"to = {stage.name} }}`"
-    return f"add `stage sync {free_name(ctx.pipe, 'weights')} {{ from = {train.name}  to = {stage.name} }}`"
+        sync = (f"add it to the `to` of sync `{own[0].name}`: `to = [{targets}]`",
+                (own[0].span_of("to"), f"[{targets}]"))
+    elif misdirected := [s for s in syncs if ctx.pipe.stages[s["from"].name].stage_kind != "train"]:
+        # RLP206 reports it: that sync is meant to be this one
+        edit = _redirect(ctx, misdirected[0], train.name, also=stage.name)
+        sync = (f"send the weights from the trainer: `stage sync {misdirected[0].name} {{ from = {train.name}  "
+                f"to = {stage.name} }}`", edit)
+    else:
+        text = f"stage sync {free_name(ctx.pipe, 'weights')} {{ from = {train.name}  to = {stage.name} }}"
+        end = train.span
+        sync = f"add `{text}`", (Span(end.end_line, end.end_col, end.end_line, end.end_col), "\n" + text)
+    reference = unfrozen_reference(ctx, train)
+    if reference is not None and reference.name == stage.name:
+        return (f"if `{stage.name}` is the reference the kl term needs, mark it `frozen` (a frozen stage takes no "
+                f"weights); otherwise {sync[0]}", frozen_edit(stage))
+    return sync
 
 
 def check_trained_generation(ctx: Context) -> list[Diagnostic]:
@@ -138,11 +173,6 @@ def check_trained_generation(ctx: Context) -> list[Diagnostic]:
 
 PASSES = (check_sync, check_missing_syncs, check_trained_generation)
 
-# The engines that stream weights rank to rank (rldsl.runtime.ray_lowering.weight_group keeps the same lists).
-COLLECTIVE_TRAINERS = ("torch", "fsdp", "megatron", "sim")
-COLLECTIVE_RECEIVERS = ("torch", "sim")
-
-
 def check_transport(ctx: Context) -> list[Diagnostic]:
     """RLP511: `transport = collective` only where every receiver can take
     part in a collective whenever a version is ready."""
@@ -157,25 +187,21 @@ def check_transport(ctx: Context) -> list[Diagnostic]:
                 sync.span_of("transport"),
                 notes=("a collective push streams each version to every receiver at once; a receiver must be a "
                        "generate stage on an engine that applies a stream between two batches, and awake",),
-                help="use `transport = auto`, which goes rank to rank only where it can, or `object_store`"))
+                help="use `transport = auto`, which goes rank to rank only where it can, or `object_store`",
+                edit=(sync.span_of("transport"), "auto")))
     return out
 
 
 def _collective_blocker(ctx: Context, sync: Decl) -> str | None:
     source = ctx.pipe.stages[sync["from"].name]
-    if source.valid("engine") and source["engine"].name not in COLLECTIVE_TRAINERS:
-        return f"trainer `{source.name}` uses engine `{source['engine'].name}`, which does not stream buckets"
     trainer_gpus = _gpus(ctx, source.name)
-    for ref in sync["to"]:
-        target = ctx.pipe.stages[ref.name]
-        if target.stage_kind != "generate":
-            return f"`{target.name}` is a {target.stage_kind} stage, which takes weights only between its calls"
-        if target.valid("engine") and target["engine"].name not in COLLECTIVE_RECEIVERS:
-            return f"`{target.name}` uses engine `{target['engine'].name}`, which takes weights only through the " \
-                   "object store"
-        if trainer_gpus & _gpus(ctx, target.name):
-            return f"`{target.name}` shares GPUs with the trainer, so it sleeps while the trainer runs"
-    return None
+    receivers = [WeightReceiver(ref.name, target.stage_kind, _engine(target), bool(trainer_gpus & _gpus(ctx, ref.name)))
+                 for ref in sync["to"] for target in (ctx.pipe.stages[ref.name],)]
+    return collective_blocker(source.name, _engine(source), receivers)
+
+
+def _engine(stage: Decl) -> str | None:
+    return stage["engine"].name if stage.valid("engine") else None
 
 
 def _gpus(ctx: Context, stage: str) -> set[int]:

@@ -9,8 +9,16 @@ Each estimator subtracts its baseline from the rewards of one prompt group:
 Then ``normalize`` scales them:
 
 - ``group``: divided by the group's unbiased std + eps (GRPO);
+- ``leave_one_out``: each divided by the unbiased std of the group's *other*
+  samples + eps, left unscaled where that std is 0 (NeMo RL's
+  ``normalize_rewards`` with ``use_leave_one_out_baseline``);
 - ``batch``: whitened over every sample of the rollout batch (REINFORCE++);
 - ``none``: left as they are (Dr. GRPO, RLOO).
+
+Around them, two optional clips (0: off): ``reward_clip`` bounds the rewards
+to [-c, c] before the baseline (OpenRLHF's ``--reward.clip_range``), and
+``advantage_clip`` bounds the advantages to [-c, c] after the scaling
+(ROLL's ``advantage_clip``).
 
 Pure Python (no torch at import): the controller computes them.
 """
@@ -20,10 +28,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from rldsl.plan import ADVANTAGE_NORMALISATION
+from rldsl.plan import ADVANTAGE_NORMALISATION, NORMALISATIONS
 
 ESTIMATORS = tuple(ADVANTAGE_NORMALISATION)
-NORMALISATIONS = ("group", "batch", "none")
 
 
 def default_normalisation(estimator: str) -> str:
@@ -39,8 +46,8 @@ def needs_whole_batch(normalize: str) -> bool:
     return normalize == "batch"
 
 
-def compute_advantages(groups: list[list[float]], estimator: str, normalize: str,
-                       eps: float = 1e-6) -> list[list[float]]:
+def compute_advantages(groups: list[list[float]], estimator: str, normalize: str, eps: float = 1e-6,
+                       reward_clip: float = 0.0, advantage_clip: float = 0.0) -> list[list[float]]:
     """The advantages of each prompt group's rewards, in the same shape.
 
     With ``batch``, ``groups`` must be the whole rollout batch: the
@@ -48,12 +55,19 @@ def compute_advantages(groups: list[list[float]], estimator: str, normalize: str
     """
     _check(estimator, ESTIMATORS, "advantage estimator")
     _check(normalize, NORMALISATIONS, "normalisation")
-    centred = [_subtract_baseline(list(rewards), estimator) for rewards in groups]
+    if reward_clip < 0 or advantage_clip < 0:
+        raise ValueError(f"reward_clip {reward_clip} and advantage_clip {advantage_clip} must be >= 0 (0: off)")
+    clipped = [_clip(list(rewards), reward_clip) for rewards in groups]
+    centred = [_subtract_baseline(rewards, estimator) for rewards in clipped]
     if normalize == "group":
-        return [_scale_by_std(values, eps) for values in centred]
-    if normalize == "batch":
-        return _whiten_batch(centred, eps)
-    return centred
+        scaled = [_scale_by_std(values, eps) for values in centred]
+    elif normalize == "leave_one_out":
+        scaled = [_scale_by_others_std(rewards, values, eps) for rewards, values in zip(clipped, centred)]
+    elif normalize == "batch":
+        scaled = _whiten_batch(centred, eps)
+    else:
+        scaled = centred
+    return [_clip(values, advantage_clip) for values in scaled]
 
 
 def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
@@ -98,6 +112,13 @@ def _subtract_baseline(rewards: list[float], estimator: str) -> list[float]:
     return [r - mean for r in rewards]
 
 
+def _clip(values: list[float], bound: float) -> list[float]:
+    """``values`` bounded to [-bound, bound]; a bound of 0 is off."""
+    if not bound:
+        return [float(v) for v in values]
+    return [min(max(float(v), -bound), bound) for v in values]
+
+
 def _unbiased_std(values: list[float]) -> float:
     mean = math.fsum(values) / len(values)
     return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1))
@@ -113,6 +134,17 @@ def _scale_by_std(values: list[float], eps: float) -> list[float]:
         return [0.0] * len(values)
     std = _unbiased_std(values)
     return [v / (std + eps) for v in values]
+
+
+def _scale_by_others_std(rewards: list[float], values: list[float], eps: float) -> list[float]:
+    """Each value over the unbiased std of the *other* rewards of its group
+    (+ eps); where the others have no spread (fewer than two, or all equal)
+    the value stays as it is, as NeMo RL leaves a zero std unscaled."""
+    out = []
+    for index, value in enumerate(values):
+        others = rewards[:index] + rewards[index + 1:]
+        out.append(value if _constant(others) else value / (_unbiased_std(others) + eps))
+    return out
 
 
 def _whiten_batch(groups: list[list[float]], eps: float) -> list[list[float]]:

@@ -39,6 +39,7 @@ class Group:
     state: GroupState = GroupState.RESERVED
     arrival: int = -1  # commit order; -1 until ready
     rewards: tuple[float, ...] = ()
+    reward_parts: tuple[dict[str, float], ...] = ()  # each sample's named reward components (if any)
     tokens: int = 0  # response tokens, for balancing data-parallel ranks
     replica: int = -1  # the generator replica it was dispatched to
     refused: frozenset[str] = frozenset()  # keys the trainer fenced out (stale behaviour logprobs)

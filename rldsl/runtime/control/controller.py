@@ -11,8 +11,9 @@
   wakes and puts to sleep the replicas on those GPUs as the cluster's lease
   scheduler (leases.py) grants and asks back their GPUs.
 
-A watchdog turns any stall into a ``PipelineStalled`` error that says what
-each pump is waiting on. Every sample's course goes into the run's journal
+A watchdog (watchdog.py) turns any stall into a ``PipelineStalled`` error
+that says what each pump is waiting on; generators decoding tokens count as
+progress. Every sample's course goes into the run's journal
 (journal.py), flushed after each step and however the run ends. Engines sit
 behind ``StageHandles`` (handles.py); the Ray lowering provides them over
 actors, ``inprocess.sim_stages`` in process.
@@ -35,6 +36,7 @@ from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.control.state import RunState, resolve
 from rldsl.runtime.control.sync_pump import SyncPump
 from rldsl.runtime.control.train_pump import StepCallback, TrainPump
+from rldsl.runtime.control.watchdog import Watchdog
 from rldsl.runtime.protocols import Prompt
 
 __all__ = ["Controller", "PipelineStalled", "StageHandles", "StepFailed", "StopRequested", "TrainCallFailed"]
@@ -70,6 +72,7 @@ class Controller:
         self.train = TrainPump(self.state, self._step_done(on_step))
         self.sync = SyncPump(self.state)
         self.lease = LeasePump(self.state, self.rollout.wants_capacity) if settings.leased else None
+        self.watchdog = Watchdog(self.state, self.describe_waits, stages.decoded_tokens)
         self.exit: str | None = None  # how the run ended (journal.FINISHED, ...), once it has
         self.error: str | None = None
 
@@ -167,7 +170,7 @@ class Controller:
         ]
         if self.lease is not None:
             pumps.append(asyncio.create_task(self.lease.run(), name="lease pump"))
-        watchdog = asyncio.create_task(self._watchdog(), name="watchdog")
+        watchdog = asyncio.create_task(self.watchdog.run(), name="watchdog")
         try:
             while not all(task.done() for task in pumps):
                 running = {task for task in pumps if not task.done()}
@@ -180,14 +183,6 @@ class Controller:
             for task in leftovers:
                 task.cancel()
             await asyncio.gather(*leftovers, return_exceptions=True)
-
-    async def _watchdog(self) -> None:
-        timeout = self.settings.watchdog_timeout_s
-        while True:
-            await asyncio.sleep(min(timeout / 10, 1.0))
-            idle = self.state.clock() - self.state.last_progress
-            if idle >= timeout:
-                raise PipelineStalled(f"no progress for {idle:.1f}s (watchdog {timeout:g}s): {self.describe_waits()}")
 
     async def _settle_leftovers(self) -> None:
         """Groups generated after the last step needed them end as run_finished."""

@@ -36,7 +36,9 @@ class StageHandles:
       non-finite value is ``reward_invalid``. An exception fails all.
     - ``logprob(stage, keys) -> [int] | None``: compute and store the
       stage's logprob field; a policy stage may report, per key, the weight
-      version it scored with (the journal records it).
+      version it scored with (the journal records it). ``logprob(stage, keys,
+      version)``: a policy stage scores every row with that pushed version
+      (``recompute = batch_start``: the trainer's, at the step's start).
     - ``begin_train_step(step)``, ``train_microbatch(step, keys, replica) ->
       metrics``, ``finish_train_step(step) -> StepResult``,
       ``abort_train_step(step)``: the split-step trainer. Begin, finish and
@@ -69,11 +71,14 @@ class StageHandles:
       at once (its workers or replicas). The controller runs that many and
       merges the groups waiting meanwhile into the next call; a stage not
       named takes every call as it comes.
+    - ``decoded_tokens() -> [int]``: the tokens each generator replica has
+      decoded so far, as it goes (not only when a group ends); the watchdog
+      counts any change as progress. None: only finished work counts.
     """
 
     generate: Callable[[int, Sequence[Prompt], Sequence[str], int, int], Awaitable[Generated]]
     reward: Callable[[str, Sequence[str]], Awaitable[Sequence[float | RewardFailure | None]]]
-    logprob: Callable[[str, Sequence[str]], Awaitable[Sequence[int] | None]]
+    logprob: Callable[..., Awaitable[Sequence[int] | None]]  # (stage, keys[, version])
     begin_train_step: Callable[[int], Awaitable[None]]
     train_microbatch: Callable[[int, Sequence[str], int], Awaitable[dict]]
     finish_train_step: Callable[[int], Awaitable[StepResult]]
@@ -89,3 +94,4 @@ class StageHandles:
     train_replicas: int = 1
     stage_slots: Mapping[str, int] = field(default_factory=dict)
     optimizer_step: Callable[[int], Awaitable[dict]] | None = None
+    decoded_tokens: Callable[[], Awaitable[Sequence[int]]] | None = None

@@ -60,15 +60,29 @@ class Journal:
     def dispatched(self, keys: Iterable[str], prompt: int | None, replica: int | None) -> None:
         self._record(DISPATCHED, keys, prompt=prompt, replica=replica)
 
-    def generated(self, keys: Iterable[str], version: int, field: str) -> None:
-        """Generation writes the behaviour logprobs (``field``) with the sample."""
-        self._record(GENERATED, keys, version=version, field=field)
+    def generated(self, keys: Iterable[str], version: int, field: str,
+                  token_versions: Iterable[tuple[int, int]] = ()) -> None:
+        """Generation writes the behaviour logprobs (``field``) with the sample.
+        ``token_versions``: when weights changed mid-group (``update =
+        interrupt``), ``tokens`` holds ``[version, steps]`` runs over the
+        group's decode steps (a sample's tokens are the first of them) and
+        ``version`` is the oldest."""
+        runs = [[int(v), int(n)] for v, n in token_versions]
+        if runs:
+            self._record(GENERATED, keys, version=version, field=field, tokens=runs)
+        else:
+            self._record(GENERATED, keys, version=version, field=field)
 
-    def logprob(self, keys: Iterable[str], stage: str, field: str, versions: tuple[int, int] | None) -> None:
+    def logprob(self, keys: Iterable[str], stage: str, field: str, versions: tuple[int, int] | None,
+                batch_start: bool = False) -> None:
         """``versions``: the lowest and highest weight version the stage can
-        have computed with (equal when known exactly); None: frozen weights."""
+        have computed with (equal when known exactly); None: frozen weights.
+        ``batch_start``: scored with the trainer's weights at the start of
+        the step that trains them (the audit compares with that version)."""
         if versions is None:
             self._record(LOGPROB, keys, stage=stage, field=field, version=None, frozen=True)
+        elif batch_start:
+            self._record(LOGPROB, keys, stage=stage, field=field, version=versions[0], batch_start=True)
         elif versions[0] == versions[1]:
             self._record(LOGPROB, keys, stage=stage, field=field, version=versions[0])
         else:

@@ -29,6 +29,7 @@ STEP_ABORTED = "step_aborted"
 WORKER_DIED = "worker_died"  # its actor died and the work could not be redone
 ZERO_VARIANCE = "zero_variance"  # dynamic sampling: every sample of its group had the same reward
 STALE_LOGPROBS = "stale_logprobs"  # its behaviour logprobs came from other weights than generated it
+STEP_SKIPPED = "step_skipped"  # its step took no optimizer step (no tokens, an fp16 overflow)
 RUN_FINISHED = "run_finished"  # generated after the last step needed it
 RUN_STOPPED = "run_stopped"  # in the open step when the run was stopped (Ctrl-C)
 

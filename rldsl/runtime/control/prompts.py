@@ -12,11 +12,14 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import logging
 import random
 from typing import Iterator
 
 from rldsl.plan import PipelinePlan
 from rldsl.runtime.protocols import Prompt
+
+log = logging.getLogger(__name__)
 
 
 def mixture(pipe: PipelinePlan) -> list[tuple[str, float]]:
@@ -64,10 +67,36 @@ def load_source(pipe: PipelinePlan, source: str, split: str, seed: int) -> list[
     from rldsl.tasks import DatasetError, load_dataset
 
     try:
-        return _templated(pipe, load_dataset(source, split, **source_options(pipe, source, seed)))
+        rows = _templated(pipe, load_dataset(source, split, **source_options(pipe, source, seed)))
     except DatasetError as error:
         detail = str(error) if source.split(":", 1)[-1] in str(error) else f"{source}: {error}"
         raise DatasetError(f"dataset {pipe.datasets[0].name!r}: {detail}") from error
+    kept = within_prompt_budget(pipe, rows)
+    if rows and not kept:
+        raise DatasetError(f"dataset {pipe.datasets[0].name!r}: every {split} prompt of {source} is longer than "
+                           f"max_prompt_tokens = {pipe.datasets[0].options['max_prompt_tokens']}; raise it")
+    if len(kept) < len(rows):
+        log.warning("dataset %r: %d of %d %s prompts of %s are longer than max_prompt_tokens = %d and dropped",
+                    pipe.datasets[0].name, len(rows) - len(kept), len(rows), split, source,
+                    pipe.datasets[0].options["max_prompt_tokens"])
+    return kept
+
+
+def within_prompt_budget(pipe: PipelinePlan, prompts: list[Prompt]) -> list[Prompt]:
+    """The prompts of at most the dataset's ``max_prompt_tokens`` tokens of
+    the policy's tokenizer (after its chat template, as the engines encode
+    them); all of them when it is 0 (verl's ``filter_overlong_prompts``)."""
+    budget = pipe.datasets[0].options.get("max_prompt_tokens", 0)
+    if not budget:
+        return prompts
+    from rldsl.models import load_tokenizer
+
+    tokenizer = load_tokenizer(_policy_model(pipe).source)
+    return [p for p in prompts if len(tokenizer.encode(p.text, add_bos=True)) <= budget]
+
+
+def _policy_model(pipe: PipelinePlan):
+    return next(m for m in pipe.models if m.name == pipe.stage(pipe.batch.train_stage).model)
 
 
 def _templated(pipe: PipelinePlan, prompts: list[Prompt]) -> list[Prompt]:

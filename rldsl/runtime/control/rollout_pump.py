@@ -13,7 +13,7 @@ from rldsl.runtime.control.errors import WorkerLost
 from rldsl.runtime.control.sampler import DispatchPlan
 from rldsl.runtime.control.state import GeneratorReplica, RunState
 from rldsl.runtime.dataplane.base import sample_key
-from rldsl.runtime.protocols import FIELD_BEHAVIOUR_LOGPROBS, Generated, Prompt, RewardFailure
+from rldsl.runtime.protocols import FIELD_BEHAVIOUR_LOGPROBS, ComponentReward, Generated, Prompt, RewardFailure
 
 
 class RolloutPump:
@@ -150,7 +150,8 @@ class RolloutPump:
             state.drop(group, _failure_reason(error, outcomes.GENERATION_FAILED), error)
             return
         group.tokens = generated.tokens
-        state.journal.generated(group.keys, generated.version, FIELD_BEHAVIOUR_LOGPROBS)  # every engine records them
+        state.journal.generated(group.keys, generated.version, FIELD_BEHAVIOUR_LOGPROBS,  # every engine records them
+                                getattr(generated, "token_versions", ()))
         rewards = await self._score(group)
         if rewards is None:
             return
@@ -160,7 +161,7 @@ class RolloutPump:
             state.last_error["rollout"] = (f"dynamic sampling dropped {self.zero_variance_drops} groups whose "
                                            f"rewards were all {rewards[0]}")
             return
-        if not await self._logprobs(group):
+        if not await self._logprobs(group, generated.version):
             return
         state.buffer.commit(group.group_id, group.keys, rewards, generated.version)
         state.progress()
@@ -182,6 +183,7 @@ class RolloutPump:
         their reason. Returns the survivors' rewards, or None when none survived."""
         state = self.state
         totals = dict.fromkeys(group.keys, 0.0)
+        parts: dict[str, dict[str, float]] = {key: {} for key in group.keys}  # named components, per sample
         for stage in state.settings.reward_stages:
             alive = list(totals)
             outcomes_by_reason: dict[str, list[str]] = {}
@@ -191,10 +193,12 @@ class RolloutPump:
                     del totals[key]
                 else:
                     totals[key] += reward
+                    parts[key].update(getattr(reward, "parts", {}))
             for reason, failed in outcomes_by_reason.items():
                 state.ledger.dropped(failed, reason)
                 state.pending_clear.extend(failed)
         group.keys = tuple(totals)
+        group.reward_parts = tuple(parts[key] for key in totals) if any(parts.values()) else ()
         if not totals:
             state.buffer.release(group.group_id)
             state.changed.notify()
@@ -217,9 +221,13 @@ class RolloutPump:
             state.last_error["rollout"] = f"{failure.reason} ({stage}): {failure.detail}"
         return checked
 
-    async def _logprobs(self, group: Group) -> bool:
+    async def _logprobs(self, group: Group, generated_at: int) -> bool:
         state = self.state
         for stage in state.settings.logprob_stages:
+            if stage in state.settings.batch_start_logprob_stages:
+                continue  # the train pump calls it, at the trainer's version (train_pump.py)
+            if stage in state.settings.policy_logprob_stages:
+                await self._receivers_hold(generated_at)
             receivers_at_call = state.receivers_version
             try:
                 versions = await self._logprob_calls[stage](list(group.keys))
@@ -228,6 +236,14 @@ class RolloutPump:
                 return False
             state.journal_logprob(group.keys, stage, receivers_at_call, versions[0] if versions else None)
         return True
+
+
+    async def _receivers_hold(self, version: int) -> None:
+        """A policy logprob stage scores each row with the weights that
+        generated it: a push of that version still in transit lands first."""
+        state = self.state
+        while state.receivers_version < version and not state.training_done:
+            await state.changed.wait()
 
 
 def _failure_reason(error: BaseException, otherwise: str) -> str:
@@ -246,4 +262,6 @@ def _reward_or_failure(value: Any) -> float | RewardFailure:
         number = float(value)
     except (TypeError, ValueError):
         return RewardFailure(outcomes.REWARD_INVALID, f"not a number: {value!r}")
-    return number if math.isfinite(number) else RewardFailure(outcomes.REWARD_INVALID, f"not finite: {number}")
+    if not math.isfinite(number):
+        return RewardFailure(outcomes.REWARD_INVALID, f"not finite: {number}")
+    return value if isinstance(value, ComponentReward) else number  # it keeps its parts

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rldsl.plan import PipelinePlan, StalenessPlan, receives_weights
+from rldsl.plan import PipelinePlan, StalenessPlan, receives_weights, recomputes_at_batch_start
 from rldsl.runtime.control.advantages import ESTIMATORS, NORMALISATIONS
 from rldsl.runtime.protocols import MIB
 
@@ -49,6 +49,9 @@ class RunSettings:
     - ``policy_logprob_stages``: the logprob stages that score the policy
       being trained (they write ``behaviour_logprobs`` with the weights the
       sync pump pushes); the others are frozen references (``ref_logprobs``).
+      Those of them in ``batch_start_logprob_stages`` (``recompute =
+      batch_start``) are called by the train pump instead, for each group
+      it takes into a step, with the trainer's weights at the step's start.
     - ``generate_concurrency``: prompt groups kept in flight on each
       generator replica (it decodes them in one batch); 0 derives it: a
       step's groups spread over the replicas.
@@ -58,7 +61,8 @@ class RunSettings:
       first pass streams groups as they arrive. 0 = the whole step.
     - ``advantage`` / ``normalize``: the estimator and its scaling
       (``advantages.compute_advantages``); ``"batch"`` waits for the whole
-      rollout batch before its first microbatch.
+      rollout batch before its first microbatch. ``reward_clip`` /
+      ``advantage_clip`` bound rewards before and advantages after (0: off).
     - ``dynamic_sampling``: a group whose rewards are all equal is dropped
       (``zero_variance``) and another prompt is sampled in its place.
     - ``sleeping_replicas``: the generator replicas that share GPUs with the
@@ -84,6 +88,7 @@ class RunSettings:
     reward_stages: tuple[str, ...] = ()
     logprob_stages: tuple[str, ...] = ()
     policy_logprob_stages: tuple[str, ...] = ()
+    batch_start_logprob_stages: tuple[str, ...] = ()  # policy stages scoring at the trainer's version
     sync_bucket_bytes: int = 256 * MIB
     watchdog_timeout_s: float = 300.0
     advantage_eps: float = 1e-6
@@ -95,6 +100,8 @@ class RunSettings:
     ppo_epochs: int = 1
     advantage: str = "grpo"
     normalize: str = "group"
+    reward_clip: float = 0.0
+    advantage_clip: float = 0.0
     dynamic_sampling: bool = False
     replica_leases: tuple[tuple[str, ...], ...] = ()
     trainer_lease: tuple[str, ...] = ()
@@ -111,6 +118,7 @@ class RunSettings:
         _require(self.sync_bucket_bytes >= 1, "sync_bucket_bytes must be >= 1")
         _require(self.watchdog_timeout_s > 0, "watchdog_timeout_s must be > 0")
         _require(self.advantage_eps >= 0, "advantage_eps must be >= 0")
+        _require(self.reward_clip >= 0 and self.advantage_clip >= 0, "reward_clip and advantage_clip must be >= 0")
         _require(self.advantage in ESTIMATORS, f"advantage must be one of {', '.join(ESTIMATORS)}")
         _require(self.normalize in NORMALISATIONS, f"normalize must be one of {', '.join(NORMALISATIONS)}")
         if self.minibatch_groups == 0 or self.minibatch_groups > self.prompts_per_step:
@@ -118,6 +126,7 @@ class RunSettings:
         object.__setattr__(self, "reward_stages", tuple(self.reward_stages))
         object.__setattr__(self, "logprob_stages", tuple(self.logprob_stages))
         object.__setattr__(self, "policy_logprob_stages", tuple(self.policy_logprob_stages))
+        object.__setattr__(self, "batch_start_logprob_stages", tuple(self.batch_start_logprob_stages))
         object.__setattr__(self, "sleeping_replicas", tuple(sorted(set(self.sleeping_replicas))))
         object.__setattr__(self, "replica_leases", tuple(tuple(gpus) for gpus in self.replica_leases))
         object.__setattr__(self, "trainer_lease", tuple(self.trainer_lease))
@@ -193,6 +202,7 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None,
         logprob_stages=tuple(n for n in flow_order if n in stages and stages[n].kind == "logprob"),
         policy_logprob_stages=tuple(n for n in flow_order if n in stages and stages[n].kind == "logprob"
                                     and receives_weights("logprob", bool(stages[n].settings.get("frozen")))),
+        batch_start_logprob_stages=tuple(n for n in flow_order if n in stages and recomputes_at_batch_start(stages[n])),
         sync_bucket_bytes=int(sync.settings["bucket"]) if sync else 256 * MIB,
         watchdog_timeout_s=pipe.run.watchdog_s,
         seed=pipe.run.seed,
@@ -202,6 +212,8 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None,
         ppo_epochs=pipe.batch.ppo_epochs,
         advantage=train_settings.get("advantage", "grpo"),
         normalize=train_settings.get("normalize", "group"),
+        reward_clip=float(train_settings.get("reward_clip", 0.0)),
+        advantage_clip=float(train_settings.get("advantage_clip", 0.0)),
         dynamic_sampling=bool(train_settings.get("dynamic_sampling", False)),
         replica_leases=tuple(replica_leases(pipe, shared_gpus)),
         trainer_lease=_gpu_ids(train.ranks, shared_gpus),

@@ -197,18 +197,20 @@ class RunState:
             self.changed.notify()
 
     def journal_logprob(self, keys: Sequence[str], stage: str, receivers_at_call: int,
-                        reported: int | None = None) -> None:
+                        reported: int | None = None, batch_start: bool = False) -> None:
         """Journal a logprob stage's write. A frozen reference never changes
         weights; a policy stage scored with the version it ``reported``
         (the Ray workers do), or else with the receivers' weights, known
         exactly unless a push was in transit during the call: then they lie
         between the version they had when it was asked for and the newest
-        pushed since."""
+        pushed since. ``batch_start``: the train pump asked for the
+        trainer's version, ``receivers_at_call``."""
         if stage not in self.settings.policy_logprob_stages:
             self.journal.logprob(keys, stage, logprob_field(frozen=True), None)
             return
-        if reported is not None:
-            self.journal.logprob(keys, stage, logprob_field(frozen=False), (reported, reported))
+        if reported is not None or batch_start:
+            version = receivers_at_call if reported is None else reported
+            self.journal.logprob(keys, stage, logprob_field(frozen=False), (version, version), batch_start)
             return
         newest = max(self.receivers_version, self.receivers_incoming)
         self.journal.logprob(keys, stage, logprob_field(frozen=False), (receivers_at_call, newest))

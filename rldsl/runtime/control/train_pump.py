@@ -13,13 +13,12 @@ from rldsl.runtime.control import ledger as outcomes
 from rldsl.runtime.control.advantages import compute_advantages, needs_whole_batch
 from rldsl.runtime.control.buffer import Group, GroupState
 from rldsl.runtime.control.errors import StepFailed, StopRequested, TrainCallFailed, TrainerLost, WorkerLost
+from rldsl.runtime.control.gpu_turns import GpuTurns
 from rldsl.runtime.control.lanes import MicrobatchLanes
-from rldsl.runtime.control.leases import TRAIN
 from rldsl.runtime.control.state import RunState, resolve
 from rldsl.runtime.protocols import FIELD_ADVANTAGE, FIELD_REWARD, StepResult
 
 StepCallback = Callable[[dict], None]
-TRAINER_HOLDER = "trainer"  # the trainer's name with the lease scheduler
 
 
 @dataclass
@@ -31,7 +30,7 @@ class StepBuild:
     begun: bool = False
 
 
-class TrainPump:
+class TrainPump(GpuTurns):
     """Builds each step from ready groups: lazy begin, one microbatch per group
     as it arrives (all data-parallel replicas busy at once, see lanes.py),
     one finish, one weight export and one data-plane clear; abort on failure."""
@@ -152,13 +151,13 @@ class TrainPump:
     def _batch_advantages(self, groups: list[Group]) -> dict[int, list[float]]:
         settings = self.state.settings
         values = compute_advantages([list(g.rewards) for g in groups], settings.advantage, settings.normalize,
-                                    settings.advantage_eps)
+                                    settings.advantage_eps, settings.reward_clip, settings.advantage_clip)
         return {group.group_id: advantage for group, advantage in zip(groups, values)}
 
     def _group_advantages(self, group: Group) -> list[float]:
         settings = self.state.settings
         return compute_advantages([list(group.rewards)], settings.advantage, settings.normalize,
-                                  settings.advantage_eps)[0]
+                                  settings.advantage_eps, settings.reward_clip, settings.advantage_clip)[0]
 
     async def _drain(self) -> None:
         self.activity = f"waiting for the step's last microbatches: {self.lanes.describe()}"
@@ -178,73 +177,6 @@ class TrainPump:
             raise TrainCallFailed("optimizer_step", RuntimeError("these stages take one optimizer step per rollout "
                                                                  "batch: leave global_batch and ppo_epochs out"))
         await self._call("optimizer_step", call, step.batch_index)
-
-    async def _generation_phase(self, step: StepBuild) -> None:
-        """The step starts once all its groups are ready and the generator
-        replicas on the trainer's GPUs are idle; those then sleep (or give
-        their leases back) until it finishes, and the trainer takes its GPUs.
-        From the moment the step's groups are all dispatched those replicas
-        take no new groups; the others keep generating."""
-        state, per_step = self.state, self.state.settings.prompts_per_step
-        sleepers = state.sleepers()
-        self.activity = "colocated: waiting for the step's groups before the generators on its GPUs sleep"
-        while True:
-            covered = state.prompts_exhausted or state.buffer.outstanding + state.consumed_in_step >= per_step
-            if covered != state.draining_sleepers:
-                state.draining_sleepers = covered
-                state.changed.notify()
-            ready = (state.sampler.count_eligible(state.buffer, state.trainer_version, step.batch_index) >= per_step
-                     or (state.prompts_exhausted and state.buffer.count(GroupState.RESERVED) == 0))
-            if ready and all(r.in_flight == 0 and not r.receiving for r in sleepers):
-                break
-            await self._wait_unless_stopped()
-        for replica in sleepers:
-            replica.asleep = True
-        state.changed.notify()
-        if sleepers:
-            self.activity = "colocated: putting the generators on the trainer's GPUs to sleep"
-            try:
-                await state.stages.sleep_generators([r.index for r in sleepers])
-            except WorkerLost as lost:  # a replica that is gone holds no GPU memory either
-                state.lose_replica(lost)
-        await self._take_trainer_gpus()
-        self.activity = None
-
-    async def _take_trainer_gpus(self) -> None:
-        """The trainer's GPU lease (when it shares them with other pipelines),
-        then its state back onto them."""
-        state = self.state
-        if state.settings.trainer_lease:
-            self.activity = f"waiting for the lease of GPUs {', '.join(state.settings.trainer_lease)}"
-            await state.acquire_lease(TRAINER_HOLDER, state.settings.trainer_lease, TRAIN)
-        self.activity = "taking the trainer's GPUs back from generation"
-        state.trainer_resident = True
-        await state.stages.wake_trainer()
-
-    async def _wake_generators(self) -> None:
-        """The trainer offloads and gives its lease back; replicas it put to
-        sleep wake, refreshed from the host bucket cache (leased replicas
-        wake through their own leases, lease_pump.py)."""
-        state = self.state
-        if state.trainer_resident:
-            self.activity = "offloading the trainer for generation"
-            await state.stages.sleep_trainer()
-            state.trainer_resident = False
-        if state.settings.trainer_lease:
-            await state.leases.release(TRAINER_HOLDER)  # only once its memory is released
-        asleep = [r for r in state.replicas if r.asleep and not r.leased]
-        if asleep:
-            self.activity = f"colocated: waking the generators, refreshed to version {state.exported_version}"
-            try:
-                await state.stages.wake_generators([r.index for r in asleep], state.exported_version)
-            except WorkerLost as lost:
-                state.lose_replica(lost)
-            for replica in asleep:
-                replica.asleep = False
-                replica.version = max(replica.version, state.exported_version)
-        self.activity = None
-        state.draining_sleepers = False
-        state.changed.notify()
 
     async def _wait_unless_stopped(self) -> None:
         if self.state.stop_requested:
@@ -280,7 +212,8 @@ class TrainPump:
         """Train one group on ``replica``; its rewards and ``advantages`` go to
         the data plane first (None: a later pass, they are there already)."""
         state = self.state
-        if advantages is not None:
+        if advantages is not None:  # the group's first pass
+            await self._recompute_logprobs(step, group)
             fields = {
                 FIELD_REWARD: torch.tensor(group.rewards, dtype=torch.float32),
                 FIELD_ADVANTAGE: torch.tensor(advantages, dtype=torch.float32),
@@ -299,6 +232,24 @@ class TrainPump:
             group.refused = frozenset(refused) & frozenset(group.keys)
         state.progress()
 
+    async def _recompute_logprobs(self, step: StepBuild, group: Group) -> None:
+        """``recompute = batch_start`` (verl's and ROLL's old-log-prob
+        recompute): the group's behaviour logprobs, scored with the weights
+        the trainer holds at the step's start (its version until finish:
+        mini-batch optimizer steps push nothing), once that version has
+        reached the stage. The fence then compares with the trainer's version."""
+        state = self.state
+        for stage in state.settings.batch_start_logprob_stages:
+            while state.receivers_version < step.version:
+                await self._wait_unless_stopped()
+            try:
+                with state.meter(f"logprob:{stage}").track():
+                    versions = await state.stages.logprob(stage, list(group.keys), step.version)
+            except Exception as error:
+                raise TrainCallFailed(f"the batch-start logprobs of `{stage}`", error) from error
+            state.journal_logprob(group.keys, stage, step.version, versions[0] if versions else None,
+                                  batch_start=True)
+
     async def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
         self.activity = f"in {name}"
         try:
@@ -312,10 +263,15 @@ class TrainPump:
     async def _close_step(self, step: StepBuild, result: StepResult) -> None:
         state = self.state
         lags: Counter[int] = Counter()
+        skipped = bool((result.metrics or {}).get("skipped"))  # the weights did not change: nothing was trained
         for group in step.groups:
             lag = group.lag_at(step.version)
             trained = [key for key in group.keys if key not in group.refused]
-            state.ledger.trained(trained, lag, step=state.finished_steps + 1, version=step.version)
+            if skipped:
+                state.ledger.dropped(trained, outcomes.STEP_SKIPPED)
+                trained = []
+            else:
+                state.ledger.trained(trained, lag, step=state.finished_steps + 1, version=step.version)
             if group.refused:  # the trainer's fence masked them out of the loss
                 state.ledger.dropped(sorted(group.refused), outcomes.STALE_LOGPROBS)
             lags[lag] += len(trained)
@@ -396,6 +352,7 @@ class TrainPump:
                 "busy": state.busy_fractions(),
                 "dropped": state.ledger.summary()["dropped"],
                 "trainer": dict(result.metrics),
+                **_component_means(step.groups),
             }
         )
 
@@ -408,3 +365,13 @@ def _trainer_lost(lost: WorkerLost, call: str) -> TrainerLost:
 def _mean(values) -> float | None:
     values = list(values)
     return sum(values) / len(values) if values else None
+
+
+def _component_means(groups) -> dict:
+    """``{"reward_components": {name: mean}}`` over the step's samples, when
+    a reward stage has named components (else nothing: the record is as before)."""
+    names = dict.fromkeys(name for g in groups for parts in g.reward_parts for name in parts)
+    if not names:
+        return {}
+    return {"reward_components": {name: _mean(parts[name] for g in groups for parts in g.reward_parts
+                                              if name in parts) for name in names}}

@@ -193,19 +193,22 @@ def align_to_responses(fields: dict) -> dict:
     return fields
 
 
-def refuse_stale_logprobs(fields: dict) -> list[int]:
+def refuse_stale_logprobs(fields: dict, expected: int | None = None) -> list[int]:
     """The fence before a row reaches the loss: a row whose behaviour logprobs
     were computed with other weights than generated it (a policy logprob
     stage that had moved on) would give a wrong importance ratio. Such rows
     are masked out of the loss (their response mask zeroed: they count as no
     token and no sequence) and their indices returned, for the controller to
     drop them. Rows whose behaviour logprobs came with the sample (written by
-    the generator, no version field) are current by construction."""
+    the generator, no version field) are current by construction.
+    ``expected``: the version every row must have been scored with instead
+    of its generating one (``recompute = batch_start``: the trainer's)."""
     written_at = fields.get(version_field(FIELD_BEHAVIOUR_LOGPROBS))
     generated_at = fields.get(FIELD_VERSION)
     if written_at is None or generated_at is None:
         return []
-    stale = (written_at.reshape(-1) != generated_at.reshape(-1)).nonzero().reshape(-1).tolist()
+    wanted = generated_at.reshape(-1) if expected is None else expected
+    stale = (written_at.reshape(-1) != wanted).nonzero().reshape(-1).tolist()
     if stale:
         mask = fields[FIELD_RESPONSE_MASK].clone()
         mask[stale] = 0

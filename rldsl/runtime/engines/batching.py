@@ -5,16 +5,22 @@ several threads at once. Decoding each group alone wastes the accelerator
 (a group is a few rows); the batcher gathers the groups into one running
 batch on a single decode thread, the only thread that touches the engine.
 
-Two engine styles, told apart by the methods they have:
+Three engine styles, told apart by the methods they have:
 
 - stepwise (``admit`` / ``decode_step`` / ``finish_request`` /
   ``abort_requests`` / ``rows_in_flight``; the torch engine): requests join
   the running batch between decode steps and each leaves, its Batch returned
   to its caller, as soon as its own rows have ended;
-- whole-batch (``generate_groups(requests) -> list[Batch]``; vLLM, which
-  schedules continuously inside one call, and the sim engine): every queued
-  request goes into one call, requests arriving meanwhile into the next. A
-  slot of the returned list may hold an exception: that request failed alone.
+- streaming (``start_group(request) -> concurrent.futures.Future`` and
+  ``streams`` true; vLLM's ``AsyncLLM``, SGLang's async engine, the sim
+  engine in a run): each request is handed to the engine the moment it is
+  admitted and each is answered the moment its own future completes, so
+  groups finish independently and out of order;
+- whole-batch (``generate_groups(requests) -> list[Batch]``; vLLM's and
+  SGLang's offline engines, a sim engine built without ``streaming``):
+  every queued request goes into one call, requests arriving meanwhile into
+  the next: a wave, whose groups all wait for its longest. A slot of the
+  returned list may hold an exception: that request failed alone.
 
 An engine with neither is driven through ``generate``, one request at a time.
 
@@ -24,79 +30,62 @@ stops admitting, lets the rows in flight finish with the old weights,
 applies the staged buckets in place through the engine's own
 ``update_weights`` and admits again: no sample mixes two versions, and
 generation stops only for the in-place copy. Only the newest complete
-version is applied.
+version is applied. That is ``update = between_requests``. With ``update =
+interrupt`` (stepwise engines that say ``interrupts``: torch) a complete
+version is applied at the next decode-step boundary with the rows still in
+flight; the engine resumes them under the new weights and records the
+version of every token (AReaL's partial rollouts).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from rldsl.runtime.engines.batch_requests import (
+    UPDATE_BETWEEN_REQUESTS,
+    UPDATE_INTERRUPT,
+    UPDATE_MODES,
+    Pending,
+    Request,
+    StagedVersion,
+    future_outcome,
+    host_copy,
+    result_or_error,
+    run_into,
+)
 from rldsl.runtime.protocols import Batch, Prompt
-
-Request = tuple[list[Prompt], int, int]  # (prompts, samples_per_prompt, seed)
-
-
-@dataclass(eq=False)
-class _Pending:
-    """One submitted request and the caller waiting for it."""
-
-    prompts: list[Prompt]
-    samples_per_prompt: int
-    seed: int
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: BaseException | None = None
-
-    @property
-    def rows(self) -> int:
-        return len(self.prompts) * self.samples_per_prompt
-
-    @property
-    def request(self) -> Request:
-        return self.prompts, self.samples_per_prompt, self.seed
-
-    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
-        self.result, self.error = result, error
-        self.done.set()
-
-    def wait(self) -> Any:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-@dataclass
-class _StagedVersion:
-    version: int
-    buckets: list[dict] = field(default_factory=list)
 
 
 class ContinuousBatcher:
     """Serves concurrent ``submit`` calls from one running batch.
 
     ``max_rows`` caps the rows decoded together (None: no cap); a request
-    larger than the cap still runs, alone."""
+    larger than the cap still runs, alone. ``update``: when a complete weight
+    version is applied (``between_requests`` or ``interrupt``, see above)."""
 
-    def __init__(self, engine, max_rows: int | None = None):
+    def __init__(self, engine, max_rows: int | None = None, update: str = UPDATE_BETWEEN_REQUESTS):
         self.engine = engine
         self.max_rows = max_rows
         self._stepwise = all(hasattr(engine, name) for name in ("admit", "decode_step", "finish_request"))
+        self._streaming = not self._stepwise and bool(getattr(engine, "streams", False))
+        self._interrupts = _interrupt_mode(engine, update, self._stepwise)
         self._lock = threading.Condition()
-        self._queue: deque[_Pending] = deque()
-        self._in_flight: dict[int, _Pending] = {}  # stepwise engines: engine request id -> request
+        self._queue: deque[Pending] = deque()
+        self._in_flight: dict[int, Pending] = {}  # stepwise engines: engine request id -> request
+        self._streams: set[Pending] = set()  # streaming engines: requests the engine is decoding
         self._in_call = 0  # whole-batch engines: requests in the running call
-        self._idle_calls: deque[tuple[Callable, _Pending]] = deque()  # run between batches
-        self._receiving: _StagedVersion | None = None  # a version whose last bucket has not arrived
-        self._ready: _StagedVersion | None = None  # complete, waiting for the rows in flight
+        self._idle_calls: deque[tuple[Callable, Pending]] = deque()  # run between batches
+        self._receiving: StagedVersion | None = None  # a version whose last bucket has not arrived
+        self._ready: StagedVersion | None = None  # complete, waiting for the rows in flight
         self._weight_error: BaseException | None = None
         self._asleep = False
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._stats = {"batches": 0, "max_rows": 0, "rows_decoded": 0, "requests": 0, "weight_swaps": 0}
+        self._stats = {"batches": 0, "max_rows": 0, "rows_decoded": 0, "requests": 0, "weight_swaps": 0,
+                       "interrupts": 0}
 
     # -- callers ----------------------------------------------------------------------
 
@@ -104,7 +93,7 @@ class ContinuousBatcher:
         """Block until this request's rows are decoded; rows prompt-major, one version."""
         if not prompts or samples_per_prompt < 1:
             raise ValueError("generate needs at least one prompt and samples_per_prompt >= 1")
-        pending = _Pending(list(prompts), samples_per_prompt, seed)
+        pending = Pending(list(prompts), samples_per_prompt, seed)
         with self._lock:
             self._require_open()
             self._queue.append(pending)
@@ -116,11 +105,11 @@ class ContinuousBatcher:
     def update_weights(self, bucket: Mapping[str, Any], version: int, last: bool) -> None:
         """Stage a host copy of ``bucket`` and return; a complete version is
         applied once the rows in flight have finished."""
-        copy = {name: _host_copy(value) for name, value in bucket.items()}
+        copy = {name: host_copy(value) for name, value in bucket.items()}
         with self._lock:
             self._raise_weight_error()
             if self._receiving is None:
-                self._receiving = _StagedVersion(version)
+                self._receiving = StagedVersion(version)
             elif self._receiving.version != version:
                 raise RuntimeError(
                     f"weight bucket for version {version} arrived while version {self._receiving.version} "
@@ -151,7 +140,7 @@ class ContinuousBatcher:
     def run_idle(self, function: Callable[[Any], Any]) -> Any:
         """``function(engine)`` on the decode thread once no rows are in flight
         (e.g. greedy evaluation); its result, or its exception."""
-        pending = _Pending([], 0, 0)
+        pending = Pending([], 0, 0)
         with self._lock:
             self._require_open()
             self._idle_calls.append((function, pending))
@@ -181,11 +170,12 @@ class ContinuousBatcher:
             return None if self._ready is None else self._ready.version
 
     def stats(self) -> dict[str, int]:
-        """``batches`` (decode steps or engine calls), ``max_rows`` (peak rows
-        decoded together), ``rows_decoded`` (rows returned), ``requests``,
-        ``weight_swaps``, and ``queued`` / ``in_flight`` now."""
+        """``batches`` (decode steps, engine calls or admissions), ``max_rows``
+        (peak rows decoded together), ``rows_decoded`` (rows returned),
+        ``requests``, ``weight_swaps``, ``interrupts`` (swaps with rows in
+        flight), and ``queued`` / ``in_flight`` now."""
         with self._lock:
-            in_flight = len(self._in_flight) + self._in_call
+            in_flight = len(self._in_flight) + len(self._streams) + self._in_call
             return {**self._stats, "queued": len(self._queue), "in_flight": in_flight}
 
     # -- the decode thread --------------------------------------------------------------
@@ -211,39 +201,43 @@ class ContinuousBatcher:
         """Block until there is something to do; None once closed and drained."""
         with self._lock:
             while True:
-                idle = not self._in_flight
+                idle = not self._in_flight and not self._streams
                 if idle and self._idle_calls:
                     function, pending = self._idle_calls.popleft()
-                    return lambda: _run_into(pending, function, self.engine)
-                if idle and self._ready is not None and not self._asleep:
-                    staged, self._ready = self._ready, None
+                    return lambda: run_into(pending, function, self.engine)
+                if self._ready is not None and not self._asleep and (idle or self._interrupts):
+                    staged, self._ready = self._ready, None  # interrupt: at this decode-step boundary
                     return lambda: self._apply(staged)
                 admitted = self._take_admissible()
-                if admitted or self._in_flight:
+                if admitted or (self._stepwise and self._in_flight):
                     return lambda: self._decode(admitted)
-                if self._closed:
+                if self._closed and not self._streams:  # streams in flight still resolve their callers
                     self._fail_idle_calls()
                     return None
                 self._lock.wait()
 
-    def _take_admissible(self) -> list[_Pending]:
+    def _take_admissible(self) -> list[Pending]:
         """Queued requests that may join now (lock held): none while asleep,
-        while a weight swap or an idle call waits for the rows in flight."""
-        if self._asleep or self._ready is not None or self._idle_calls or self._closed:
+        while a weight swap (between requests) or an idle call waits for the
+        rows in flight."""
+        swap_waits = self._ready is not None and not self._interrupts
+        if self._asleep or swap_waits or self._idle_calls or self._closed:
             return []
-        rows = sum(pending.rows for pending in self._in_flight.values())
+        rows = sum(pending.rows for pending in [*self._in_flight.values(), *self._streams])
         admitted = []
         while self._queue and (self.max_rows is None or rows == 0 or rows + self._queue[0].rows <= self.max_rows):
             admitted.append(self._queue.popleft())
             rows += admitted[-1].rows
         return admitted
 
-    def _decode(self, admitted: list[_Pending]) -> None:
+    def _decode(self, admitted: list[Pending]) -> None:
         try:
             if self._stepwise:
                 self._admit(admitted)
                 if self._in_flight:
                     self._step()
+            elif self._streaming:
+                self._start_streams(admitted)
             else:
                 self._whole_batch(admitted)
         except Exception as error:  # a bug, not an engine error: no caller may wait forever
@@ -252,7 +246,7 @@ class ContinuousBatcher:
                     pending.resolve(error=error)
             raise
 
-    def _admit(self, admitted: list[_Pending]) -> None:
+    def _admit(self, admitted: list[Pending]) -> None:
         if not admitted:
             return
         try:
@@ -280,12 +274,39 @@ class ContinuousBatcher:
             try:
                 batch = self.engine.finish_request(request_id)
             except Exception as error:
-                _result_or_error(self.engine.abort_requests, [request_id])
+                result_or_error(self.engine.abort_requests, [request_id])
                 pending.resolve(error=error)
                 continue
             self._deliver(pending, batch)
 
-    def _whole_batch(self, admitted: list[_Pending]) -> None:
+    def _start_streams(self, admitted: list[Pending]) -> None:
+        """Hand each request to the engine now; its future's completion answers it."""
+        with self._lock:
+            self._streams.update(admitted)
+            rows = sum(pending.rows for pending in self._streams)
+        self._count_batch(rows)
+        for pending in admitted:
+            try:
+                future = self.engine.start_group(pending.request)
+            except Exception as error:
+                self._stream_ended(pending, None, error)
+                continue
+            future.add_done_callback(functools.partial(self._finish_stream, pending))
+
+    def _finish_stream(self, pending: Pending, future) -> None:
+        """A streamed request's future completed (on the engine's thread)."""
+        self._stream_ended(pending, *future_outcome(future))
+
+    def _stream_ended(self, pending: Pending, batch: Batch | None, error: BaseException | None) -> None:
+        with self._lock:
+            self._streams.discard(pending)
+            self._lock.notify_all()  # a swap or an idle call may wait for the streams to drain
+        if error is not None:
+            pending.resolve(error=error)
+        else:
+            self._deliver(pending, batch)
+
+    def _whole_batch(self, admitted: list[Pending]) -> None:
         self._count_batch(sum(pending.rows for pending in admitted))
         with self._lock:
             self._in_call = len(admitted)
@@ -307,9 +328,9 @@ class ContinuousBatcher:
     def _generate_groups(self, requests: list[Request]) -> list:
         if hasattr(self.engine, "generate_groups"):
             return self.engine.generate_groups(requests)
-        return [_result_or_error(self.engine.generate, *request) for request in requests]
+        return [result_or_error(self.engine.generate, *request) for request in requests]
 
-    def _deliver(self, pending: _Pending, batch: Batch) -> None:
+    def _deliver(self, pending: Pending, batch: Batch) -> None:
         with self._lock:
             self._stats["rows_decoded"] += pending.rows
             self._stats["requests"] += 1
@@ -324,7 +345,7 @@ class ContinuousBatcher:
         with self._lock:
             failed, self._in_flight = list(self._in_flight.values()), {}
         if self._stepwise:  # the requests fail with the original error even if this raises
-            _result_or_error(self.engine.abort_requests, None)
+            result_or_error(self.engine.abort_requests, None)
         for pending in failed:
             pending.resolve(error=error)
 
@@ -334,9 +355,14 @@ class ContinuousBatcher:
 
     # -- weights and sleep (decode thread, nothing in flight) -----------------------------
 
-    def _apply(self, staged: _StagedVersion) -> None:
+    def _apply(self, staged: StagedVersion) -> None:
         try:
+            with self._lock:
+                interrupting = bool(self._in_flight)
             self._apply_buckets(staged.buckets, staged.version)
+            if interrupting:
+                with self._lock:
+                    self._stats["interrupts"] += 1
         except Exception as error:  # nobody waits for a staged push: the next push hears of it
             with self._lock:
                 self._weight_error = error
@@ -376,22 +402,11 @@ class ContinuousBatcher:
             raise RuntimeError("the batcher was closed")
 
 
-def _host_copy(value: Any) -> Any:
-    """A host-memory clone of a tensor (the sender may reuse its buffer); other values as they are."""
-    if hasattr(value, "detach"):
-        return value.detach().to("cpu", copy=True)
-    return value
-
-
-def _result_or_error(function: Callable, *args) -> Any:
-    try:
-        return function(*args)
-    except Exception as error:
-        return error
-
-
-def _run_into(pending: _Pending, function: Callable, engine) -> None:
-    try:
-        pending.resolve(result=function(engine))
-    except Exception as error:
-        pending.resolve(error=error)
+def _interrupt_mode(engine, update: str, stepwise: bool) -> bool:
+    """Whether staged versions interrupt decoding; refuses an engine that cannot resume its rows."""
+    if update not in UPDATE_MODES:
+        raise ValueError(f"update = {update!r}: expected one of {', '.join(UPDATE_MODES)}")
+    if update == UPDATE_INTERRUPT and not (stepwise and getattr(engine, "interrupts", False)):
+        raise ValueError(f"update = interrupt needs an engine that resumes its rows under new weights "
+                         f"(torch); {type(engine).__name__} cannot: use update = between_requests")
+    return update == UPDATE_INTERRUPT

@@ -40,30 +40,37 @@ def _sim_latency(stage: StagePlan):
                             args.get("tail_factor", 1.0))
 
 
+def sampling_settings(stage: StagePlan) -> dict:
+    """A generate stage's sampling, as every generator engine takes it (plans
+    saved before `top_k` and `stop_token_ids` existed sample as they did)."""
+    settings = stage.settings
+    return {"max_new_tokens": settings["max_new_tokens"], "temperature": settings["temperature"],
+            "top_p": settings["top_p"], "top_k": settings.get("top_k", 0),
+            "stop_token_ids": tuple(settings.get("stop_token_ids", ()))}
+
+
 def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int):
     name = stage.engine.name
     if name == "sim":
         from rldsl.runtime.engines.sim import SimGenerator
 
-        return SimGenerator(_sim_latency(stage), seed=seed, max_new_tokens=stage.settings.get("max_new_tokens", 16))
+        return SimGenerator(_sim_latency(stage), seed=seed, max_new_tokens=stage.settings.get("max_new_tokens", 16),
+                            streaming=True)  # groups finish independently, as on vLLM's and SGLang's async engines
     if name == "torch":
         from rldsl.runtime.engines.torch.generate import TorchGenerator
 
         model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
-        return TorchGenerator(model, max_new_tokens=stage.settings["max_new_tokens"],
-                              temperature=stage.settings["temperature"], top_p=stage.settings["top_p"])
+        return TorchGenerator(model, **sampling_settings(stage))
     if name == "vllm":
         from rldsl.runtime.engines.vllm import VLLMGenerator
 
         return VLLMGenerator.from_path(_hf_path(pipe, stage), _vllm_options(stage), seed=seed,
-                                       max_new_tokens=stage.settings["max_new_tokens"],
-                                       temperature=stage.settings["temperature"], top_p=stage.settings["top_p"])
+                                       **sampling_settings(stage))
     if name == "sglang":
         from rldsl.runtime.engines.sglang import SGLangGenerator
 
         return SGLangGenerator.from_path(_hf_path(pipe, stage), _sglang_options(stage), seed=seed,
-                                         max_new_tokens=stage.settings["max_new_tokens"],
-                                         temperature=stage.settings["temperature"], top_p=stage.settings["top_p"])
+                                         **sampling_settings(stage))
     raise _unavailable(stage)
 
 
@@ -100,6 +107,23 @@ def build_logprob(stage: StagePlan, pipe: PipelinePlan, seed: int):
                                                rows_per_forward=stage.settings.get("micro_batch"),
                                                tokens_per_forward=stage.settings.get("micro_batch_tokens", 0),
                                                seed=pipe.run.seed)
+    raise _unavailable(stage)
+
+
+def build_judge(stage: StagePlan, pipe: PipelinePlan, seed: int):
+    """A reward stage's reward model (engines/judge.py): a scoring classifier
+    (torch) or a generating judge (torch or vLLM); frozen, never synced."""
+    from rldsl.runtime.engines import judge
+
+    name, settings = stage.engine.name, stage.settings
+    if settings.get("judge", "score") == "score" and name == "torch":
+        return judge.ScoreJudge(_hf_path(pipe, stage), dtype=stage.engine.args.get("dtype", "fp32"),
+                                rows_per_forward=settings.get("micro_batch", 8))
+    if name == "torch":
+        model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)  # the builtin model: the cached warm start
+        return judge.GenerativeJudge(model, settings["max_new_tokens"], settings.get("micro_batch", 8))
+    if name == "vllm" and settings.get("judge") == "generate":
+        return judge.VLLMGenerativeJudge(_hf_path(pipe, stage), _vllm_options(stage), seed, settings["max_new_tokens"])
     raise _unavailable(stage)
 
 
@@ -145,9 +169,12 @@ def training_options(stage: StagePlan, pipe: PipelinePlan) -> dict:
     """The trainer arguments a train stage's settings give (``.get`` with the
     language's defaults, so plans written before a key existed still build)."""
     settings = stage.settings
+    betas = settings.get("adam_betas")  # None: the engine's own
     return {
         "loss": loss_options(settings.get("loss", {})),
         "lr": settings["lr"],
+        **({"betas": tuple(betas)} if betas else {}),
+        "eps": settings.get("adam_eps", 1e-8),
         "weight_decay": settings.get("weight_decay", 0.0),
         "max_grad_norm": settings.get("max_grad_norm", 1.0) or None,
         "rows_per_forward": settings.get("micro_batch") or pipe.batch.micro_batch,
@@ -178,7 +205,7 @@ def lr_schedule(stage: StagePlan, pipe: PipelinePlan):
     settings = stage.settings
     total = pipe.run.steps * pipe.batch.optimizer_steps_per_step
     return LRSchedule(settings.get("lr_schedule", "constant"), settings.get("warmup", 0), total,
-                      settings.get("min_lr", 0.0))
+                      settings.get("min_lr", 0.0), settings.get("warmup_start_lr", 0.0))
 
 
 def _model(pipe: PipelinePlan, stage: StagePlan) -> ModelPlan:

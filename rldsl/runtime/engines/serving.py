@@ -4,8 +4,11 @@ Nothing here imports either library."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable
 
 import torch
 
@@ -168,10 +171,12 @@ class ServingGeneration:
     """The generation side's sampling settings, single-request ``generate``
     and ``decode`` over the subclass's ``generate_groups``."""
 
-    def _set_sampling(self, max_new_tokens: int, temperature: float, top_p: float) -> None:
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+    def _set_sampling(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int = 0,
+                      stop_token_ids: Sequence[int] = ()) -> None:
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.top_k, self.stop_token_ids = top_k, tuple(stop_token_ids)
 
     def generate(self, prompts: list[Prompt], samples_per_prompt: int, seed: int) -> Batch:
         """Rows prompt-major; each prompt's samples are seeded from ``seed``."""
@@ -205,3 +210,41 @@ def scoring_rows(batch: Batch) -> tuple[list[list[int]], list[int], list[int]]:
         prompt_lengths.append(len(prompt))
         response_lengths.append(length)
     return rows, prompt_lengths, response_lengths
+
+
+class EventLoopThread:
+    """An asyncio loop on a daemon thread of its own, for an engine's async
+    API: ``submit`` schedules a coroutine there and returns its
+    ``concurrent.futures.Future`` (the batcher's thread never blocks on it),
+    ``run`` waits for one (weight updates, sleep: called between requests)."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coroutine) -> Future:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def run(self, coroutine) -> Any:
+        return self.submit(coroutine).result()
+
+
+def then(future: Future, convert: Callable[[Any], Any]) -> Future:
+    """A future holding ``convert(result)`` of ``future``, or its error."""
+    converted: Future = Future()
+
+    def finish(done: Future) -> None:
+        try:
+            converted.set_result(convert(done.result()))
+        except BaseException as error:
+            converted.set_exception(error)
+
+    future.add_done_callback(finish)
+    return converted
+
+
+def failed(error: BaseException) -> Future:
+    future: Future = Future()
+    future.set_exception(error)
+    return future

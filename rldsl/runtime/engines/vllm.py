@@ -24,6 +24,12 @@ over duck-typed vLLM objects and is tested without vLLM.
 - Colocated placement: ``enable_sleep_mode`` lets ``sleep`` release the GPU
   (level 1 keeps the weights in host memory, level 2 drops them: use it only
   when a full weight sync follows every wake) and ``wake`` take it back.
+- Streaming: a generator built ``from_path`` runs on vLLM's ``AsyncLLM``
+  (``vllm_async.AsyncLLMBridge``, its own event-loop thread): ``start_group`` submits a
+  group's prompts the moment the batcher admits it and its future completes
+  when that group's last sequence ends, so groups finish independently. A
+  generator over the offline ``LLM`` serves whole-batch waves
+  (``generate_groups``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import io
 import itertools
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +46,7 @@ import torch
 
 from rldsl.runtime.engines.serving import (
     TORCH_DTYPE_NAMES,
+    EventLoopThread,
     ServingEngine,
     ServingGeneration,
     bucket_items,
@@ -48,7 +56,9 @@ from rldsl.runtime.engines.serving import (
     request_seeds,
     sampled_batch,
     scoring_rows,
+    then,
 )
+from rldsl.runtime.engines.vllm_async import AsyncLLMBridge
 from rldsl.runtime.engines.torch.common import decode_responses
 from rldsl.runtime.protocols import (
     FIELD_RESPONSE_IDS,
@@ -65,11 +75,13 @@ INSTALL_HINT = "the vllm engine needs vLLM on a GPU machine: pip install 'rldsl[
 
 
 def sampling_options(samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float,
-                     seed: int | None) -> dict[str, Any]:
+                     seed: int | None, top_k: int = 0, stop_token_ids: Sequence[int] = ()) -> dict[str, Any]:
     """``SamplingParams`` arguments for one prompt: ``n`` samples, and the
-    log-probability of each sampled token (``logprobs = 0``: none besides it)."""
+    log-probability of each sampled token (``logprobs = 0``: none besides it).
+    ``top_k`` 0 is vLLM's -1 (every token)."""
     return {"n": samples_per_prompt, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-            "seed": seed, "logprobs": 0, "detokenize": False}
+            "top_k": top_k or -1, "stop_token_ids": list(stop_token_ids), "seed": seed, "logprobs": 0,
+            "detokenize": False}
 
 
 
@@ -221,6 +233,25 @@ def create_llm(model_path: str, options: VLLMOptions, seed: int):
     return vllm.LLM(**options.llm_kwargs(model_path, seed))
 
 
+def create_async_llm(model_path: str, options: VLLMOptions, seed: int) -> AsyncLLMBridge:
+    """vLLM's ``AsyncLLM`` with the offline engine's arguments, on a loop thread of its own."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if options.spans_nodes:
+        _share_ray_address()
+    try:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    loop = EventLoopThread("vllm-async")
+
+    async def build():  # inside the loop: AsyncLLM's output handler binds to the running loop
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**options.llm_kwargs(model_path, seed)))
+
+    return AsyncLLMBridge(loop.run(build()), loop)
+
+
 def _share_ray_address() -> None:
     """vLLM's engine process (spawned) starts the Ray executor's workers:
     it must join this actor's Ray, and the group it finds (vLLM reads the
@@ -273,13 +304,34 @@ class VLLMGenerator(ServingGeneration, _VLLMEngine):
     """``protocols.GenerationEngine`` over vLLM."""
 
     def __init__(self, llm, tokenizer, options: VLLMOptions = VLLMOptions(), *, max_new_tokens: int = 64,
-                 temperature: float = 1.0, top_p: float = 1.0, make_sampling_params=None):
-        self._set_sampling(max_new_tokens, temperature, top_p)
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = (),
+                 make_sampling_params=None):
+        self._set_sampling(max_new_tokens, temperature, top_p, top_k, stop_token_ids)
         super().__init__(llm, tokenizer, options, make_sampling_params)
 
     @classmethod
     def from_path(cls, model_path: str, options: VLLMOptions = VLLMOptions(), seed: int = 0, **sampling):
-        return cls(create_llm(model_path, options, seed), load_tokenizer(model_path), options, **sampling)
+        """A streaming generator over ``AsyncLLM``."""
+        return cls(create_async_llm(model_path, options, seed), load_tokenizer(model_path), options, **sampling)
+
+    @property
+    def streams(self) -> bool:
+        """Over ``AsyncLLM``: the batcher starts each group alone (``start_group``)."""
+        return hasattr(self.llm, "submit_generate")
+
+    def start_group(self, request: tuple[Sequence[Prompt], int, int]) -> Future:
+        """Submit one group now; a future of its batch, tagged with the version it started with
+        (the batcher swaps weights only once no group is in flight)."""
+        self._require_ready()
+        prompts, n, seed = request
+        ids = prompt_token_ids(self.tokenizer, prompts)
+        params = [self._make_sampling_params(**sampling_options(n, self.max_new_tokens, self.temperature,
+                                                                self.top_p, request_seed, self.top_k,
+                                                                self.stop_token_ids))
+                  for request_seed in request_seeds(seed, len(ids))]
+        version = self.version
+        outputs = self.llm.submit_generate([{"prompt_token_ids": row} for row in ids], params)
+        return then(outputs, lambda done: batch_from_outputs(ids, done, n, version))
 
     def generate_groups(self, requests: Sequence[tuple[Sequence[Prompt], int, int]]) -> list[Batch | ValueError]:
         """One batch per ``(prompts, samples_per_prompt, seed)`` request, all
@@ -291,7 +343,7 @@ class VLLMGenerator(ServingGeneration, _VLLMEngine):
         runnable = [(ids, n, seed) for ids, (_, n, seed) in zip(encoded, requests) if not isinstance(ids, ValueError)]
         inputs = [{"prompt_token_ids": row} for ids, _, _ in runnable for row in ids]
         params = [self._make_sampling_params(**sampling_options(n, self.max_new_tokens, self.temperature, self.top_p,
-                                                                request_seed))
+                                                                request_seed, self.top_k, self.stop_token_ids))
                   for ids, n, seed in runnable for request_seed in request_seeds(seed, len(ids))]
         outputs = iter(self.llm.generate(inputs, params, use_tqdm=False) if inputs else [])
         return [ids if isinstance(ids, ValueError)  # batch_from_outputs checks each request got its outputs
@@ -302,7 +354,8 @@ class VLLMGenerator(ServingGeneration, _VLLMEngine):
         """One argmax response per prompt, for evaluation."""
         self._require_ready()
         ids = prompt_token_ids(self.tokenizer, prompts)
-        params = self._make_sampling_params(**sampling_options(1, self.max_new_tokens, 0.0, 1.0, None))
+        params = self._make_sampling_params(**sampling_options(1, self.max_new_tokens, 0.0, 1.0, None,
+                                                               stop_token_ids=self.stop_token_ids))
         outputs = self.llm.generate([{"prompt_token_ids": row} for row in ids], params, use_tqdm=False)
         return decode_responses(self.tokenizer, batch_from_outputs(ids, outputs, 1, self.version))
 

@@ -108,7 +108,7 @@ def _checkpoint_file(engine: str) -> str:
 
 
 def _megatron_state(trainer_dir: Path, path: Path) -> dict[str, torch.Tensor]:
-    from rldsl.runtime.engines.megatron.hf_checkpoint import read_hf_config
+    from rldsl.models.hf_checkpoint import read_hf_config
     from rldsl.runtime.engines.megatron.hf_export import MegatronCheckpointError, checkpoint_to_hf
     from rldsl.runtime.engines.megatron.hf_weights import LlamaShape
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from rldsl.plan import ExecutionPlan, PipelinePlan, PlanFormatError
 from rldsl.runtime.export.checkpoints import ExportError, read_checkpoint
 from rldsl.runtime.export.writer import DEFAULT_SHARD_SIZE, save_model, size_on_disk
-from rldsl.runtime.ray_lowering.checkpoint import PROGRESS_FILE, TRAINER_DIR, TRAINER_MARKER, checkpoint_dir
+from rldsl.runtime.ray_lowering.checkpoint import TRAINER_DIR, TRAINER_MARKER, checkpoint_dir, complete_checkpoints
 
 EXIT_OK, EXIT_USAGE = 0, 2
 OPTIONAL_LIBRARIES = ("transformers", "tokenizers", "safetensors")
@@ -121,18 +121,8 @@ def _policy(pipe: PipelinePlan) -> tuple[str, str]:
     return source, train.engine.name
 
 
-def _is_complete(directory: Path) -> bool:
-    return (directory / TRAINER_MARKER).is_file() and (directory / PROGRESS_FILE).is_file()
-
-
-def _complete_versions(root: Path) -> list[int]:
-    found = root / "checkpoints"
-    candidates = sorted(found.glob("v[0-9]*")) if found.is_dir() else []
-    return [int(d.name[1:]) for d in candidates if d.name[1:].isdigit() and _is_complete(d)]
-
-
 def _checkpoint(root: Path, version: int | None) -> Path:
-    versions = _complete_versions(root)
+    versions = [int(d.name[1:]) for d in complete_checkpoints(root)]
     if not versions:
         raise ExportError(f"{root} has no complete checkpoint (checkpoints/vNNNNNN/ with trainer.json and "
                           "progress.json)",

@@ -118,7 +118,7 @@ class SimStages:
         async with _borrow(self._pool("rewards")) as worker:
             return await worker.score_async(len(keys), requested_at)
 
-    async def logprob(self, stage: str, keys: Sequence[str]) -> None:
+    async def logprob(self, stage: str, keys: Sequence[str], version: int | None = None) -> None:
         batch = await self._get(keys, (p.FIELD_RESPONSE_MASK,))
         values = await self.logprob_engine.logprobs_async(batch)
         await self._put(keys, {self.config.logprob_fields.get(stage, p.FIELD_REF_LOGPROBS): values})

@@ -81,9 +81,7 @@ class ControllerActor:
         if self.collective is not None:
             sees_cuda = await self.supervisor.call(self.pipe.batch.train_stage, 0, "sees_cuda")
             self.transport = settle(self.transport, sees_cuda)
-            self.collective.enabled = self.transport["transport"] == COLLECTIVE
-            if not self.collective.enabled:
-                self.collective = None
+            self.collective.enabled = self.transport["transport"] == COLLECTIVE  # the handles hold it too
         return self.transport
 
     def adopt_observer(self, actor) -> int | None:
@@ -156,11 +154,13 @@ class ControllerActor:
         return self.trained.compressed()
 
     def _write_progress(self, version: int, step: int) -> None:
-        from rldsl.runtime.ray_lowering.checkpoint import PROGRESS_FILE, checkpoint_dir
+        from rldsl.runtime.ray_lowering.checkpoint import PROGRESS_FILE, checkpoint_dir, prune_checkpoints
         from rldsl.runtime.run_files import write_json_checked  # a full disk: RunDirectoryError, named
 
-        path = checkpoint_dir(Path(self.checkpoint["run_dir"]), version) / PROGRESS_FILE
-        write_json_checked(path, {"version": version, "steps_done": step, "trained_prompts": self._trained_prompts()})
+        run_dir = Path(self.checkpoint["run_dir"])
+        write_json_checked(checkpoint_dir(run_dir, version) / PROGRESS_FILE,
+                           {"version": version, "steps_done": step, "trained_prompts": self._trained_prompts()})
+        prune_checkpoints(run_dir, self.checkpoint.get("keep", 0))
 
     async def save_progress(self, version: int, timeout_s: float = 30.0) -> bool:
         """The controller's half of an on-demand checkpoint at ``version``:

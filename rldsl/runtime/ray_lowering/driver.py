@@ -19,7 +19,8 @@ from rldsl.runtime.ray_lowering import stopping
 from rldsl.layout import actor_slots, layout_bundles
 from rldsl.runtime.ray_lowering.cluster import ACTOR_NUM_CPUS, ClusterError
 from rldsl.runtime.ray_lowering.dataplane_watch import say_if_dataplane_lost
-from rldsl.runtime.ray_lowering.pipeline_driver import PipelineDriver, ResumeError, StageStartError, root_cause
+from rldsl.runtime.ray_lowering.pipeline_driver import PipelineDriver, ResumeError, StageStartError
+from rldsl.runtime.ray_lowering.supervision import root_cause
 
 __all__ = ["Driver", "ResumeError", "StageStartError"]
 

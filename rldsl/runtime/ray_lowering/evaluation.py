@@ -124,7 +124,8 @@ class Evaluator:
         self.sampling, self.seed = EvalSampling.of(pipe), pipe.run.seed
         self.decoder = TorchGenerator(load_policy(model, pipe, pipe.run.seed),
                                       max_new_tokens=generate.settings["max_new_tokens"],
-                                      temperature=self.sampling.temperature, top_p=self.sampling.top_p)
+                                      temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                                      stop_token_ids=tuple(generate.settings.get("stop_token_ids", ())))
         self.prompts = held_out_prompts(pipe)
         self.metric = EvalMetric(pipe)
         self._lock = threading.Lock()  # guards the two fields below
@@ -182,17 +183,31 @@ class Evaluator:
         return responses
 
     def _chunk_seed(self, start: int) -> int:
-        return random.Random(f"eval-{self.seed}-{self.decoder.version}-{start}").getrandbits(62)
+        return eval_seed(self.seed, self.decoder.version, start)
+
+
+def eval_seed(run_seed: int, version: int, start: int) -> int:
+    """The seed of the sampled responses of the prompts from ``start`` on:
+    the same weights always score the same, wherever they are decoded."""
+    return random.Random(f"eval-{run_seed}-{version}-{start}").getrandbits(62)
 
 
 class EvaluationSchedule:
     """The driver's side: which steps to evaluate, the requests in flight
-    (answered in order) and the results so far."""
+    (answered in order), the results so far and the evaluations that timed
+    out. ``timeout_s`` (``run { eval_timeout }``, 0: none) bounds each
+    evaluation from its request: one not answered by then is reported as
+    timed out and no longer waited for, so the end of a run never hangs on
+    it (the evaluator goes on; a later request waits behind it)."""
 
-    def __init__(self, actor, every: int, total_steps: int, previous: list[dict] | None = None):
+    def __init__(self, actor, every: int, total_steps: int, previous: list[dict] | None = None,
+                 timeout_s: float = 0.0, clock=time.monotonic):
         self.actor, self.every, self.total_steps = actor, every, total_steps
-        self.pending: list[tuple[int, int, object]] = []  # (step, min version, ObjectRef)
+        self.timeout_s, self.clock = timeout_s, clock
+        self.pending: list[tuple[int, int, object, float]] = []  # (step, min version, ObjectRef, asked at)
         self.done: list[dict] = list(previous or [])
+        self.timed_out: list[dict] = []  # {"step", "version", "timeout_s"}: asked for, never answered in time
+        self.failed: list[dict] = []  # {"step", "version", "error"}: the evaluation raised
         self.lost: str | None = None  # why the evaluator is gone: it died and no replacement took over yet
         self._unanswered: list[tuple[int, int]] = []  # requests its death left, for a replacement
 
@@ -202,7 +217,7 @@ class EvaluationSchedule:
 
     def request(self, step: int, version: int) -> None:
         if self.lost is None:
-            self.pending.append((step, version, self.actor.evaluate.remote(min_version=version)))
+            self.pending.append((step, version, self.actor.evaluate.remote(min_version=version), self.clock()))
         else:
             self._unanswered.append((step, version))
 
@@ -213,21 +228,73 @@ class EvaluationSchedule:
         for step, version in unanswered:
             self.request(step, version)
 
-    def collect(self, wait: bool = False) -> list[dict]:
-        """Results that are in (all of them with ``wait``), oldest first."""
+    def collect(self, wait: bool = False) -> tuple[list[dict], list[dict]]:
+        """Results that are in (with ``wait``: all of them, each waited for
+        until its deadline), oldest first, and the evaluations that timed
+        out meanwhile."""
         import ray
 
-        finished = []
+        finished, expired = [], []
         while self.pending:
-            step, version, ref = self.pending[0]
-            if not wait and not ray.wait([ref], timeout=0)[0]:
-                break
+            step, version, ref, asked_at = self.pending[0]
+            if not ray.wait([ref], timeout=self._wait_s(asked_at, wait))[0]:
+                if not (wait or self._overdue(asked_at)):  # waited for until its deadline: overdue now
+                    break
+                self.pending.pop(0)
+                expired.append({"step": step, "version": version, "timeout_s": self.timeout_s})
+                continue
             self.pending.pop(0)
             try:
-                finished.append({"step": step, **ray.get(ref)})
-            except ray.exceptions.RayActorError as error:  # the driver replaces it; training goes on
-                self.lost = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-                self._unanswered += [(step, version)] + [(s, v) for s, v, _ in self.pending]
-                self.pending = []
+                answer = {"step": step, **ray.get(ref)}
+            except ray.exceptions.RayActorError as error:
+                if self._actor_died(step, version, ref, error, expired):
+                    break
+                continue
+            except ray.exceptions.RayError as error:  # the evaluation raised: reported, the run goes on
+                self._failure(step, version, error, expired)
+                continue
+            if answer.pop("timed_out", False):  # it stopped itself at the deadline (on the generators)
+                expired.append({"step": step, "version": answer.get("version", version),
+                                "timeout_s": self.timeout_s})
+            else:
+                finished.append(answer)
         self.done += finished
-        return finished
+        self.timed_out += [entry for entry in expired if "error" not in entry]
+        return finished, expired
+
+    def _actor_died(self, step: int, version: int, ref, error: BaseException, expired: list[dict]) -> bool:
+        """The evaluator died: the driver replaces it, training goes on; its
+        requests wait for the replacement. True: stop collecting."""
+        self.lost = _one_line(error)
+        self._unanswered += [(step, version)] + [(s, v) for s, v, _, _ in self.pending]
+        self.pending = []
+        return True
+
+    def _failure(self, step: int, version: int, error: BaseException, expired: list[dict]) -> None:
+        entry = {"step": step, "version": version, "error": _one_line(error)}
+        self.failed.append(entry)
+        expired.append(entry)
+
+    def _wait_s(self, asked_at: float, wait: bool) -> float | None:
+        """How long to wait for one answer now: not at all while polling,
+        else until its deadline (None: for ever, without a timeout)."""
+        if not wait:
+            return 0
+        return max(0.0, asked_at + self.timeout_s - self.clock()) if self.timeout_s else None
+
+    def _overdue(self, asked_at: float) -> bool:
+        return bool(self.timeout_s) and self.clock() - asked_at >= self.timeout_s
+
+
+def _one_line(error: BaseException) -> str:
+    cause = getattr(error, "cause", None) or error
+    lines = [line for line in str(cause).splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"
+
+
+def describe_timeout(entry: dict) -> str:
+    """The line a timed-out (or failed) evaluation gets."""
+    if "error" in entry:
+        return f"eval @ step {entry['step']}: failed ({entry['error']}); no score for these weights"
+    return (f"eval @ step {entry['step']}: timed out after {entry['timeout_s']:g}s (run {{ eval_timeout }}); "
+            "no score for these weights")

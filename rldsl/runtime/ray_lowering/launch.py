@@ -45,8 +45,11 @@ def preflight(pipe: PipelinePlan) -> None:
                     + ". Install the GPU extras (pip install 'rldsl[run,gpu]', docs/engines.md) on a GPU machine, "
                     "or use `engine = torch` / `sim(...)` here")
         if stage.kind == "reward":
+            named = [stage.settings.get("fn")]  # a reward model's functions too: `template`, `parse`
+            named += [stage.settings.get(k) for k in ("template", "parse") if stage.settings.get("judge") == "generate"]
             try:
-                load_reward(stage.settings["fn"])
+                for spec in filter(None, named):
+                    load_reward(spec)
             except RewardLoadError as err:
                 raise PreflightError(f"stage `{stage.name}`: {err}") from None
     _check_libraries(pipe)
@@ -105,6 +108,14 @@ def with_run_lengths(plan: ExecutionPlan, steps: int | None) -> ExecutionPlan:
     return replace(plan, pipelines=pipes)
 
 
+def _recorded_steps(run_dir: Path) -> int | None:
+    """The `--steps` a run was started (or last resumed) with, from its run.json."""
+    try:
+        return json.loads((run_dir / "run.json").read_text()).get("steps")
+    except (OSError, ValueError):
+        return None
+
+
 def check_shared_gpus(plan: ExecutionPlan) -> None:
     """Pipelines take turns on shared GPUs through leases held by generator
     replicas and train steps; a logprob stage on a shared GPU has no lease."""
@@ -143,12 +154,13 @@ def run_plan(plan: ExecutionPlan, args) -> int:
     started = time.monotonic()
     resume = bool(getattr(args, "resume", None))
     dry_run = bool(getattr(args, "dry_run", False))
+    steps = args.steps if args.steps is not None or not resume else _recorded_steps(Path(args.resume))
     try:
         for pipe in plan.pipelines if not dry_run else ():  # a dry run starts no engine
             preflight(pipe)
         check_shared_gpus(plan)
         check_transports(plan)
-        written, plan = plan, with_run_lengths(plan, args.steps)  # the run directory keeps the plan as given
+        written, plan = plan, with_run_lengths(plan, steps)  # the run directory keeps the plan as given
     except PreflightError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -161,22 +173,23 @@ def run_plan(plan: ExecutionPlan, args) -> int:
     from rldsl.runtime.run_files import RunDirectoryError, checked
 
     _private_directory(run_dir)
-    if not resume:
-        try:
+    try:
+        if not resume:
             (run_dir / "plan.json").write_text(written.to_json() + "\n")
-            (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file,
-                                                           "pipelines": [p.name for p in plan.pipelines]}) + "\n")
-        except OSError as err:
-            return _run_directory_failed(checked(run_dir / "plan.json", err))
+        if not resume or steps != _recorded_steps(run_dir):  # a resume keeps `--steps` unless given a new one
+            (run_dir / "run.json").write_text(json.dumps({"source_file": plan.source_file, "steps": steps,
+                                                          "pipelines": [p.name for p in plan.pipelines]}) + "\n")
+    except OSError as err:
+        return _run_directory_failed(checked(run_dir / "plan.json", err))
     import ray
 
     from rldsl.layout import LayoutError
     from rldsl.runtime.ray_lowering.driver import Driver, ResumeError, StageStartError
-    from rldsl.runtime.ray_lowering.pipeline_driver import root_cause
+    from rldsl.runtime.ray_lowering.supervision import root_cause
     from rldsl.runtime.ray_lowering.stopping import DEFAULT_GRACE_S, as_interrupt, resume_command
 
     grace_s = getattr(args, "grace", None) or DEFAULT_GRACE_S
-    command = resume_command(run_dir.resolve(), args.steps, args.address, grace_s)
+    command = resume_command(run_dir.resolve(), steps, args.address, grace_s)
     restarts = min(p.run.restarts for p in plan.pipelines)
     for attempt in range(restarts + 1):
         try:

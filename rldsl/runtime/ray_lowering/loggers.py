@@ -3,7 +3,8 @@
 `run { log = [tensorboard, wandb, mlflow] }` picks them (TensorBoard by
 default); metrics.jsonl is always written. Every backend gets the same
 names as the report: `train/<trainer metric>`, `run/samples_per_s`,
-`run/step_time_s`, `run/reward_mean`, `run/mean_lag`, `eval/accuracy`.
+`run/step_time_s`, `run/reward_mean`, `run/mean_lag`, `eval/accuracy`, and
+`reward/<name>` for each named reward component.
 
 Each goes through its own library, configured the way its users expect:
 - W&B: `WANDB_PROJECT` (default `rldsl`) and `WANDB_MODE`; with no API key
@@ -44,6 +45,9 @@ def step_scalars(record: dict) -> dict[str, float]:
     for name in ("samples_per_s", "step_time_s", "reward_mean"):
         if isinstance(record.get(name), (int, float)):
             scalars[f"run/{name}"] = float(record[name])
+    for name, value in (record.get("reward_components") or {}).items():  # a reward stage's named components
+        if isinstance(value, (int, float)):
+            scalars[f"reward/{name}"] = float(value)
     lags = record.get("lag_histogram") or {}
     if lags:
         scalars["run/mean_lag"] = sum(int(k) * v for k, v in lags.items()) / (sum(lags.values()) or 1)

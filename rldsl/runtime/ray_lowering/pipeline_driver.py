@@ -14,9 +14,10 @@ from pathlib import Path
 from rldsl.plan import PipelinePlan
 from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.ray_lowering.cluster import ACTOR_NUM_CPUS
+from rldsl.runtime.ray_lowering.pipeline_evaluations import PipelineEvaluations, previous_evals
 from rldsl.runtime.ray_lowering.progress import Progress, rewind_metrics
 from rldsl.runtime.ray_lowering.stage_handles import reward_calls_per_worker
-from rldsl.runtime.ray_lowering.supervision import ActorSpec
+from rldsl.runtime.ray_lowering.supervision import ActorSpec, root_cause
 from rldsl.runtime.ray_lowering.trace import TraceCollector
 
 
@@ -28,7 +29,7 @@ class StageStartError(RuntimeError):
     pass
 
 
-class PipelineDriver:
+class PipelineDriver(PipelineEvaluations):
     def __init__(self, pipe: PipelinePlan, settings: RunSettings, run_dir: Path, resume: bool = False,
                  started: float | None = None, prefix: str = ""):
         self.pipe, self.settings = pipe, settings
@@ -39,9 +40,10 @@ class PipelineDriver:
         self.resume = _resume_point(self.run_dir) if resume else None
         if self.resume:  # the steps after the checkpoint are trained again: their records go
             rewind_metrics(self.run_dir, self.resume["steps_done"])
-        self.previous_evals: list[dict] = _previous_evals(self.run_dir) if resume else []
+        self.previous_evals: list[dict] = previous_evals(self.run_dir) if resume else []
         self.evaluations = None  # EvaluationSchedule once the evaluator runs
-        self.checkpoint = {"run_dir": str(self.run_dir), "every": pipe.run.checkpoint_every}
+        self.checkpoint = {"run_dir": str(self.run_dir), "every": pipe.run.checkpoint_every,
+                           "keep": pipe.run.keep_checkpoints}
         self.handles: dict[str, list] = {}
         self.specs: dict[str, list[ActorSpec]] = {}  # how each actor was made, for the controller to remake it
         self.controller = self.result_ref = self.progress = self.traces = None
@@ -52,7 +54,7 @@ class PipelineDriver:
         self._recoveries_shown = 0
 
     def actor_count(self) -> int:
-        return sum(len(s.ranks) for s in self.pipe.stages) + 1 + self.pipe.evaluates  # + controller, evaluator
+        return sum(len(s.ranks) for s in self.pipe.stages) + 1 + self.pipe.has_evaluator  # + controller, evaluator
 
     def say(self, text: str) -> None:
         print(f"{self.prefix}{text}" if self.prefix else text, file=sys.stderr, flush=True)
@@ -77,14 +79,17 @@ class PipelineDriver:
         import ray
 
         from rldsl.runtime.ray_lowering import workers as w
+        from rldsl.runtime.ray_lowering.trainer_worker import TrainerWorker
+        from rldsl.runtime.ray_lowering.judge import JudgeWorker  # a reward stage with a reward model
 
         self.run_dir.mkdir(parents=True, exist_ok=True)  # RUN_DIR/<pipeline> when several share the run
         classes = {"generate": w.GeneratorWorker, "reward": w.RewardWorker, "logprob": w.LogprobWorker,
-                   "train": w.TrainerWorker}
+                   "train": TrainerWorker}
         for stage in self.pipe.stages:
             if stage.kind == "sync":
                 continue
-            actor_class = ray.remote(classes[stage.kind])
+            worker = JudgeWorker if stage.kind == "reward" and stage.model else classes[stage.kind]
+            actor_class = ray.remote(worker)
             self.handles[stage.name], self.specs[stage.name] = [], []
             for rank in stage.ranks:
                 args = [self.pipe, stage, rank.index, spec]
@@ -95,11 +100,11 @@ class PipelineDriver:
                     args.append(self.checkpoint)
                 options = self.actor_options(stage.name, rank.index, bool(rank.gpus), reservation)
                 if stage.kind == "generate":  # one thread per group in flight, plus pushes and control calls
-                    options["max_concurrency"] = self._generator_concurrency() + 4
+                    options["max_concurrency"] = self._generator_concurrency() + 4 + (self.pipe.eval_on == "generators")
                 if stage.kind == "reward":  # a call per reward process, so one hung sample holds up only its own
                     options["max_concurrency"] = reward_calls_per_worker(stage) + 2
                 self.handles[stage.name].append(actor_class.options(**options).remote(*args))
-                self.specs[stage.name].append(ActorSpec(stage.name, stage.kind, rank.index, classes[stage.kind],
+                self.specs[stage.name].append(ActorSpec(stage.name, stage.kind, rank.index, worker,
                                                         tuple(args), options, _replaceable(stage)))
         self._create_evaluator()
         self._create_controller(spec, self._weight_transport(reservation))
@@ -119,28 +124,10 @@ class PipelineDriver:
     def actor_name(self, stage: str, rank: int) -> str:
         return f"{self.prefix}{stage}-{rank}"
 
-    def _create_evaluator(self) -> None:
-        """The held-out evaluator: one more weight receiver, on the CPU."""
-        from rldsl.runtime.ray_lowering.evaluation import EvaluationSchedule
-
-        if not self.pipe.evaluates:
-            return
-        self.evaluations = EvaluationSchedule(self._evaluator_actor(), self.pipe.run.eval_every, self.settings.steps,
-                                              self.previous_evals)
-
-    def _evaluator_actor(self, suffix: str = ""):
-        import ray
-
-        from rldsl.runtime.ray_lowering.evaluation import Evaluator
-
-        # threads to spare: evaluations waiting for a version must never starve the push that brings it
-        return ray.remote(Evaluator).options(num_cpus=ACTOR_NUM_CPUS, max_concurrency=4,
-                                             name=f"{self.prefix}evaluator{suffix}").remote(self.pipe)
-
     def ready_calls(self) -> dict:
         """``ready`` calls of every actor -> the stage it belongs to."""
         calls = {a.ready.remote(): f"{self.prefix}{name}" for name, actors in self.handles.items() for a in actors}
-        if self.evaluations:
+        if self._has_evaluator_actor():
             calls[self.evaluations.actor.ready.remote()] = f"{self.prefix}evaluator"
         if self.controller is not None:
             calls[self.controller.ready.remote()] = f"{self.prefix}controller"
@@ -176,7 +163,7 @@ class PipelineDriver:
 
     def _remaining_settings(self) -> RunSettings:
         done_before = self.resume["steps_done"] if self.resume else 0
-        return replace(self.settings, steps=self.settings.steps - done_before)
+        return replace(self.settings, steps=max(0, self.settings.steps - done_before))
 
     def _weight_transport(self, reservation) -> dict:
         """How the sync moves weights (weight_group.py); the controller settles an open `auto`."""
@@ -204,7 +191,9 @@ class PipelineDriver:
         """Start the controller's loop; False when the resumed run has nothing left to do."""
         if self.controller is None:
             done_before = self.resume["steps_done"] if self.resume else 0
-            self.say(f"nothing to do: {done_before} of {self.settings.steps} steps are done")
+            self.say(f"nothing to do: {done_before} of {self.settings.steps} steps are done"
+                     + (f" (to train more: `--resume DIR --steps N` with N > {done_before})"
+                        if done_before > self.settings.steps else ""))
             return False
         self._say_transport()
         self.progress = Progress(self.settings, self.run_dir, prefix=self.prefix, live=live, log=self.pipe.run.log,
@@ -227,7 +216,7 @@ class PipelineDriver:
         actors = {self.actor_name(name, rank): actor for name, handles in self.handles.items()
                   for rank, actor in enumerate(handles)}
         actors[f"{self.prefix}controller"] = self.controller
-        if self.evaluations:
+        if self._has_evaluator_actor():
             actors[f"{self.prefix}evaluator"] = self.evaluations.actor
         return actors
 
@@ -293,6 +282,10 @@ class PipelineDriver:
             summary["eval_start"] = evals[0]["accuracy"]
             summary["eval_end"] = evals[-1]["accuracy"]
             summary["evals"] = evals
+        if self.evaluations and self.evaluations.timed_out:
+            summary["eval_timeouts"] = self.evaluations.timed_out
+        if self.evaluations and self.evaluations.failed:
+            summary["eval_failures"] = self.evaluations.failed
         summary["wall_clock_s"] = time.monotonic() - self.started
         summary["train_loop_s"] = time.monotonic() - self.progress.started
         self.progress.final_table(self.write_summary(summary), self.run_dir)
@@ -312,7 +305,7 @@ class PipelineDriver:
                   for rank, actor in enumerate(handles)}
         if self.controller is not None:
             actors[f"{self.prefix}controller"] = self.controller
-        if self.evaluations:
+        if self._has_evaluator_actor():
             actors[f"{self.prefix}evaluator"] = self.evaluations.actor
         for actor in actors.values():
             with contextlib.suppress(Exception):
@@ -368,45 +361,6 @@ class PipelineDriver:
         targets = self.pipe.weight_receivers()
         return [a for name in sorted(targets) for a in self.handles[name]]
 
-    def _replace_evaluator(self) -> None:
-        """A new evaluator, handed the newest weights by the controller, takes
-        over the evaluations its predecessor left; if none starts, evaluation
-        stops and the run goes on."""
-        import ray
-
-        cause, started = self.evaluations.lost, time.monotonic()
-        try:
-            actor = self._evaluator_actor(f"~{len(self.evaluations.done) + 1}")
-            ray.get(actor.ready.remote(), timeout=300)
-            ray.get(self.controller.adopt_observer.remote(actor), timeout=60)
-        except Exception as error:  # noqa: BLE001 - any failure to rebuild ends evaluation only
-            self._evaluator_given_up = True
-            self.say(f"held-out evaluation stopped: the evaluator died ({cause}) and no replacement started "
-                     f"({root_cause(error)}); the run goes on")
-            return
-        self.evaluations.adopt(actor)
-        self.traces.replace(f"{self.prefix}evaluator", actor)
-        self.say(f"recovered: the evaluator died ({cause}); a new one took its place in "
-                 f"{time.monotonic() - started:.1f}s and the evaluations it held were asked again")
-
-    def _observers(self) -> list:
-        """Weight receivers outside the sync edges: the evaluator."""
-        return [self.evaluations.actor] if self.evaluations else []
-
-    def _show_evaluations(self, wait: bool = False) -> None:
-        results = self.evaluations.collect(wait)
-        if self.evaluations.lost and not self._evaluator_given_up:
-            self._replace_evaluator()
-            if wait and not self.evaluations.lost:
-                results += self.evaluations.collect(wait)
-        for result in results:
-            self.progress.eval(result["step"], result["accuracy"])
-            text = (f"eval @ step {result['step']}: held-out accuracy {result['accuracy']:.3f} "
-                    f"({result['prompts']} prompts, greedy, weights v{result['version']})")
-            if result["step"] == 0 or wait:
-                self.say(text)
-            else:
-                self.progress.note(text)
 
 
 def _resume_point(run_dir: Path) -> dict:
@@ -417,19 +371,6 @@ def _resume_point(run_dir: Path) -> dict:
         raise ResumeError(f"{run_dir} has no complete checkpoint (checkpoints/v*/ with trainer.json and progress.json)")
     progress = json.loads((found / PROGRESS_FILE).read_text())
     return {"dir": found, **progress}
-
-
-def _previous_evals(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:  # a torn line (the process died mid-write): the rewind drops it
-            continue
-    return [{"step": r["step"], "accuracy": r["accuracy"]} for r in records if r.get("eval")]
 
 
 def _name_taken(name: str) -> bool:
@@ -448,16 +389,6 @@ def _replaceable(stage) -> bool:
     if stage.kind == "train":
         return False
     return stage.kind != "logprob" or len(stage.ranks) == 1
-
-
-def root_cause(err: BaseException) -> str:
-    """The innermost error's type and message, not Ray's remote traceback."""
-    cause = getattr(err, "cause", None) or err.__cause__
-    while cause is not None and (getattr(cause, "cause", None) or cause.__cause__) is not None:
-        cause = getattr(cause, "cause", None) or cause.__cause__
-    cause = cause or err
-    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
-    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"
 
 
 def _logged_config(pipe: PipelinePlan) -> dict:

@@ -67,8 +67,9 @@ class Progress:
 
         append_text(self.metrics_path, json.dumps(record, sort_keys=True) + "\n", sync=False)
 
-    def eval(self, step: int, accuracy: float) -> None:
-        self._append({"eval": True, "step": step, "accuracy": accuracy})
+    def eval(self, step: int, accuracy: float, **details) -> None:
+        """An evaluation's record; ``details``: the weight ``version`` it scored, where it ran (``on``)."""
+        self._append({"eval": True, "step": step, "accuracy": accuracy, **details})
         self.loggers.log({"eval/accuracy": accuracy}, step)
 
     def step(self, record: dict) -> None:
@@ -101,10 +102,14 @@ class Progress:
     def _line(self, r: dict) -> str:
         reward = r.get("reward_mean")
         reward_text = f" reward {reward:.3f}" if isinstance(reward, (int, float)) else ""
+        reward_text += "".join(f" {name} {value:.3f}" for name, value in (r.get("reward_components") or {}).items()
+                               if isinstance(value, (int, float)))
         leases = (f" replicas {r['replicas_awake']} lease waits {r['lease_wait_s']:.1f}s"
                   if "replicas_awake" in r else "")
+        mismatch = _mismatch(r.get("trainer") or {})
         return (f"step {r['step']}/{self.settings.steps} v{r['version']} lag {_hist(r['lag_histogram'])} "
-                f"{r['samples_per_s']:.1f} samples/s{reward_text} busy {_busy(r['busy'])}{leases}")
+                f"{r['samples_per_s']:.1f} samples/s{reward_text} busy {_busy(r['busy'])}{leases}"
+                f"{' mismatch ' + mismatch if mismatch else ''}")
 
     def _render(self):
         from rich.table import Table
@@ -119,8 +124,12 @@ class Progress:
             table.add_row("throughput", f"{r['samples_per_s']:.1f} samples/s")
             reward = r.get("reward_mean")
             if isinstance(reward, (int, float)):
-                table.add_row("reward", f"{reward:.3f}")
+                parts = "".join(f"   {name} {value:.3f}" for name, value in (r.get("reward_components") or {}).items()
+                                if isinstance(value, (int, float)))
+                table.add_row("reward", f"{reward:.3f}{parts}")
             table.add_row("busy", _busy(r["busy"]))
+            if _mismatch(r.get("trainer") or {}):
+                table.add_row("mismatch", _mismatch(r["trainer"]))
             if "replicas_awake" in r:
                 table.add_row("leases", f"replicas awake {r['replicas_awake']}, waited {r['lease_wait_s']:.1f}s")
         for note in self.notes[-2:]:
@@ -163,6 +172,17 @@ def _hist(histogram: dict) -> str:
 def _activity(active: dict) -> str:
     """Per stage, busy (with its calls in flight) or idle, now."""
     return "   ".join(f"[green]{name} busy ({n})[/]" if n else f"[dim]{name} idle[/]" for name, n in active.items())
+
+
+def _mismatch(trainer: dict) -> str:
+    """The generator/trainer gap of a step: KL(behaviour || proximal), the weight's range, the share corrected."""
+    if "mismatch_kl" not in trainer:
+        return ""
+    text = f"kl {trainer['mismatch_kl']:.2e}"
+    if "mismatch_ratio_min" in trainer:
+        text += f" ratio {trainer['mismatch_ratio_min']:.2f}..{trainer['mismatch_ratio_max']:.2f}"
+    capped = trainer.get("capped_fraction", 0.0)
+    return text + (f" corrected {capped:.1%}" if capped else "")
 
 
 def _busy(busy: dict) -> str:

@@ -98,9 +98,9 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
         async with free[stage].borrow() as (rank,):
             return await call(stage, rank, "reward", list(keys))
 
-    async def logprob(stage: str, keys: Sequence[str]):
+    async def logprob(stage: str, keys: Sequence[str], version: int | None = None):
         async with free[stage].borrow() as ranks:
-            reported = await asyncio.gather(*(call(stage, rank, "logprob", list(keys)) for rank in ranks))
+            reported = await asyncio.gather(*(call(stage, rank, "logprob", list(keys), version) for rank in ranks))
         return next((versions for versions in reported if versions), None)  # the scoring version, per key
 
     async def begin_train_step(step: int) -> None:
@@ -198,12 +198,21 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
         if spec.kind == "generate" and generators.index((spec.stage, spec.rank)) in asleep:
             await actor.sleep.remote()
 
+    async def decoded_tokens() -> list[int]:
+        """Each replica's tokens decoded so far (-1: no answer); polled by the watchdog, never replaces an actor."""
+        async def count(generator) -> int:
+            return int(await supervisor.actor(*generator).decoded_tokens.remote())
+
+        counts = await asyncio.gather(*(count(g) for g in generators), return_exceptions=True)
+        return [-1 if isinstance(n, BaseException) else n for n in counts]
+
     supervisor.on_replaced = bring_up_to_date
     return StageHandles(generate, reward, logprob, begin_train_step, train_microbatch, finish_train_step,
                         abort_train_step, export_weights, push_weights, generator_version, sleep_generators,
                         wake_generators, sleep_trainer, wake_trainer, generator_replicas=len(generators),
                         train_replicas=len(train_replicas),
-                        stage_slots={name: pool.size for name, pool in free.items()}, optimizer_step=optimizer_step)
+                        stage_slots={name: pool.size for name, pool in free.items()}, optimizer_step=optimizer_step,
+                        decoded_tokens=decoded_tokens)
 
 
 def reward_calls_per_worker(stage) -> int:

@@ -200,7 +200,7 @@ def checkpoint_at_stop(pipeline, resume_command: str, signals: StopSignals) -> b
     finished step, then the progress. True when a checkpoint was saved."""
     import ray
 
-    from rldsl.runtime.ray_lowering.pipeline_driver import root_cause
+    from rldsl.runtime.ray_lowering.supervision import root_cause
 
     try:
         ray.get(pipeline.result_ref, timeout=0)

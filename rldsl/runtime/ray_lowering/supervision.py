@@ -137,3 +137,13 @@ def _short(error: BaseException) -> str:
     """The first line of an error: Ray's death messages run to a page."""
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def root_cause(err: BaseException) -> str:
+    """The innermost error's type and message, not Ray's remote traceback."""
+    cause = getattr(err, "cause", None) or err.__cause__
+    while cause is not None and (getattr(cause, "cause", None) or cause.__cause__) is not None:
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    cause = cause or err
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"

@@ -36,28 +36,8 @@ from rldsl.runtime.control.errors import WorkerLost
 
 log = logging.getLogger(__name__)
 
-# rldsl.compiler.rules.weights (RLP511) keeps the same lists
-TRAINER_ENGINES = ("torch", "fsdp", "megatron", "sim")
-RECEIVER_ENGINES = ("torch", "sim")  # generate stages: their batcher applies a stream between two batches
 COLLECTIVE, OBJECT_STORE = "collective", "object_store"
 IF_CUDA = "collective_if_cuda"  # `auto` where a collective works: decided by whether the trainer sees CUDA
-
-
-def why_not_collective(pipe: PipelinePlan, receivers_sleep: bool) -> str | None:
-    """Why this pipeline's sync cannot go rank to rank; None when it can."""
-    train = pipe.stage(pipe.batch.train_stage)
-    if train.engine.name not in TRAINER_ENGINES:
-        return f"its trainer's engine `{train.engine.name}` does not stream buckets"
-    for name in sorted(pipe.weight_receivers()):
-        stage = pipe.stage(name)
-        engine = stage.engine.name
-        if stage.kind != "generate":
-            return f"receiver `{name}` is a {stage.kind} stage, which applies weights only between its calls"
-        if engine not in RECEIVER_ENGINES:
-            return f"receiver `{name}` uses engine `{engine}`, which takes weights only through the object store"
-    if receivers_sleep:
-        return "its receivers sleep (colocated, partial overlap or leased GPUs) and would miss pushes"
-    return None
 
 
 def receivers_sleep(settings) -> bool:
@@ -74,7 +54,7 @@ def choose_transport(pipe: PipelinePlan, receivers_sleep: bool) -> tuple[str, st
     asked = sync.settings.get("transport", "auto") if sync else OBJECT_STORE
     if sync is None or asked == OBJECT_STORE:
         return OBJECT_STORE, "asked for" if sync else "no sync"
-    blocker = why_not_collective(pipe, receivers_sleep)
+    blocker = pipe.collective_blocker(receivers_sleep)
     if blocker is not None:
         if asked == COLLECTIVE:
             raise ValueError(f"stage `{sync.name}`: `transport = collective` cannot be used: {blocker}; "

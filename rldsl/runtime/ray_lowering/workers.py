@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from pathlib import Path
 from typing import Sequence
 
-from rldsl.plan import PipelinePlan, StagePlan, receives_weights
+from rldsl.plan import PipelinePlan, StagePlan, recomputes_at_batch_start
 from rldsl.runtime import protocols as p
-from rldsl.runtime.dataplane.base import align_to_responses, refuse_stale_logprobs
+from rldsl.runtime.dataplane.base import align_to_responses
+from rldsl.runtime.engines.batch_requests import token_version_runs
+from rldsl.runtime.environments import episode_rewards, episode_runner, log_episode_failures, reads_episode_reward
 from rldsl.runtime.ray_lowering.actor_process import setup_worker_process, where
 from rldsl.runtime.ray_lowering.trace import Tracer, prompt_groups
 from rldsl.runtime.ray_lowering.weight_group import WeightGroupMember
@@ -26,7 +27,9 @@ ANSWER_IDS = "answer_ids"  # the reference answer, tokenised, for reward workers
 ANSWER_MASK = "answer_mask"  # which of ANSWER_IDS are tokens: id 0 is a real token in many vocabularies
 
 
-class _Worker:
+class StageWorker:
+    """What every stage worker has: its engine's process set up, a tracer and the data plane."""
+
     def __init__(self, pipe: PipelinePlan, stage: StagePlan, rank: int, dataplane_spec: dict):
         from rldsl.runtime.dataplane import connect_dataplane
 
@@ -58,7 +61,7 @@ class _Worker:
             self.dataplane.put(list(keys), self.partition, fields)
 
 
-class GeneratorWorker(_Worker, WeightGroupMember):
+class GeneratorWorker(StageWorker, WeightGroupMember):
     """One generator replica, a threaded actor: every call of ``generate`` (one
     prompt group) waits in its own thread while the engine's batcher decodes
     all the groups in flight together; weights arrive on another thread and
@@ -70,16 +73,49 @@ class GeneratorWorker(_Worker, WeightGroupMember):
 
         super().__init__(pipe, stage, rank, dataplane_spec)
         self.engine = build_generator(stage, pipe, seed=pipe.run.seed + 1000 * rank)
-        self.batcher = ContinuousBatcher(self.engine)
+        self.batcher = ContinuousBatcher(self.engine, update=stage.settings.get("update", "between_requests"))
+        self.episodes = episode_runner(pipe, stage, self.batcher, getattr(self.engine, "tokenizer", None))
+        self._tokens_answered = 0  # response tokens of the groups answered (engines that count none as they go)
+        tokenizer = getattr(self.engine, "tokenizer", None)  # the sim engine has none: nothing to mask
+        self.engine_end_ids = (tokenizer.eos_id, *stage.settings.get("stop_token_ids", ())) if tokenizer else ()
+        self._evaluation = None  # ReplicaEvaluation, built on the first `evaluate`
 
     def generate(self, prompts: list[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int):
         with self.tracer.span("generate", groups=prompt_groups(keys)) as args:
-            batch = self.batcher.submit(prompts, samples_per_prompt, seed)
+            if self.episodes is not None:  # each sample an episode of the stage's environment
+                batch, failures = self.episodes.run(prompts, samples_per_prompt, seed)
+                log_episode_failures(failures, self.stage.name, keys)
+            else:
+                batch = self.batcher.submit(prompts, samples_per_prompt, seed)
+                if self.stage.settings.get("truncated") == "mask" and self.engine_end_ids:
+                    p.mask_truncated(batch, self.stage.settings["max_new_tokens"], self.engine_end_ids)
+            runs = token_version_runs(batch.pop(p.FIELD_TOKEN_VERSIONS, None))  # journaled, not stored
             version = int(batch[p.FIELD_VERSION][0]) if len(keys) else self.batcher.version
             args["version"] = version
             batch[ANSWER_IDS], batch[ANSWER_MASK] = self._answers(prompts, samples_per_prompt)
             self._put(keys, batch)
-        return p.Generated(version, int(batch[p.FIELD_RESPONSE_MASK].sum()))
+        tokens = int(batch[p.FIELD_RESPONSE_MASK].sum())
+        self._tokens_answered += tokens
+        return p.Generated(version, tokens, runs)
+
+    def evaluate(self, timeout_s: float = 0.0) -> dict:
+        """Held-out evaluation with the weights this replica holds
+        (``eval_on = generators``, generator_evaluation.py): no training sample."""
+        from rldsl.runtime.ray_lowering.generator_evaluation import ReplicaEvaluation
+
+        if self._evaluation is None:
+            self._evaluation = ReplicaEvaluation(self.pipe, self.rank)
+        with self.tracer.span("evaluation", timeout_s=timeout_s) as args:
+            result = self._evaluation.evaluate(self.batcher, timeout_s)
+            args.update(version=result["version"], timed_out=bool(result.get("timed_out")))
+        return result
+
+    def decoded_tokens(self) -> int:
+        """Tokens decoded so far: counted per decode step by engines that do
+        (``tokens_decoded``), else when each group is answered. The watchdog
+        counts any change as progress."""
+        counted = getattr(self.engine, "tokens_decoded", None)
+        return int(counted) if counted is not None else self._tokens_answered
 
     def _answers(self, prompts, samples_per_prompt):
         """The answers' token ids, right-padded, and the mask of real tokens."""
@@ -134,7 +170,7 @@ class GeneratorWorker(_Worker, WeightGroupMember):
             self.batcher.wake()
 
 
-class RewardWorker(_Worker):
+class RewardWorker(StageWorker):
     """Scores responses with the stage's `module:function`, run in the
     worker's reward processes (rldsl.runtime.reward_pool): a reward that
     raises, overruns its timeout, crashes or returns a non-number drops
@@ -144,15 +180,17 @@ class RewardWorker(_Worker):
         from rldsl.runtime.reward_pool import DEFAULT_PROCESSES, RewardPool
 
         super().__init__(pipe, stage, rank, dataplane_spec)
+        self.reads_episodes = reads_episode_reward(stage.settings["fn"])  # the reward is the episode's: no pool
         # the processes start now, in the background, while the rest of the run starts
-        self.pool = RewardPool(stage.settings["fn"], stage.settings.get("processes", DEFAULT_PROCESSES),
-                               stage.settings.get("timeout"))
-        self.tokenizer = _tokenizer_for(pipe)
+        self.pool = None if self.reads_episodes else RewardPool(
+            stage.settings["fn"], stage.settings.get("processes", DEFAULT_PROCESSES), stage.settings.get("timeout"))
+        self.tokenizer = policy_tokenizer(pipe)
 
     def ready(self) -> bool:
         """Once the reward processes have imported the function (a function
         that does not import fails here, at start, not on every sample)."""
-        self.pool.wait_ready()
+        if self.pool is not None:
+            self.pool.wait_ready()
         return True
 
     def reward(self, keys: Sequence[str]) -> list[float | p.RewardFailure]:
@@ -160,18 +198,26 @@ class RewardWorker(_Worker):
             return self._score(keys)
 
     def _score(self, keys: Sequence[str]) -> list[float | p.RewardFailure]:
+        if self.reads_episodes:
+            return episode_rewards(self._get(keys, [p.FIELD_EPISODE_REWARD, p.FIELD_EPISODE_STATUS, p.FIELD_TURNS]))
+        results = self.pool.score(self._samples(keys))
+        self._log_failures(keys, results)
+        return results
+
+    def _samples(self, keys: Sequence[str]) -> list[tuple[str, str, str]]:
+        """(response, answer, prompt) of each key, as text."""
         fields = self._get(keys, [p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_PROMPT_IDS,
                                   p.FIELD_PROMPT_MASK, ANSWER_IDS, ANSWER_MASK])
-        samples = [(self._decode(fields, p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, row),
-                    self._decode(fields, ANSWER_IDS, ANSWER_MASK, row),
-                    self._decode(fields, p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK, row)) for row in range(len(keys))]
-        results = self.pool.score(samples)
+        return [(self._decode(fields, p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, row),
+                 self._decode(fields, ANSWER_IDS, ANSWER_MASK, row),
+                 self._decode(fields, p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK, row)) for row in range(len(keys))]
+
+    def _log_failures(self, keys: Sequence[str], results: list) -> None:
         failures = [(key, r) for key, r in zip(keys, results) if isinstance(r, p.RewardFailure)]
         if failures:
             key, first = failures[0]
             log.warning("reward %s dropped %d of %d samples; %s: %s (%s)", self.stage.name, len(failures),
                         len(keys), key, first.detail, first.reason)
-        return results
 
     def _decode(self, fields: dict, ids_field: str, mask_field: str, row: int) -> str:
         """The tokens the mask marks (padding is masked, never guessed from
@@ -182,7 +228,7 @@ class RewardWorker(_Worker):
         return self.tokenizer.decode([int(i) for i, keep in zip(ids, mask) if int(keep)])
 
 
-def _tokenizer_for(pipe: PipelinePlan):
+def policy_tokenizer(pipe: PipelinePlan):
     """The policy's tokenizer, loaded without the weights (None for sim)."""
     gens = [s for s in pipe.stages if s.kind == "generate"]
     if not gens or gens[0].engine.name == "sim":
@@ -192,7 +238,7 @@ def _tokenizer_for(pipe: PipelinePlan):
     return load_tokenizer(next(m for m in pipe.models if m.name == gens[0].model).source)
 
 
-class LogprobWorker(_Worker):
+class LogprobWorker(StageWorker):
     """One rank of a logprob stage. The ranks of a model-parallel replica
     (megatron tp x pp > 1) form a process group and all take part in every
     batch; only the last pipeline stage has the result, and its first
@@ -203,194 +249,63 @@ class LogprobWorker(_Worker):
 
         super().__init__(pipe, stage, rank, dataplane_spec)
         if dist and dist["world_size"] > 1 and stage.engine.name == "megatron":
-            _join(dist)  # megatron builds its tp / dp groups from the default group
+            join_dist_group(dist)  # megatron builds its tp / dp groups from the default group
         self.engine = build_logprob(stage, pipe, seed=pipe.run.seed + 2000 + rank)
         self.frozen = bool(stage.settings.get("frozen"))
         self.field = p.logprob_field(self.frozen)
         placed = stage.ranks[rank]
         self.writes = placed.tp_rank == 0 and placed.pp_rank == stage.pp - 1
-        self.version = 0  # the weights it scores with; the trainer's fence compares it to each row's
+        self.version = 0  # the newest weights pushed to it
+        # batch_start: only the trainer's newest version is ever asked for
+        window = 0 if recomputes_at_batch_start(stage) else pipe.staleness.max_lag
+        self.scorer = None if self.frozen else _versioned_scorer(self.engine, window)
 
-    def logprob(self, keys: Sequence[str]) -> list[int] | None:
-        """Scores and writes; the writing rank of a policy stage reports the
-        version it scored with, per key (the other ranks report None)."""
+    def logprob(self, keys: Sequence[str], version: int | None = None) -> list[int] | None:
+        """Scores and writes; a policy stage scores each row with the version
+        that generated it (logprob_versions.py), or with ``version`` when
+        given (``recompute = batch_start``), and its writing rank reports the
+        version used, per key (the other ranks report None)."""
         import torch
 
-        with self.tracer.span("logprob", groups=prompt_groups(keys), version=self.version):
-            logprobs = self.engine.logprobs(self._get(keys, GENERATED_FIELDS))
+        with self.tracer.span("logprob", groups=prompt_groups(keys)) as args:
+            if self.scorer is None:
+                logprobs, used = self.engine.logprobs(self._get(keys, GENERATED_FIELDS)), None
+            else:
+                fields = self._get(keys, GENERATED_FIELDS + [p.FIELD_VERSION])
+                generated_at = fields.pop(p.FIELD_VERSION).reshape(-1).tolist()
+                logprobs, used = self.scorer.score_at(fields, generated_at, version)
+                args["version"] = sorted(set(used))
             if self.writes:
                 fields = {self.field: logprobs}
-                if not self.frozen:
-                    fields[p.version_field(self.field)] = torch.full((len(keys),), self.version, dtype=torch.long)
+                if used is not None:
+                    fields[p.version_field(self.field)] = torch.tensor(used, dtype=torch.long)
                 self._put(keys, fields)
-        return None if self.frozen or not self.writes else [self.version] * len(keys)
+        return None if used is None or not self.writes else used
 
     def receive_weights(self, bucket_refs: list, version: int) -> None:
-        """A push: applied in place between two logprob calls (the actor runs one call at a time)."""
+        """A push: kept until a row generated with it is scored (a frozen
+        reference receives none)."""
         import ray
 
         with self.tracer.span("weight receive", version=version, buckets=len(bucket_refs)):
-            buckets = ray.get(bucket_refs)
-            for index, bucket in enumerate(buckets):
-                self.engine.update_weights(bucket, version, index == len(buckets) - 1)
+            if self.scorer is not None:
+                self.scorer.receive(bucket_refs, version)
+            else:
+                buckets = ray.get(bucket_refs)
+                for index, bucket in enumerate(buckets):
+                    self.engine.update_weights(bucket, version, index == len(buckets) - 1)
             self.version = version
 
 
-class TrainerWorker(_Worker, WeightGroupMember):
-    """One data-parallel rank of the split-step trainer."""
+def _versioned_scorer(engine, max_lag: int):
+    import ray
 
-    def __init__(self, pipe, stage, rank, dataplane_spec, dist: dict | None = None,
-                 checkpoint: dict | None = None):
-        from rldsl.runtime.engines.factory import build_trainer
+    from rldsl.runtime.ray_lowering.logprob_versions import VersionedScorer
 
-        super().__init__(pipe, stage, rank, dataplane_spec)
-        self.checkpoint = checkpoint or {}  # {"run_dir": ..., "every": N}
-        group = _join(dist) if dist and dist["world_size"] > 1 else None
-        self.engine = build_trainer(stage, pipe, seed=pipe.run.seed, process_group=group)
-        self._collectives = _named_collectives(dist if group is not None else None)
-        self.needs = [p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK,
-                      p.FIELD_ADVANTAGE, p.FIELD_VERSION]
-        consumed = {f for e in pipe.edges if e.kind == "data" for f in e.fields}
-        self.needs += [f for f in (p.FIELD_BEHAVIOUR_LOGPROBS, p.FIELD_REF_LOGPROBS) if f in consumed]
-        if p.FIELD_BEHAVIOUR_LOGPROBS in consumed and any(
-                s.kind == "logprob" and receives_weights(s.kind, bool(s.settings.get("frozen"))) for s in pipe.stages):
-            self.needs.append(p.version_field(p.FIELD_BEHAVIOUR_LOGPROBS))  # the fence reads it
-
-    def begin_train_step(self, step: int) -> None:
-        with self.tracer.span("begin_train_step", step=step, version=self.engine.version), self._collectives():
-            self.engine.begin_train_step(step)
-
-    def train_microbatch(self, step: int, keys: Sequence[str]) -> dict:
-        with self.tracer.span("train_microbatch", step=step, version=self.engine.version, groups=prompt_groups(keys)), \
-                self._collectives():
-            fields = self._get(keys, self.needs)
-            stale = refuse_stale_logprobs(fields)
-            result = self.engine.train_microbatch(step, fields)
-            if stale:  # the controller drops them; here they were masked out of the loss
-                result = {**result, "refused_keys": [keys[i] for i in stale]}
-            return result
-
-    def optimizer_step(self, step: int) -> dict:
-        """A mini-batch's optimizer step inside the open step (a collective)."""
-        with self.tracer.span("optimizer_step", step=step, version=self.engine.version), self._collectives():
-            return self.engine.optimizer_step(step)
-
-    def finish_train_step(self, step: int) -> p.StepResult:
-        with self.tracer.span("finish_train_step", step=step, version=self.engine.version), self._collectives():
-            result = self.engine.finish_train_step(step)
-        every = self.checkpoint.get("every")
-        if every and result.version % every == 0 and self.can_checkpoint():
-            self.save_checkpoint()
-        return result
-
-    def abort_train_step(self, step: int) -> None:
-        with self.tracer.span("abort_train_step", step=step):
-            self.engine.abort_train_step(step)
-
-    def version(self) -> int:
-        return self.engine.version
-
-    def export_buckets(self, bucket_bytes: int) -> list:
-        """The weights into the host bucket cache: one object-store entry per
-        bucket, put by rank 0 (every rank takes part: gathering shards is a
-        collective). Returns rank 0's references; the others return []."""
-        import ray
-
-        with self.tracer.span("weight export", version=self.engine.version) as args, self._awake():
-            buckets = [{k: v.detach().cpu().clone() for k, v in b.items()}
-                       for b in self.engine.weight_buckets(bucket_bytes)]
-            args["buckets"] = len(buckets)
-        return [ray.put(bucket) for bucket in buckets] if self.rank == 0 else []
-
-    def stream_weights(self, bucket_bytes: int, version: int, to_store: bool) -> dict:
-        """A collective push (every rank takes part in the gathers; rank 0
-        sends each bucket while the next is gathered). A failed send is
-        reported, not raised: the trainer itself is fine, and every rank
-        still finishes its gathers. ``to_store``: rank 0 also puts each
-        bucket into the object store (the evaluator's copy)."""
-        import ray
-
-        from rldsl.runtime.transport.stream import BucketSender
-
-        sender = BucketSender(self._member_group(), version) if self.rank == 0 else None
-        refs, failure, stats = [], None, {}
-        with self.tracer.span("weight export", version=version, transport="collective") as args, self._awake():
-            try:
-                for bucket in self.engine.weight_buckets(bucket_bytes):
-                    if to_store and self.rank == 0:
-                        refs.append(ray.put(bucket))
-                    if sender is not None:
-                        try:
-                            sender.send(bucket)
-                        except RuntimeError as error:  # a receiver is gone: keep gathering, report it
-                            failure, sender = error, None
-                    del bucket
-            except BaseException:
-                if sender is not None:
-                    sender.abort()
-                raise
-            if sender is not None:
-                try:
-                    stats = sender.finish().as_dict()
-                except RuntimeError as error:
-                    failure = error
-            args.update(stats)
-        return {"refs": refs, "stats": stats, "failed": f"{type(failure).__name__}: {failure}" if failure else None}
-
-    @contextlib.contextmanager
-    def _awake(self):
-        """A trainer offloaded for the generation phase comes back for a
-        weight export or a checkpoint, then goes back to sleep."""
-        asleep = getattr(self.engine, "asleep", False)
-        if asleep:
-            self.engine.wake()
-        try:
-            yield
-        finally:
-            if asleep:
-                self.engine.sleep()
-
-    def sleep(self) -> None:
-        """Colocated: offload for the generation phase (engines that can)."""
-        if hasattr(self.engine, "sleep"):
-            with self.tracer.span("sleep"):
-                self.engine.sleep()
-
-    def wake(self) -> None:
-        if hasattr(self.engine, "wake"):
-            with self.tracer.span("wake"):
-                self.engine.wake()
-
-    def can_checkpoint(self) -> bool:
-        return hasattr(self.engine, "save_checkpoint")
-
-    def save_checkpoint(self) -> int:
-        """The engine's state as of the last finished step. A collective:
-        every trainer rank calls it (in the same order as the step calls)."""
-        from rldsl.runtime.ray_lowering.checkpoint import (
-            TRAINER_DIR,
-            TRAINER_MARKER,
-            checkpoint_dir,
-            write_json_atomically,
-        )
-
-        version = self.engine.version
-        directory = checkpoint_dir(self.checkpoint["run_dir"], version)
-        with self.tracer.span("checkpoint save", version=version), self._awake():
-            self.engine.save_checkpoint(directory / TRAINER_DIR)
-        if self.rank == 0:  # the engine returns once every rank's files are written
-            write_json_atomically(directory / TRAINER_MARKER, {"version": version, "engine": self.stage.engine.name,
-                                                               "ranks": len(self.stage.ranks)})
-        return version
-
-    def load_checkpoint(self, directory: str) -> int:
-        from rldsl.runtime.ray_lowering.checkpoint import TRAINER_DIR
-
-        with self.tracer.span("checkpoint load"):
-            return self.engine.load_checkpoint(Path(directory) / TRAINER_DIR)
+    return VersionedScorer(engine, max_lag, ray.get)
 
 
-def _named_collectives(dist: dict | None):
+def named_collectives(dist: dict | None):
     """A context for the trainer's calls: collective timeouts name the group."""
     if dist is None:
         return contextlib.nullcontext
@@ -399,7 +314,8 @@ def _named_collectives(dist: dict | None):
     return lambda: collectives_named(dist["group"], dist["rank"], dist["world_size"])
 
 
-def _join(dist: dict):
+def join_dist_group(dist: dict):
+    """This rank's process group of its stage (data or model parallel ranks)."""
     from rldsl.runtime.ray_lowering.rendezvous import join_process_group
 
     return join_process_group(dist["group"], dist["rank"], dist["world_size"], dist.get("store_dir"))

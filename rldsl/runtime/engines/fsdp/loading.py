@@ -19,16 +19,13 @@ checkpoint, which is why ``parameters_on_meta`` leaves buffers real).
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
-
+from rldsl.models.hf_checkpoint import HFTensors, open_hf_weights
 
 @contextlib.contextmanager
 def parameters_on_meta():
@@ -76,9 +73,9 @@ def build_sharded(model, mesh, dtype: str, device: torch.device) -> None:
     shard_module(module, mesh, dtype)
     materialize(module, device, buffers)
     if params:
-        fill_shards(module, InMemoryRows(params))
+        fill_shards(module, HFTensors(params))
     elif model.source.startswith("hf:"):
-        fill_shards(module, SafetensorsRows(model.source[len("hf:"):]))
+        fill_shards(module, open_hf_weights(model.source[len("hf:"):]))
     else:
         raise ValueError(f"fsdp: {model.source} has its parameters on meta and no checkpoint files to read")
 
@@ -106,65 +103,6 @@ def local_rows(param: DTensor) -> tuple[int, int]:
     return start, stop
 
 
-# -- where the rows come from -----------------------------------------------------
-
-
-class InMemoryRows:
-    """Rows of tensors this process already holds."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-
-    def names(self) -> set[str]:
-        return set(self.tensors)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.tensors[name].shape)
-
-    def __call__(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.tensors[name][start:stop]
-
-
-class SafetensorsRows:
-    """Reads rows of named tensors from a Hugging Face checkpoint directory
-    (one ``model.safetensors`` or shards listed in its index), each file
-    opened once and only the requested rows read."""
-
-    def __init__(self, directory):
-        self.directory = Path(directory)
-        self.file_of = self._weight_map()
-        self._open: dict[str, object] = {}
-
-    def names(self) -> set[str]:
-        return set(self.file_of)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.file_of[name]).get_slice(name).get_shape())
-
-    def __call__(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self._handle(self.file_of[name]).get_slice(name)[start:stop]
-
-    def _handle(self, file_name: str):
-        if file_name not in self._open:
-            from safetensors import safe_open
-
-            self._open[file_name] = safe_open(str(self.directory / file_name), framework="pt", device="cpu")
-        return self._open[file_name]
-
-    def _weight_map(self) -> dict[str, str]:
-        index = self.directory / SAFETENSORS_INDEX
-        if index.is_file():
-            return dict(json.loads(index.read_text())["weight_map"])
-        single = self.directory / SAFETENSORS_SINGLE
-        if not single.is_file():
-            raise FileNotFoundError(f"fsdp: {self.directory} has no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}; "
-                                    "the sharded load reads safetensors checkpoints only")
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt", device="cpu") as handle:
-            return {name: SAFETENSORS_SINGLE for name in handle.keys()}
-
-
 # -- materialising and filling the shards -----------------------------------------
 
 
@@ -187,21 +125,21 @@ def materialize(module: nn.Module, device: torch.device, buffers: dict[str, torc
                 buffer.copy_(buffers[name])
 
 
-def fill_shards(module: nn.Module, source) -> None:
-    """Copy each parameter's rows for this rank from ``source`` (``InMemoryRows``
-    or ``SafetensorsRows``) into its local shard. A tied parameter is read
-    once, under whichever of its names the source has."""
-    available = source.names()
+def fill_shards(module: nn.Module, source: HFTensors) -> None:
+    """Copy each parameter's rows for this rank from ``source`` (tensors in
+    memory, or a checkpoint read slice by slice) into its local shard. A
+    tied parameter is read once, under whichever of its names the source has."""
+    available = set(source)
     with torch.no_grad():
         for names, param in _parameters_with_aliases(module):
             name = next((n for n in names if n in available), None)
             if name is None:
                 raise KeyError(f"fsdp: no weights for parameter {names[0]!r} (aliases {names[1:]})")
-            if source.shape(name) != tuple(param.shape):
-                raise ValueError(f"fsdp: {name!r} has shape {source.shape(name)} in the checkpoint, "
+            if source.shape_of(name) != tuple(param.shape):
+                raise ValueError(f"fsdp: {name!r} has shape {source.shape_of(name)} in the checkpoint, "
                                  f"{tuple(param.shape)} in the model")
             start, stop = local_rows(param)
-            param.to_local().copy_(source(name, start, stop))
+            param.to_local().copy_(source.read_slice(name, 0, start, stop))
 
 
 def _parameters_with_aliases(module: nn.Module) -> list[tuple[list[str], nn.Parameter]]:

@@ -29,6 +29,10 @@ live and when the forwards run:
   sharded gradients divided by N, clipped (the norm is global over the
   shards), and AdamW steps on the shards. The loss statistics of the
   mini-batch come back from that boundary call.
+- the proximal pass (``TorchTrainer``'s docstring) runs at the boundaries
+  too: a held boundary computes the pending microbatches' proximal logprobs
+  in lockstep no-grad forwards, and finish trains the held mini-batches in
+  lockstep forwards + backwards.
 
 ``shard`` is the number of ranks a parameter is split over: 0 (or the rank
 count) shards over all ranks; a divisor ``s`` of the ranks is hybrid
@@ -50,9 +54,10 @@ from rldsl.runtime.engines.fsdp.state import (
     load_full_checkpoint,
     save_full_checkpoint,
 )
+from rldsl.runtime.engines.policy_loss import merge_stats
 from rldsl.runtime.engines.torch.packing import forward_rows, take_rows
 from rldsl.runtime.engines.torch.train import TorchTrainer
-from rldsl.runtime.protocols import FIELD_RESPONSE_MASK, Batch
+from rldsl.runtime.protocols import Batch, trained_tokens
 
 
 class FsdpTrainer(TorchTrainer):
@@ -83,7 +88,7 @@ class FsdpTrainer(TorchTrainer):
         self._require_open(step, "train_microbatch")
         self._pending.append({name: value.clone() if torch.is_tensor(value) else value
                               for name, value in batch.items()})
-        tokens_per_row = torch.as_tensor(batch[FIELD_RESPONSE_MASK]).sum(dim=1)
+        tokens_per_row = torch.as_tensor(trained_tokens(batch)).sum(dim=1)
         return {"tokens": float(tokens_per_row.sum()), "sequences": float((tokens_per_row > 0).sum())}
 
     def abort_train_step(self, step: int) -> None:
@@ -148,39 +153,59 @@ class FsdpTrainer(TorchTrainer):
         return super()._take_optimizer_step()
 
     def _train_pending_in_lockstep(self) -> None:
-        """Every rank runs the same number of forward + backward passes: its
-        own pending forwards, then empty ones up to the largest count of any
-        rank (agreed by an all-reduce MAX over the trainer's ranks)."""
+        self._in_lockstep(self._take_pending_forwards(), self._forward_backward)
+
+    def _train_pending(self) -> None:
+        self._train_pending_in_lockstep()
+
+    def _keep_pending_with_proximal(self) -> None:
+        kept: list = []
+        self._in_lockstep(self._take_pending_forwards(),
+                          lambda rows: kept.append((rows, self._proximal_logprobs(rows))) if rows is not None
+                          else self._empty_forward(grad=False))
+        self._deferred[-1] += kept
+
+    def _train_forwards(self, forwards) -> None:
+        self._in_lockstep(forwards, lambda item: self._forward_backward(*(item or (None,))))
+
+    def _take_pending_forwards(self) -> list[Batch]:
         forwards = [take_rows(batch, rows) for batch in self._pending
                     for rows in forward_rows(batch, self.rows_per_forward, self.tokens_per_forward)]
         self._pending = []
-        count = torch.tensor([len(forwards)], dtype=torch.int64)
+        return forwards
+
+    def _in_lockstep(self, items: list, run) -> None:
+        """Every rank runs ``run`` the same number of times: on each of its own
+        items, then on None up to the largest count of any rank (agreed by an
+        all-reduce MAX over the trainer's ranks), so the per-layer collectives
+        line up."""
+        count = torch.tensor([len(items)], dtype=torch.int64)
         if self._data_parallel():
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.process_group)
         for index in range(int(count)):
-            self._forward_backward(forwards[index] if index < len(forwards) else None)
+            run(items[index] if index < len(items) else None)
 
-    def _forward_backward(self, batch: Batch | None) -> None:
+    def _forward_backward(self, batch: Batch | None, proximal: torch.Tensor | None = None) -> None:
         """One forward and backward of ``batch``'s un-normalised loss sum,
         adding its statistics to the mini-batch's sums; an empty forward when
         there is nothing to learn from, so the collectives still run."""
         if batch is not None:
-            result = self._loss_sums(batch)
-            self._sums["loss_sum"] += float(result.loss_sum.detach())
-            for name, value in result.stats.items():
-                self._sums[name] += value
+            result = self._loss_sums(batch, proximal)
+            merge_stats(self._sums, {"loss_sum": float(result.loss_sum.detach()), **result.stats})
             if result.loss_sum.requires_grad:
                 result.loss_sum.backward()
                 return
-        self._empty_forward_backward()
+        self._empty_forward()
 
-    def _empty_forward_backward(self) -> None:
-        """A one-token forward and a backward of zero times its logits: the
-        same all-gathers and reduce-scatters as a real forward, adding exact
-        zeros to the gradients."""
+    def _empty_forward(self, grad: bool = True) -> None:
+        """A one-token forward and (with ``grad``) a backward of zero times its
+        logits: the same all-gathers and reduce-scatters as a real forward,
+        adding exact zeros to the gradients."""
         token = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
-        logits, _ = self.model.forward(token, None, token, use_cache=False)
-        (logits.float().sum() * 0.0).backward()
+        with torch.set_grad_enabled(grad):
+            logits, _ = self.model.forward(token, None, token, use_cache=False)
+        if grad:
+            (logits.float().sum() * 0.0).backward()
 
     def _reduce_and_scale_grads(self, count: float) -> None:
         """Each backward already reduce-scattered its gradients into the

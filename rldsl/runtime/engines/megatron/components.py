@@ -32,7 +32,8 @@ def wrap_ddp(module, config, ddp):
 
 
 def build_optimizer(model, dtype: str, distributed_optimizer: bool, lr: float, min_lr: float,
-                    betas: tuple[float, float], weight_decay: float, max_grad_norm: float | None):
+                    betas: tuple[float, float], weight_decay: float, max_grad_norm: float | None,
+                    eps: float = 1e-8):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
@@ -42,6 +43,7 @@ def build_optimizer(model, dtype: str, distributed_optimizer: bool, lr: float, m
         weight_decay=weight_decay,
         adam_beta1=betas[0],
         adam_beta2=betas[1],
+        adam_eps=eps,
         clip_grad=max_grad_norm or 0.0,
         bf16=dtype == "bf16",
         fp16=dtype == "fp16",
@@ -62,7 +64,7 @@ def build_scheduler(optimizer, lr: float, weight_decay: float, schedule: LRSched
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=lr, min_lr=schedule_min_lr(schedule, lr),
+        optimizer, init_lr=schedule.warmup_start_lr, max_lr=lr, min_lr=schedule_min_lr(schedule, lr),
         # megatron wants decay past warmup; a run shorter than its warmup never reaches the decay anyway
         lr_warmup_steps=schedule.warmup,
         lr_decay_steps=max(schedule.total, schedule.warmup + 1) if schedule.decays else NEVER,

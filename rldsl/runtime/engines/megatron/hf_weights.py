@@ -33,6 +33,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rldsl.models.hf_checkpoint import HFTensors
+
 COPY, QKV, GATED = "copy", "qkv", "gated"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -278,43 +280,6 @@ def _even_chunks(tensor: torch.Tensor, parts: int, dim: int, name: str) -> list[
 
 
 # -- one rank's shards, read slice by slice ------------------------------------------
-
-
-class HFTensors(Mapping):
-    """Hugging Face tensors by name, read whole or one slice at a time.
-
-    This one serves tensors already in memory; a checkpoint reader
-    (``hf_checkpoint.SafetensorsCheckpoint``) overrides the reads so that
-    only the requested slices leave the files. ``bytes_read`` counts the
-    bytes handed out.
-    """
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]):
-        self._tensors = tensors
-        self.bytes_read = 0
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._counted(self._tensors[name])
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-    def __contains__(self, name) -> bool:
-        return name in self._tensors  # Mapping's default would read the tensor
-
-    def shape_of(self, name: str) -> tuple[int, ...]:
-        return tuple(self._tensors[name].shape)
-
-    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        """Indices ``start:stop`` of dimension ``dim``."""
-        return self._counted(self._tensors[name].narrow(dim, start, stop - start))
-
-    def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
 
 
 def as_hf_tensors(hf: Mapping[str, torch.Tensor]) -> HFTensors:

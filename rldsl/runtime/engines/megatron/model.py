@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 # Re-exported: the engines and tests open checkpoints through this module.
-from rldsl.runtime.engines.megatron.hf_checkpoint import open_hf_weights, read_hf_config, read_hf_weights  # noqa: F401
+from rldsl.models.hf_checkpoint import open_hf_weights, read_hf_config, read_hf_weights  # noqa: F401
 from rldsl.runtime.engines.megatron.hf_weights import (
     LlamaShape,
     as_hf_tensors,

@@ -68,14 +68,15 @@ from rldsl.runtime.protocols import (
     FIELD_BEHAVIOUR_LOGPROBS,
     FIELD_REF_LOGPROBS,
     FIELD_RESPONSE_IDS,
-    FIELD_RESPONSE_MASK,
     Batch,
     StepResult,
+    trained_tokens,
 )
 
 log = logging.getLogger(__name__)
 COUNTS = ("tokens", "sequences")
-LOSS_STATS = ("loss_sum", "kl_sum", "clipped_tokens", "dual_clipped_tokens", "capped_tokens", "ratio_sum")
+LOSS_STATS = ("loss_sum", "kl_sum", "clipped_tokens", "dual_clipped_tokens", "capped_tokens", "ratio_sum",
+              "mismatch_kl_sum", "mismatch_k3_sum", "mismatch_ratio_sum")  # extremes: not reduced here
 SKIPPED = {"skipped": 1.0}
 
 
@@ -108,7 +109,8 @@ class MegatronTrainer:
         offload: bool = False,
         loss: PolicyLossConfig | dict | None = None,
         lr: float = 1e-5,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float, float] = (0.9, 0.999),  # megatron-core's OptimizerConfig defaults
+        eps: float = 1e-8,
         weight_decay: float = 0.0,
         max_grad_norm: float | None = 1.0,
         rows_per_forward: int | None = None,
@@ -135,7 +137,7 @@ class MegatronTrainer:
         self.model = mc.wrap_ddp(module, self.config, self.ddp_config)
         self.optimizer = mc.build_optimizer(self.model, dtype, distributed_optimizer, lr,
                                                mc.schedule_min_lr(schedule, lr), betas, weight_decay,
-                                               max_grad_norm)
+                                               max_grad_norm, eps)
         self.scheduler = mc.build_scheduler(self.optimizer, lr, weight_decay, schedule)
         self.hooks = mc.SyncHooks(self.config, self.model, self.ddp_config)
         self.version = 0
@@ -170,6 +172,9 @@ class MegatronTrainer:
         """One optimizer step on the mini-batch trained since the last one; the
         step stays open and the version is unchanged. A collective."""
         self._require_open(step, "optimizer_step")
+        if self.loss.needs_proximal:  # the check refuses it (RLP307); a plan written by hand is refused here
+            raise RuntimeError("behaviour_cap or a correction with several optimizer steps per rollout batch needs "
+                               "a proximal pass, which the megatron engine does not run: use torch or fsdp")
         try:
             metrics = self._take_optimizer_step()
             self._zero_grads()
@@ -283,8 +288,9 @@ class MegatronTrainer:
         packed, length, rows = self._pack(chunks)
         sums = _no_sums()
         for chunk in chunks:
-            sums["tokens"] += float(chunk[FIELD_RESPONSE_MASK].sum())
-            sums["sequences"] += float((chunk[FIELD_RESPONSE_MASK].sum(dim=1) > 0).sum())
+            trained = trained_tokens(chunk)  # an environment's tokens are context, not trained
+            sums["tokens"] += float(trained.sum())
+            sums["sequences"] += float((trained.sum(dim=1) > 0).sum())
         with self.model.no_sync():
             self._forward_backward()(
                 forward_step_func=partial(self._forward_step, sums=sums),
@@ -309,7 +315,7 @@ class MegatronTrainer:
         fields = packed.batch
         ref = fields.get(FIELD_REF_LOGPROBS)
         result = policy_loss(mm.response_logprobs_from_logits(logits, packed), fields[FIELD_BEHAVIOUR_LOGPROBS],
-                             fields[FIELD_ADVANTAGE], fields[FIELD_RESPONSE_MASK], self.loss, ref)
+                             fields[FIELD_ADVANTAGE], trained_tokens(fields), self.loss, ref)
         sums["loss_sum"] += float(result.loss_sum.detach())
         for name in LOSS_STATS[1:]:
             sums[name] += result.stats[name]

@@ -16,7 +16,9 @@ gives each optimizer step.
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, Collection, Iterator, Mapping, Sequence
 
@@ -45,23 +47,36 @@ class SimGenerator(Timed):
     ``generate_groups`` serves several prompt groups in one call, as a
     batching engine does: the call costs one latency draw plus ``per_group``
     seconds for each group after the first (default: 10% of the typical
-    latency), so batching is much cheaper than one call per group."""
+    latency), so batching is much cheaper than one call per group. With
+    ``longest_in_wave`` each group draws its own decode time and the call
+    lasts as long as its longest (a real engine's wave).
+
+    ``streaming``: ``start_group`` decodes each group on its own clock (its
+    own draw plus ``per_group`` for every other group in flight when it
+    starts) and completes its future when that group ends, whatever else is
+    in flight: a ``ContinuousBatcher`` then answers groups independently."""
 
     PER_GROUP_SHARE = 0.1  # the default per_group, as a share of the typical latency
 
     def __init__(self, latency: Latency = Latency(), vocab_size: int = 64, prompt_len: int = 8,
                  max_new_tokens: int = 16, fail_prob: float = 0.0, seed: int = 0,
-                 per_group: float | None = None) -> None:
+                 per_group: float | None = None, streaming: bool = False, longest_in_wave: bool = False) -> None:
         super().__init__(latency, seed)
         self.vocab_size, self.prompt_len, self.max_new_tokens = vocab_size, prompt_len, max_new_tokens
         self.fail_prob = fail_prob
         self.per_group = self.PER_GROUP_SHARE * latency.typical if per_group is None else per_group
         if self.per_group < 0:
             raise ValueError(f"per_group must be >= 0, got {self.per_group}")
+        self.streams, self.longest_in_wave = streaming, longest_in_wave
         self.version = 0
-        self.generating = False
         self.asleep = False
+        self._active = 0  # calls and streamed groups decoding now
+        self._active_lock = threading.Lock()
         self._incoming: int | None = None  # version of a push in progress
+
+    @property
+    def generating(self) -> bool:
+        return self._active > 0
 
     def generate(self, prompts: list[p.Prompt], samples_per_prompt: int, seed: int) -> p.Batch:
         with self._generating():
@@ -88,6 +103,21 @@ class SimGenerator(Timed):
             await self._hold(self._group_call_seconds(requests), requested_at)
             return [self._batch(*request) for request in requests]
 
+    def start_group(self, request: GroupRequest) -> Future:
+        """Start decoding one group now (streaming); its future holds the batch."""
+        future: Future = Future()
+        with self._generating(release=False):
+            seconds = self._draw() + self.per_group * (self._active - 1)
+            batch = self._batch(*request)  # the version it starts with: weights change only between groups
+        timer = threading.Timer(seconds, self._end_stream, (future, batch))
+        timer.daemon = True
+        timer.start()
+        return future
+
+    def _end_stream(self, future: Future, batch: p.Batch) -> None:
+        self._count_active(-1)
+        future.set_result(batch)
+
     def update_weights(self, bucket: Mapping[str, Any], version: int, last: bool) -> None:
         if self.generating:
             raise SplitStepError(f"weights version {version} pushed while a group is mid-generation")
@@ -102,21 +132,30 @@ class SimGenerator(Timed):
         self.asleep = False
 
     @contextmanager
-    def _generating(self) -> Iterator[None]:
+    def _generating(self, release: bool = True) -> Iterator[None]:
+        """Counts a call (or, ``release`` False, a streamed group that ends later) as decoding."""
         if self._incoming is not None:
             raise SplitStepError("generate while a weight push is half done (mixed weights)")
         if self._chance(self.fail_prob):
             raise SimFailure("injected generation failure")
-        self.generating = True
+        self._count_active(1)
         try:
             yield
-        finally:
-            self.generating = False
+        except BaseException:
+            self._count_active(-1)
+            raise
+        if release:
+            self._count_active(-1)
+
+    def _count_active(self, change: int) -> None:
+        with self._active_lock:
+            self._active += change
 
     def _group_call_seconds(self, requests: Sequence[GroupRequest]) -> float:
         if not requests:
             raise ValueError("generate_groups needs at least one request")
-        return self._draw() + self.per_group * (len(requests) - 1)
+        longest = max(self._draw() for _ in requests) if self.longest_in_wave else self._draw()
+        return longest + self.per_group * (len(requests) - 1)
 
     def _batch(self, prompts: Sequence[p.Prompt], samples_per_prompt: int, seed: int) -> p.Batch:
         rows = len(prompts) * samples_per_prompt
@@ -169,6 +208,10 @@ class SimLogprob(Timed):
         """A policy logprob stage's push: the sim has no weights, only the version."""
         if last:
             self.version = version
+
+    def weight_snapshot(self) -> list[dict]:
+        """The weights as buckets ``update_weights`` takes back: the sim has none."""
+        return [{}]
 
     def _values(self, batch: p.Batch) -> torch.Tensor:
         return _fake_logprobs(batch[p.FIELD_RESPONSE_MASK], torch.Generator().manual_seed(self._rng.getrandbits(31)))

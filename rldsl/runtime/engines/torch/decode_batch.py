@@ -10,6 +10,13 @@ A request's rows stay in the batch until the whole request ends (a row that
 emitted EOS is fed padding), exactly as a one-request decode does: a group
 draws the same tokens whatever else is in the batch, up to the float
 rounding that padding introduces.
+
+Weights that change mid-decode (``update = interrupt``): ``resume`` prefills
+every row in flight again (prompt and tokens so far) under the new weights,
+so the next token's distribution and the KV cache are wholly the new
+version's, as when a partial rollout is resubmitted. Each step records the
+version that computed the distribution its tokens were drawn from and the
+log-probability of each drawn token (temperature 1, before top-p).
 """
 
 from __future__ import annotations
@@ -45,11 +52,12 @@ class DecodeRequest:
     request_id: int
     rows: int
     sampler: torch.Generator
-    version: int  # the weights its rows are decoded with
     prompt_ids: torch.Tensor  # CPU, left-padded to this request's own width
     prompt_mask: torch.Tensor
     tokens: list[torch.Tensor] = field(default_factory=list)  # one [rows] tensor per step
     masks: list[torch.Tensor] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per step: the weights its tokens were drawn with
+    logprobs: list[torch.Tensor] = field(default_factory=list)  # per step: [rows] log p(token), temperature 1
 
     def batch(self) -> Batch:
         return {
@@ -59,15 +67,27 @@ class DecodeRequest:
             FIELD_RESPONSE_MASK: torch.stack(self.masks, dim=1).cpu(),
         }
 
+    def step_logprobs(self) -> torch.Tensor:
+        """[rows, steps] log-probabilities of the drawn tokens, 0 off the mask."""
+        return (torch.stack(self.logprobs, dim=1) * torch.stack(self.masks, dim=1)).cpu()
+
+    def generated_so_far(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt and drawn tokens, the keys the running cache holds for these rows."""
+        ids = torch.cat([self.prompt_ids, *[token.cpu()[:, None] for token in self.tokens]], dim=1)
+        mask = torch.cat([self.prompt_mask, torch.ones(self.rows, len(self.tokens), dtype=torch.long)], dim=1)
+        return ids, mask
+
 
 class DecodeBatch:
     """The running batch: one KV cache for all rows, requests in row order.
 
     After ``step`` raises, the batch is inconsistent: ``abort()`` it."""
 
-    def __init__(self, model, max_new_tokens: int, sample: Sampler):
+    def __init__(self, model, max_new_tokens: int, sample: Sampler, end_ids: torch.Tensor | None = None):
         self.model = model
         self.max_new_tokens = max_new_tokens
+        self._end_ids = end_ids if end_ids is not None else torch.tensor([model.eos_id])  # EOS and stop tokens
+        self.version = 0  # the weights the running cache and logits were computed with
         self._sample = sample
         self._ids = itertools.count()
         self._requests: list[DecodeRequest] = []
@@ -82,6 +102,9 @@ class DecodeBatch:
     def admit(self, groups: list[tuple[list[str], torch.Generator]], version: int) -> list[int]:
         """Prefill the groups' prompts in one forward and add their rows.
         The running batch changes only once the prefill has succeeded."""
+        if self._requests and version != self.version:
+            raise RuntimeError(f"admitting at version {version} into rows decoded with {self.version}; resume first")
+        self.version = version
         texts = [text for group_texts, _ in groups for text in group_texts]
         prompt_ids, prompt_mask = encode_prompts(self.model.tokenizer, texts, self.model.device)
         positions = positions_from_mask(prompt_mask)
@@ -90,7 +113,7 @@ class DecodeBatch:
         for group_texts, sampler in groups:
             rows = slice(start, start + len(group_texts))
             width = int(prompt_mask[rows].sum(dim=1).max())  # this group's own padding, as if decoded alone
-            admitted.append(DecodeRequest(next(self._ids), len(group_texts), sampler, version,
+            admitted.append(DecodeRequest(next(self._ids), len(group_texts), sampler,
                                           prompt_ids[rows, -width:].cpu(), prompt_mask[rows, -width:].cpu()))
             start = rows.stop
         self._merge(cache, prompt_mask, positions[:, -1:] + 1, logits[:, -1])
@@ -102,14 +125,17 @@ class DecodeBatch:
         """Draw one token for every row; requests whose rows have all ended
         (EOS or ``max_new_tokens``) leave the batch, the others advance one
         position. Returns the ids of the requests that left."""
-        eos = self.model.eos_id
         slices = list(self._slices())
-        chosen = self._sample(self._logits.float(), [(rows, request.sampler) for request, rows in slices])
+        logits = self._logits.float()
+        chosen = self._sample(logits, [(rows, request.sampler) for request, rows in slices])
         tokens = torch.where(self._alive, chosen.to(self._alive.device), 0)
+        drawn = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None].to(logits.device)).squeeze(1)
         for request, rows in slices:
             request.tokens.append(tokens[rows])
             request.masks.append(self._alive[rows].long())
-        self._alive = self._alive & (tokens != eos)
+            request.versions.append(self.version)
+            request.logprobs.append(drawn[rows])
+        self._alive = self._alive & ~torch.isin(tokens, self._end_ids.to(tokens.device))
         alive_rows = self._rows_per_request(self._alive)
         ended = [request for request, alive in zip(self._requests, alive_rows)
                  if alive == 0 or len(request.tokens) == self.max_new_tokens]
@@ -119,10 +145,24 @@ class DecodeBatch:
             self._advance(tokens)
         return [request.request_id for request in ended]
 
-    def take(self, request_id: int) -> tuple[Batch, int]:
-        """An ended request's rows (prompt and response fields) and its version."""
-        request = self._ended.pop(request_id)
-        return request.batch(), request.version
+    def take(self, request_id: int) -> DecodeRequest:
+        """An ended request (its rows' fields: ``batch()``, versions and logprobs per step)."""
+        return self._ended.pop(request_id)
+
+    @torch.no_grad()
+    def resume(self, version: int) -> None:
+        """The weights are now ``version``: prefill every row in flight again
+        (prompt and tokens so far) so that decoding goes on wholly under them."""
+        self.version = version
+        if not self._requests:
+            return
+        parts = [request.generated_so_far() for request in self._requests]
+        width = max(ids.shape[1] for ids, _ in parts)
+        ids = torch.cat([left_pad_time(ids, width) for ids, _ in parts]).to(self.model.device)
+        mask = torch.cat([left_pad_time(mask, width) for _, mask in parts]).to(self.model.device)
+        positions = positions_from_mask(mask)
+        logits, self._cache = self.model.forward(ids, mask, positions)
+        self._key_mask, self._next_position, self._logits = mask, positions[:, -1:] + 1, logits[:, -1]
 
     def abort(self, request_ids=None) -> None:
         """Forget the given requests (all of them when None), running or ended."""

@@ -12,6 +12,13 @@ recomputed with that very function after sampling, so with unchanged weights
 the trainer's importance ratio is 1 up to float rounding (not merely close:
 the same code on the same tensors). Temperature and top-p shape only which
 tokens are drawn.
+
+``interrupts``: a weight version may be applied with rows in flight (``update
+= interrupt``): the running batch is prefilled again under the new weights
+and decoding goes on. Such a request's rows carry ``token_versions`` (the
+version that drew each token) and ``version`` is their oldest; its behaviour
+logprobs are the ones recorded as each token was drawn, under the weights
+that drew it (equal to the trainer's computation up to float rounding).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from rldsl.runtime.protocols import (
     FIELD_PROMPT_MASK,
     FIELD_RESPONSE_IDS,
     FIELD_RESPONSE_MASK,
+    FIELD_TOKEN_VERSIONS,
     FIELD_VERSION,
     Batch,
     Prompt,
@@ -40,15 +48,20 @@ from rldsl.runtime.protocols import (
 
 class TorchGenerator(WeightReceiver):
     GREEDY_ROWS_PER_DECODE = 256  # bounds the KV cache when evaluating a large split
+    interrupts = True  # rows in flight resume under new weights (ContinuousBatcher, update = interrupt)
 
-    def __init__(self, model, max_new_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0):
-        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError("need max_new_tokens >= 1, temperature >= 0 and top_p in (0, 1]")
+    def __init__(self, model, max_new_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, stop_token_ids: tuple[int, ...] = ()):
+        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError("need max_new_tokens >= 1, temperature >= 0, top_p in (0, 1] and top_k >= 0")
         self.model = model
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
+        self.top_k = top_k
+        self.end_ids = torch.tensor([model.eos_id, *stop_token_ids], dtype=torch.long)  # a row ends on any
         self.version = 0
+        self.tokens_decoded = 0  # one per row in flight per decode step
         model.module.eval()
         self._running = self._new_decode_batch()
 
@@ -62,7 +75,7 @@ class TorchGenerator(WeightReceiver):
         (request_id,) = self._admit_into(decoding, [(prompts, samples_per_prompt, seed)])
         while not decoding.step():
             pass
-        return self._completed(*decoding.take(request_id))
+        return self._completed(decoding.take(request_id))
 
     # -- the stepwise API a ContinuousBatcher drives (one running batch) ---------------
 
@@ -75,11 +88,20 @@ class TorchGenerator(WeightReceiver):
     def decode_step(self) -> list[int]:
         """One token for every row in flight; the ids of the requests that ended."""
         self.require_consistent_weights()
-        return self._running.step()
+        rows = self._running.rows
+        ended = self._running.step()
+        self.tokens_decoded += rows  # the watchdog's evidence of progress inside a long group
+        return ended
 
     def finish_request(self, request_id: int) -> Batch:
         """An ended request's batch, as ``generate`` returns it."""
-        return self._completed(*self._running.take(request_id))
+        return self._completed(self._running.take(request_id))
+
+    def update_weights(self, bucket, version: int, last: bool) -> None:
+        """Load a bucket; with the last one, rows in flight resume under the new weights."""
+        super().update_weights(bucket, version, last)
+        if last:
+            self._running.resume(self.version)
 
     def abort_requests(self, request_ids: list[int] | None = None) -> None:
         """Drop requests (all of them when None), e.g. after a failed step."""
@@ -106,7 +128,7 @@ class TorchGenerator(WeightReceiver):
     def _decode(self, texts: list[str], choose) -> Batch:
         """Prefill the prompts, then one token per step from the KV cache until
         every row has emitted EOS or ``max_new_tokens`` is reached."""
-        device, eos = self.model.device, self.model.eos_id
+        device, end_ids = self.model.device, self.end_ids.to(self.model.device)
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, texts, device)
         positions = positions_from_mask(prompt_mask)
         logits, cache = self.model.forward(prompt_ids, prompt_mask, positions)
@@ -117,7 +139,7 @@ class TorchGenerator(WeightReceiver):
             token = torch.where(alive, choose(logits[:, -1].float()).to(device), 0)
             tokens.append(token)
             masks.append(alive.long())
-            alive = alive & (token != eos)
+            alive = alive & ~torch.isin(token, end_ids)
             if not alive.any():
                 break
             key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
@@ -131,7 +153,7 @@ class TorchGenerator(WeightReceiver):
         }
 
     def _new_decode_batch(self) -> DecodeBatch:
-        return DecodeBatch(self.model, self.max_new_tokens, self._sample)
+        return DecodeBatch(self.model, self.max_new_tokens, self._sample, self.end_ids)
 
     def _admit_into(self, decoding: DecodeBatch, requests) -> list[int]:
         self.require_consistent_weights()
@@ -143,13 +165,18 @@ class TorchGenerator(WeightReceiver):
             groups.append((texts, torch.Generator(device="cpu").manual_seed(seed)))
         return decoding.admit(groups, self.version)
 
-    def _completed(self, batch: Batch, version: int) -> Batch:
-        """Add behaviour logprobs (the trainer's own computation) and the version."""
-        if version != self.version:
-            raise RuntimeError(f"weights changed to version {self.version} while a request decoded with {version}")
-        with torch.no_grad():
-            batch[FIELD_BEHAVIOUR_LOGPROBS] = response_logprobs(self.model, batch).cpu()
-        batch[FIELD_VERSION] = torch.full((len(batch[FIELD_RESPONSE_IDS]),), version, dtype=torch.long)
+    def _completed(self, request) -> Batch:
+        """Add behaviour logprobs and the version. Drawn with today's weights
+        only: the trainer's own computation. Across versions: as recorded at
+        each draw, with ``token_versions`` and the oldest as ``version``."""
+        batch, rows = request.batch(), request.rows
+        if set(request.versions) == {self.version}:
+            with torch.no_grad():
+                batch[FIELD_BEHAVIOUR_LOGPROBS] = response_logprobs(self.model, batch).cpu()
+        else:
+            batch[FIELD_BEHAVIOUR_LOGPROBS] = request.step_logprobs().float()
+            batch[FIELD_TOKEN_VERSIONS] = torch.tensor(request.versions, dtype=torch.long).expand(rows, -1).clone()
+        batch[FIELD_VERSION] = torch.full((rows,), min(request.versions), dtype=torch.long)
         return batch
 
     def _sample(self, logits: torch.Tensor, groups: list[tuple[slice, torch.Generator]]) -> torch.Tensor:
@@ -158,9 +185,19 @@ class TorchGenerator(WeightReceiver):
         if self.temperature == 0:
             return logits.argmax(dim=-1)
         probs = torch.softmax(logits.cpu() / self.temperature, dim=-1)
+        if self.top_k:
+            probs = _top_k_filter(probs, self.top_k)
         if self.top_p < 1:
             probs = _top_p_filter(probs, self.top_p)
         return torch.cat([torch.multinomial(probs[rows], 1, generator=sampler).squeeze(-1) for rows, sampler in groups])
+
+
+def _top_k_filter(probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep the ``top_k`` most likely tokens (``multinomial`` renormalises)."""
+    if top_k >= probs.shape[-1]:
+        return probs
+    kth = probs.topk(top_k, dim=-1).values[..., -1:]
+    return probs.masked_fill(probs < kth, 0.0)
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -38,6 +38,12 @@ class TorchLogprob(WeightReceiver):
         chunks = [response_logprobs(self.model, chunk).cpu() for chunk in split_rows(batch, self.rows_per_forward)]
         return torch.cat(chunks) if chunks else torch.zeros(0, 0)
 
+    def weight_snapshot(self) -> list[dict[str, torch.Tensor]]:
+        """A host copy of the weights as one bucket ``update_weights`` takes
+        back: a policy logprob stage keeps the version it started with."""
+        weights = self.model.module.state_dict()
+        return [{name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}]
+
     def _budgeted_logprobs(self, batch: Batch) -> torch.Tensor:
         groups = forward_rows(batch, None, self.tokens_per_forward)
         results = ((rows, packed_response_logprobs(self.model, trim_padding(take_rows(batch, rows)))) for rows in groups)

@@ -19,6 +19,7 @@ import torch
 from rldsl.runtime.engines.torch.common import left_align
 from rldsl.runtime.protocols import (
     FIELD_BEHAVIOUR_LOGPROBS,
+    FIELD_LOSS_MASK,
     FIELD_PROMPT_IDS,
     FIELD_PROMPT_MASK,
     FIELD_REF_LOGPROBS,
@@ -27,7 +28,8 @@ from rldsl.runtime.protocols import (
 )
 
 # [n, Lr] fields aligned with the response tokens: trimmed together.
-RESPONSE_ALIGNED = (FIELD_RESPONSE_IDS, FIELD_RESPONSE_MASK, FIELD_BEHAVIOUR_LOGPROBS, FIELD_REF_LOGPROBS)
+RESPONSE_ALIGNED = (FIELD_RESPONSE_IDS, FIELD_RESPONSE_MASK, FIELD_BEHAVIOUR_LOGPROBS, FIELD_REF_LOGPROBS,
+                    FIELD_LOSS_MASK)
 
 
 def token_budget_chunks(lengths: Sequence[int], budget: int) -> list[list[int]]:

@@ -34,6 +34,19 @@ finished step stay in ``.grad`` until the next begin (tests read them).
 Forwards: ``rows_per_forward`` rows each, or with ``tokens_per_forward`` as
 many rows as fit the token budget (``packing.py``), packed into one
 sequence without padding.
+
+The proximal pass: a loss with ``behaviour_cap`` or a ``correction`` weighs
+each token by pi_prox / pi_behaviour, the proximal policy being the weights
+the rollout batch started with. With one optimizer step per rollout batch
+those are the weights every forward runs on. With several, the first
+``optimizer_step`` call holds its step back (the first mini-batch's
+gradients wait in ``.grad``): every later microbatch gets its proximal
+logprobs from a no-grad forward on the still unchanged batch-start weights
+and is kept (host memory: token ids and per-token floats); at
+``finish_train_step`` the held optimizer steps run in order, each later
+mini-batch trained against its kept proximal logprobs. A later pass
+(``ppo_epochs``) sends the same rows again, and they get the same proximal
+logprobs, the weights being still those of the batch start.
 """
 
 from __future__ import annotations
@@ -47,6 +60,8 @@ import torch.distributed as dist
 from rldsl.runtime.engines.policy_loss import (
     STAT_NAMES,
     PolicyLossConfig,
+    merge_stats,
+    no_stats,
     policy_loss,
     rollout_metrics,
     step_metrics,
@@ -62,15 +77,16 @@ from rldsl.runtime.protocols import (
     FIELD_ADVANTAGE,
     FIELD_BEHAVIOUR_LOGPROBS,
     FIELD_REF_LOGPROBS,
-    FIELD_RESPONSE_MASK,
     Batch,
     StepResult,
+    trained_tokens,
 )
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FILE = "torch.pt"
 SUMMED_STATS = ("loss_sum",) + STAT_NAMES
 SKIPPED = {"skipped": 1.0}
+DEFERRED = {"deferred": 1.0}  # an optimizer step held back until finish (the proximal pass)
 
 
 class TorchTrainer:
@@ -80,6 +96,7 @@ class TorchTrainer:
         loss: PolicyLossConfig | dict | None = None,
         lr: float = 5e-4,  # measured on builtin:tiny-lm; far too high for pretrained HF models
         betas: tuple[float, float] = (0.9, 0.99),
+        eps: float = 1e-8,
         weight_decay: float = 0.0,
         max_grad_norm: float | None = 1.0,
         rows_per_forward: int | None = None,
@@ -94,7 +111,8 @@ class TorchTrainer:
         self.tokens_per_forward = tokens_per_forward  # 0: off; else the token budget of a forward
         self.process_group = process_group
         self.parameters = [p for p in model.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.parameters, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=lr, betas=tuple(betas), eps=eps,
+                                           weight_decay=weight_decay)
         self.base_lr = lr
         self.lr_schedule = lr_schedule or LRSchedule()
         self.lr_schedule.check_base_lr(lr)
@@ -103,6 +121,8 @@ class TorchTrainer:
         self._open_step: int | None = None
         self._sums: dict[str, float] = {}
         self._taken: list[dict[str, float]] = []  # metrics of the open step's optimizer steps
+        self._held_sums: dict[str, float] | None = None  # the first mini-batch's, its optimizer step held back
+        self._deferred: list[list[tuple[Batch, torch.Tensor]]] | None = None  # later mini-batches' forwards
         # Dropout stays off: the trainer's logprobs must equal the generator's
         # for the same weights, or the importance ratio is noise. Gradients
         # flow the same in eval mode.
@@ -114,37 +134,43 @@ class TorchTrainer:
         if self._open_step is not None:
             raise RuntimeError(f"begin_train_step({step}) while step {self._open_step} is open; finish or abort it")
         self._zero_grads()
-        self._sums = dict.fromkeys(SUMMED_STATS, 0.0)
+        self._sums = _no_sums()
         self._taken = []
+        self._held_sums, self._deferred = None, None
         self._open_step = step
 
     def train_microbatch(self, step: int, batch: Batch) -> dict[str, float]:
         """Forward + backward of the un-normalised loss sum; returns local sums."""
         self._require_open(step, "train_microbatch")
-        sums = dict.fromkeys(SUMMED_STATS, 0.0)
-        for rows in forward_rows(batch, self.rows_per_forward, self.tokens_per_forward):
-            result = self._loss_sums(take_rows(batch, rows))
-            if result.loss_sum.requires_grad:  # a forward without response tokens has nothing to learn
-                result.loss_sum.backward()
-            sums["loss_sum"] += float(result.loss_sum.detach())
-            for name, value in result.stats.items():
-                sums[name] += value
-        for name, value in sums.items():
-            self._sums[name] += value
+        forwards = [take_rows(batch, rows) for rows in forward_rows(batch, self.rows_per_forward,
+                                                                     self.tokens_per_forward)]
+        if self._deferred is not None:  # after a held optimizer step: proximal pass now, training at finish
+            self._deferred[-1] += [(rows, self._proximal_logprobs(rows)) for rows in forwards]
+            return _counts(batch)
+        sums = _no_sums()
+        for rows in forwards:
+            merge_stats(sums, self._forward_backward_sums(rows))
+        merge_stats(self._sums, sums)
         return sums
 
     def optimizer_step(self, step: int) -> dict[str, float]:
         """One optimizer step on the mini-batch trained since the last one; the
         step stays open and the version is unchanged. A collective."""
         self._require_open(step, "optimizer_step")
+        if self.loss.needs_proximal:
+            self._hold_optimizer_step()
+            return dict(DEFERRED)
         metrics = self._take_optimizer_step()
         self._zero_grads()
         return metrics or dict(SKIPPED)
 
     def finish_train_step(self, step: int) -> StepResult:
-        """The rollout batch's last optimizer step; bumps the version once."""
+        """The rollout batch's last optimizer step (and the held ones); bumps the version once."""
         self._require_open(step, "finish_train_step")
-        self._take_optimizer_step()
+        if self._deferred is None:
+            self._take_optimizer_step()
+        else:
+            self._take_held_optimizer_steps()
         self._open_step = None
         if not self._taken:
             return StepResult(self.version, dict(SKIPPED))
@@ -159,6 +185,7 @@ class TorchTrainer:
         self._open_step = None
         self._sums = {}
         self._taken = []
+        self._held_sums, self._deferred = None, None
 
     def weight_buckets(self, bucket_bytes: int):
         return state_buckets(self.model.module, bucket_bytes)
@@ -196,11 +223,58 @@ class TorchTrainer:
         if self._open_step != step:
             raise RuntimeError(f"{call}({step}) but the open step is {self._open_step}")
 
+    # -- the proximal pass (module docstring) ------------------------------------
+
+    def _hold_optimizer_step(self) -> None:
+        """A mini-batch boundary whose optimizer step waits for finish, so the
+        weights stay the batch-start ones for the proximal pass."""
+        if self._deferred is None:  # the first mini-batch: its gradients wait in .grad
+            self._train_pending()
+            self._held_sums, self._sums = self._sums, _no_sums()
+            self._deferred = [[]]
+        else:
+            self._keep_pending_with_proximal()
+            self._deferred.append([])
+
+    def _take_held_optimizer_steps(self) -> None:
+        """The first mini-batch's optimizer step, then each later mini-batch
+        trained against its proximal logprobs and stepped."""
+        self._keep_pending_with_proximal()
+        minibatches, self._deferred = self._deferred, None
+        self._sums, self._held_sums = self._held_sums, None
+        self._take_optimizer_step()
+        for forwards in minibatches:
+            self._zero_grads()
+            self._train_forwards(forwards)
+            self._take_optimizer_step()
+
+    @torch.no_grad()
+    def _proximal_logprobs(self, batch: Batch) -> torch.Tensor:
+        return self._logprobs(batch)[1].cpu()
+
+    def _train_forwards(self, forwards: list[tuple[Batch, torch.Tensor]]) -> None:
+        for rows, proximal in forwards:
+            merge_stats(self._sums, self._forward_backward_sums(rows, proximal))
+
+    def _train_pending(self) -> None:
+        """Microbatches kept for the boundary (the FSDP engine's): the torch engine trains on arrival."""
+
+    def _keep_pending_with_proximal(self) -> None:
+        """The FSDP engine's pending microbatches get their proximal logprobs here."""
+
+    # -- helpers, continued ------------------------------------------------------
+
+    def _forward_backward_sums(self, batch: Batch, proximal: torch.Tensor | None = None) -> dict[str, float]:
+        result = self._loss_sums(batch, proximal)
+        if result.loss_sum.requires_grad:  # a forward without response tokens has nothing to learn
+            result.loss_sum.backward()
+        return {"loss_sum": float(result.loss_sum.detach()), **result.stats}
+
     def _take_optimizer_step(self) -> dict[str, float] | None:
         """Reduce, scale, clip and step on the sums since the last optimizer
         step; None (nothing taken) when no rank had a token."""
         totals = self._global_sums()
-        self._sums = dict.fromkeys(SUMMED_STATS, 0.0)
+        self._sums = _no_sums()
         count = totals[self.loss.count_name]
         if count == 0:
             return None
@@ -214,21 +288,25 @@ class TorchTrainer:
         self._taken.append(step_metrics(totals, count, grad_norm, lr))
         return self._taken[-1]
 
-    def _loss_sums(self, batch: Batch):
+    def _logprobs(self, batch: Batch) -> tuple[Batch, torch.Tensor]:
+        """The batch as the forward saw it (trimmed when packed) and its response logprobs."""
         if self.tokens_per_forward:
             batch = trim_padding(batch)
-            logprobs = packed_response_logprobs(self.model, batch)
-        else:
-            logprobs = response_logprobs(self.model, batch)
+            return batch, packed_response_logprobs(self.model, batch)
+        return batch, response_logprobs(self.model, batch)
+
+    def _loss_sums(self, batch: Batch, proximal: torch.Tensor | None = None):
+        batch, logprobs = self._logprobs(batch)
         device = logprobs.device
         ref = batch.get(FIELD_REF_LOGPROBS)
         return policy_loss(
             logprobs,
             batch[FIELD_BEHAVIOUR_LOGPROBS].to(device),
             batch[FIELD_ADVANTAGE].to(device),
-            batch[FIELD_RESPONSE_MASK].to(device),
+            trained_tokens(batch).to(device),  # an environment's tokens are context, not trained
             self.loss,
             None if ref is None else ref.to(device),
+            None if proximal is None else proximal.to(device),
         )
 
     def _zero_grads(self) -> None:
@@ -239,10 +317,15 @@ class TorchTrainer:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
 
     def _global_sums(self) -> dict[str, float]:
+        """Sums over data-parallel ranks; the extremes by a MAX (a minimum as the max of its negation)."""
         values = torch.tensor([self._sums[name] for name in SUMMED_STATS], dtype=torch.float64)
+        extremes = torch.tensor([self._sums["mismatch_ratio_max"], -self._sums["mismatch_ratio_min"]],
+                                dtype=torch.float64)
         if self._data_parallel():
             dist.all_reduce(values, group=self.process_group)
-        return dict(zip(SUMMED_STATS, values.tolist()))
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.process_group)
+        return {**dict(zip(SUMMED_STATS, values.tolist())),
+                "mismatch_ratio_max": float(extremes[0]), "mismatch_ratio_min": -float(extremes[1])}
 
     def _reduce_and_scale_grads(self, count: float) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
@@ -259,3 +342,13 @@ class TorchTrainer:
     def _clip(self) -> float:
         norm_limit = self.max_grad_norm if self.max_grad_norm else float("inf")
         return float(torch.nn.utils.clip_grad_norm_(self.parameters, norm_limit))
+
+
+def _no_sums() -> dict[str, float]:
+    return {"loss_sum": 0.0, **no_stats()}
+
+
+def _counts(batch: Batch) -> dict[str, float]:
+    """A microbatch's token and sequence counts, read off its response mask."""
+    tokens_per_row = torch.as_tensor(trained_tokens(batch)).sum(dim=1)
+    return {"tokens": float(tokens_per_row.sum()), "sequences": float((tokens_per_row > 0).sum())}

@@ -1,8 +1,10 @@
 """Reward functions and the guard that runs user rewards safely.
 
 A reward is ``fn(response, answer, prompt) -> float``. Pipelines name one as
-``"module:function"``; ``load_reward`` resolves it with messages that say
-what is wrong. ``safe_reward`` turns a reward that raises, hangs or returns a
+``"module:function"``, or several as named components summed with weights
+(``WeightedRewards``); ``load_reward`` resolves them with messages that say
+what is wrong. ``code_tests`` scores code in a sandbox (``sandbox.py``).
+``safe_reward`` turns a reward that raises, hangs or returns a
 non-number into a dropped sample with a reason, in this process; a run's
 reward workers isolate rewards in processes instead
 (``rldsl.runtime.reward_pool``).
@@ -16,6 +18,11 @@ import math
 import sys
 import threading
 from typing import Callable
+
+from rldsl.rewards.code import code_tests
+
+__all__ = ["RewardLoadError", "WeightedRewards", "char_match", "code_tests", "digit_match", "exact_match",
+           "load_reward", "safe_reward"]
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -42,9 +49,45 @@ class RewardLoadError(ValueError):
     pass
 
 
-def load_reward(spec: str) -> RewardFn:
+class WeightedRewards:
+    """A reward stage's named components: the reward is their weighted sum,
+    and ``parts`` gives each component's own value (logged as ``reward/<name>``)."""
+
+    def __init__(self, components: list[tuple[str, RewardFn, float]]):
+        self.components = components
+
+    def parts(self, response: str, answer: str, prompt: str) -> dict[str, float]:
+        """Each component's value; a component that fails raises, naming itself."""
+        values = {}
+        for name, fn, _ in self.components:
+            try:
+                value = fn(response, answer, prompt)
+            except Exception as error:
+                raise RewardComponentError(f"component {name!r}: {type(error).__name__}: {error}") from error
+            number, problem = checked_reward(value)
+            if problem:
+                raise RewardComponentError(f"component {name!r}: {problem}")
+            values[name] = number
+        return values
+
+    def total(self, parts: dict[str, float]) -> float:
+        return sum(weight * parts[name] for name, _, weight in self.components)
+
+    def __call__(self, response: str, answer: str, prompt: str = "") -> float:
+        return self.total(self.parts(response, answer, prompt))
+
+
+class RewardComponentError(ValueError):
+    """One component of a weighted reward failed; its sample is dropped."""
+
+
+def load_reward(spec) -> RewardFn:
     """Resolve ``"package.module:function"`` to a callable; a ``@DIR`` suffix
-    (the plan adds it for a module beside the pipeline file) is searched first."""
+    (the plan adds it for a module beside the pipeline file) is searched first.
+    A list of ``{"name", "fn", "weight"}`` (a stage's named components) gives
+    a ``WeightedRewards``."""
+    if isinstance(spec, (list, tuple)):
+        return WeightedRewards([(part["name"], load_reward(part["fn"]), float(part["weight"])) for part in spec])
     spec, _, directory = spec.partition("@")
     module_name, sep, function_name = spec.partition(":")
     if not sep or not module_name or not function_name:

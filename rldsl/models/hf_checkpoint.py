@@ -1,7 +1,9 @@
-"""A local Hugging Face checkpoint directory, read by one megatron rank.
+"""A local Hugging Face checkpoint directory, read by one trainer rank.
 
 Safetensors files are opened lazily (memory-mapped, header only), so a rank
-reads only the slices of the tensors it owns (``hf_weights.tensor_parallel_shards``).
+reads only the slices of the tensors it owns: megatron its tensor-parallel
+slices (``engines/megatron/hf_weights.tensor_parallel_shards``), fsdp its
+rows along dim 0 (``engines/fsdp/loading.py``).
 A checkpoint split into several files is located through
 ``model.safetensors.index.json``. Pickled ``pytorch_model*.bin`` files cannot
 be read in part: they are loaded whole, on every rank, with a warning.
@@ -11,15 +13,50 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
-from rldsl.runtime.engines.megatron.hf_weights import HFTensors
-
 log = logging.getLogger(__name__)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class HFTensors(Mapping):
+    """Hugging Face tensors by name, read whole or one slice at a time.
+
+    This one serves tensors already in memory; a checkpoint reader
+    (``SafetensorsCheckpoint`` below) overrides the reads so that
+    only the requested slices leave the files. ``bytes_read`` counts the
+    bytes handed out.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self._tensors = tensors
+        self.bytes_read = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._counted(self._tensors[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __contains__(self, name) -> bool:
+        return name in self._tensors  # Mapping's default would read the tensor
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
+
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Indices ``start:stop`` of dimension ``dim``."""
+        return self._counted(self._tensors[name].narrow(dim, start, stop - start))
+
+    def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
 
 def read_hf_config(path: str | Path) -> dict:

@@ -1,0 +1,158 @@
+"""Multi-turn environments (RLP601-RLP606): budgets that fit the model's
+context, environments that are used and exist, a reward that is the
+episode's, and a loss mask that is the environment's."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from pathlib import Path
+
+from rldsl.compiler.context import Context
+from rldsl.compiler.decls import Decl
+from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
+from rldsl.plan import EPISODE_REWARD_FN
+
+BUILTIN_TINY = "builtin:tiny-lm"
+TINY_CONTEXT = 64  # rldsl.models.tiny.TinyLMConfig.max_positions (a test keeps them equal)
+LIMITED_ENGINES = ("vllm", "sglang")  # engines whose `max_model_len` bounds a conversation
+BUILTIN_ENVIRONMENTS = "rldsl.environments"
+
+
+def _users(ctx: Context) -> list[tuple[Decl, Decl]]:
+    """(generate stage, its environment) for each generate stage with a valid one."""
+    pairs = []
+    for gen in ctx.pipe.stages_of("generate"):
+        ref = gen.get("environment") if gen.valid("environment") else None
+        if ref is not None and ref.name in ctx.pipe.environments:
+            pairs.append((gen, ctx.pipe.environments[ref.name]))
+    return pairs
+
+
+def check_budgets(ctx: Context) -> list[Diagnostic]:
+    """RLP601: a conversation past the model's context; RLP602: turns the budget cannot hold."""
+    out = []
+    for gen, env in _users(ctx):
+        if not gen.valid("max_new_tokens") or not env.valid("max_turns", "max_tokens"):
+            continue
+        turn, turns, budget = gen["max_new_tokens"], env["max_turns"], env["max_tokens"]
+        context = _context(ctx, gen)
+        if context is not None:
+            limit, what = context
+            prompt = _prompt_tokens(ctx)
+            longest = prompt + budget + turn
+            if longest > limit:
+                prompt_text = f"{prompt} (`max_prompt_tokens`) + " if prompt else ""
+                out.append(Diagnostic(
+                    "RLP601", ERROR, f"an episode of {ctx.label(gen.name)} may outgrow {what} ({limit} tokens): "
+                    f"{prompt_text}{budget} (`max_tokens` of `{env.name}`) + {turn} (`max_new_tokens`, the "
+                    f"last turn) = {longest}{'' if prompt else ', and the prompt'}", env.span_of("max_tokens"),
+                    notes=("each turn re-reads the whole conversation, so the last one starts from the prompt and "
+                           "up to `max_tokens` of response",),
+                    help=f"lower `max_tokens` to at most {max(1, limit - prompt - turn)}, or `max_new_tokens`"))
+        if turns * turn > budget:
+            out.append(Diagnostic(
+                "RLP602", WARNING, f"`{env.name}` allows {turns} turns of up to {turn} tokens "
+                f"(`max_new_tokens` of {ctx.label(gen.name)}), {turns * turn} in all, but an episode's response "
+                f"holds {budget} (`max_tokens`), the environment's tokens included", env.span_of("max_tokens"),
+                notes=("an episode that reaches `max_tokens` ends there, its last turn cut short",),
+                help=f"raise `max_tokens` to at least {turns * turn} plus the environment's answers, or lower "
+                     "`max_turns` or `max_new_tokens`"))
+    return out
+
+
+def _context(ctx: Context, gen: Decl) -> tuple[int, str] | None:
+    """The generator's context limit and how to name it, where the language knows it."""
+    engine = gen.get("engine") if gen.valid("engine") else None
+    if engine is not None and engine.name in LIMITED_ENGINES and engine.args.get("max_model_len"):
+        return int(engine.args["max_model_len"]), f"`max_model_len` of {ctx.label(gen.name)}"
+    model = ctx.pipe.models.get(gen["model"].name) if gen.valid("model") and gen.get("model") else None
+    if model is not None and model.valid("source") and model["source"] == BUILTIN_TINY:
+        return TINY_CONTEXT, f"the context of {BUILTIN_TINY}"
+    return None
+
+
+def _prompt_tokens(ctx: Context) -> int:
+    """The datasets' `max_prompt_tokens`, where every one sets it (else 0: the bound is then a lower one)."""
+    limits = [d.get("max_prompt_tokens", 0) for d in ctx.pipe.datasets.values() if d.valid("max_prompt_tokens")]
+    return max(limits) if limits and all(limits) else 0
+
+
+def check_use(ctx: Context) -> list[Diagnostic]:
+    """RLP603: an environment no generate stage uses; RLP604: `fn` names nothing importable."""
+    used = {env.name for _, env in _users(ctx)}
+    out = []
+    for env in ctx.pipe.environments.values():
+        if env.name not in used and all(g.valid("environment") for g in ctx.pipe.stages_of("generate")):
+            gens = sorted(g.name for g in ctx.pipe.stages_of("generate"))
+            out.append(Diagnostic("RLP603", WARNING, f"environment `{env.name}` is used by no generate stage",
+                                  env.name_span, help=f"add `environment = {env.name}` to "
+                                                      f"`{gens[0] if gens else 'a generate stage'}`, or remove it"))
+        problem = _missing(env["fn"], Path(ctx.program.filename).parent) if env.valid("fn") else None
+        if problem:
+            out.append(Diagnostic("RLP604", ERROR, f"environment `{env.name}`: {problem}", env.span_of("fn"),
+                                  help="name an importable `module:Class`; a module beside the pipeline file is "
+                                       "found there"))
+    return out
+
+
+def _missing(spec: str, base_dir: Path) -> str | None:
+    """Why ``module:Class`` cannot be loaded, as far as telling needs no user code run."""
+    module, _, name = spec.partition(":")
+    if module == BUILTIN_ENVIRONMENTS:  # ours imports nothing heavy: look the class up
+        import rldsl.environments as builtin
+
+        if name in builtin.ENVIRONMENTS:
+            return None
+        close = difflib.get_close_matches(name, builtin.ENVIRONMENTS, n=1)
+        hint = f"did you mean `{close[0]}`?" if close else f"it has {', '.join(builtin.ENVIRONMENTS)}"
+        return f"{BUILTIN_ENVIRONMENTS} has no environment class `{name}` ({hint})"
+    top = module.split(".")[0]
+    try:
+        found = (base_dir / f"{top}.py").is_file() or (base_dir / top).is_dir() or \
+            importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError, OSError):  # OSError: a name too long for a file
+        found = False
+    return None if found else f"no module `{top}` is installed, on PYTHONPATH, or beside the pipeline file"
+
+
+def check_reward(ctx: Context) -> list[Diagnostic]:
+    """RLP605: the reward of an environment's samples must be the episode's."""
+    out = []
+    for gen, env in _users(ctx):
+        for reward in ctx.pipe.stages_of("reward"):
+            if gen.name in ctx.upstream(reward.name) and reward.valid("fn") and reward["fn"] != EPISODE_REWARD_FN:
+                out.append(Diagnostic(
+                    "RLP605", ERROR, f"reward stage {ctx.label(reward.name)} scores the transcripts of "
+                    f"{ctx.label(gen.name)}, whose samples are episodes of `{env.name}`", reward.span_of("fn"),
+                    notes=("an episode's reward is the sum its environment gave; a sample whose episode failed "
+                           "(its environment raised, hung or died) has none and must be dropped, not scored",),
+                    help=f'use `fn = "{EPISODE_REWARD_FN}"`', edit=(reward.span_of("fn"), f'"{EPISODE_REWARD_FN}"')))
+        for dataset in ctx.pipe.datasets.values():
+            if dataset.valid("eval_metric") and dataset["eval_metric"] == "reward" and dataset.valid("eval_size") \
+                    and dataset["eval_size"] > 0:
+                out.append(Diagnostic(
+                    "RLP605", ERROR, f"dataset `{dataset.name}` evaluates with the pipeline's reward, but the "
+                    f"reward of {ctx.label(gen.name)} comes from episodes of `{env.name}`",
+                    dataset.span_of("eval_metric"),
+                    notes=("held-out evaluation decodes one turn per prompt and scores its text",),
+                    help='set `eval_metric = "module:function"` (such as "rldsl.rewards:exact_match": the first '
+                         "turn's success), or `eval_size = 0`"))
+    return out
+
+
+def check_truncation(ctx: Context) -> list[Diagnostic]:
+    """RLP606: `truncated = mask` judges single responses; an episode's turns are cut by its own budgets."""
+    out = []
+    for gen, env in _users(ctx):
+        if gen.valid("truncated") and gen.get("truncated") == "mask":
+            out.append(Diagnostic(
+                "RLP606", ERROR, f"{ctx.label(gen.name)} sets `truncated = mask`, but its samples are episodes of "
+                f"`{env.name}`", gen.span_of("truncated"),
+                notes=("`truncated = mask` leaves a response cut at `max_new_tokens` out of the loss; an episode's "
+                       "loss mask is its environment's, and its turns end by `max_turns` and `max_tokens`",),
+                help="remove `truncated = mask` (or the environment)", edit=(gen.span_of("truncated"), "train")))
+    return out
+
+
+PASSES = (check_budgets, check_use, check_reward, check_truncation)

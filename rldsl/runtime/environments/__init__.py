@@ -1,0 +1,71 @@
+"""Multi-turn environments for generate stages (docs/runtime.md#environments).
+
+``protocol``: what an environment is and what it may return; ``host``: the
+killable processes its calls run in; ``episodes``: the turn loop over a
+generator's batcher; ``conversation``: the text each turn reads and the
+tokenization check. ``episode_runner`` builds the loop a generate stage with
+an environment uses (None without one).
+"""
+
+from __future__ import annotations
+
+from rldsl.runtime.environments.protocol import DROP_REASONS, Environment, EpisodeStatus
+
+__all__ = ["DROP_REASONS", "Environment", "EpisodeStatus", "episode_rewards", "episode_runner",
+           "log_episode_failures", "reads_episode_reward"]
+
+
+def episode_runner(pipe, stage, batcher, tokenizer):
+    """The stage's ``EpisodeRunner``, or None when it has no environment."""
+    name = stage.settings.get("environment")
+    if not name:
+        return None
+    from rldsl.runtime.environments.conversation import chat_renderer, transcript
+    from rldsl.runtime.environments.episodes import EpisodeRunner
+    from rldsl.runtime.environments.host import EnvironmentHost
+
+    if tokenizer is None:
+        raise ValueError(f"generate stage `{stage.name}`: engine `{stage.engine.name}` has no tokenizer, and an "
+                         f"environment (`{name}`) talks to the model in text; use a model's engine (torch, vllm, "
+                         "sglang)")
+    env = pipe.environment(name)
+    model = next((m for m in pipe.models if m.name == stage.model), None)
+    render = chat_renderer(tokenizer.inner) if model is not None and model.chat_template else transcript
+    host = EnvironmentHost(env.fn, env.timeout_s or None, env.processes)
+    return EpisodeRunner(batcher, host, render, tokenizer, env.max_turns, env.max_tokens)
+
+
+def episode_rewards(fields: dict) -> list:
+    """A reward stage's answers for episodes: each sample's summed reward
+    with its turns beside it (logged as the step's ``turns``), or the
+    ``RewardFailure`` that drops a sample whose episode failed."""
+    from rldsl.runtime.protocols import FIELD_EPISODE_REWARD, FIELD_EPISODE_STATUS, FIELD_TURNS, ComponentReward, \
+        RewardFailure
+
+    results = []
+    for reward, status, turns in zip(fields[FIELD_EPISODE_REWARD].tolist(), fields[FIELD_EPISODE_STATUS].tolist(),
+                                     fields[FIELD_TURNS].tolist()):
+        status = EpisodeStatus(int(status))
+        results.append(ComponentReward(float(reward), {"turns": float(turns)}) if status == EpisodeStatus.OK else
+                       RewardFailure(DROP_REASONS[status], f"its episode ended {status.name.lower()} after "
+                                                           f"{int(turns)} turns"))
+    return results
+
+
+def reads_episode_reward(fn) -> bool:
+    """Whether a reward stage's `fn` is the episode's reward (the plan may
+    have anchored it to the pipeline's directory with ``@DIR``)."""
+    from rldsl.plan import EPISODE_REWARD_FN
+
+    return isinstance(fn, str) and fn.partition("@")[0] == EPISODE_REWARD_FN
+
+
+def log_episode_failures(failures: list, stage: str, keys) -> None:
+    """One line for a group whose episodes failed: how many, and the first's reason."""
+    if failures:
+        import logging
+
+        status, detail = failures[0]
+        logging.getLogger(__name__).warning("generate %s: %d of %d episodes failed in %s; first: %s (%s)", stage,
+                                            len(failures), len(keys), keys[0] if keys else "?", detail,
+                                            DROP_REASONS[status])

@@ -1,0 +1,174 @@
+"""The episode loop: one prompt group's samples, each a multi-turn episode.
+
+Each turn submits every running episode's conversation to the generator's
+batcher as one request (one row each); each completion goes to its
+environment's ``step`` (in the host's processes) and the observation
+extends the conversation. A sample's response is completion 1 +
+observation 1 + completion 2 + ...: ``loss_mask`` is 1 on the model's
+tokens and 0 on the environment's, whose behaviour logprobs are 0. A
+completion's end-of-sequence token ends its turn and is kept only on the
+last turn (a conversation's later turns are re-read from text, where it has
+no place). The response stops at the environment's ``max_tokens``.
+
+An episode whose environment raises, hangs or dies, or whose conversation
+re-tokenizes differently from its turns, ends there with its status; the
+reward stage drops that sample alone. A sample's version is its oldest
+turn's (each turn's behaviour logprobs are under the weights that drew it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from rldsl.runtime import protocols as p
+from rldsl.runtime.environments.conversation import split_turn
+from rldsl.runtime.environments.host import CallFailure, EnvironmentHost
+from rldsl.runtime.environments.protocol import EpisodeStatus
+
+TURN_SEED_STRIDE = 7919  # each turn's request draws from its own seed
+
+
+@dataclass
+class Episode:
+    prompt: p.Prompt
+    messages: list[dict] = field(default_factory=list)
+    state: bytes = b""
+    prompt_ids: list[int] = field(default_factory=list)  # the first turn's, as the engine read it
+    tokens: list[int] = field(default_factory=list)  # the response: model and environment tokens
+    trained: list[int] = field(default_factory=list)  # 1 on the model's tokens
+    logprobs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    versions: list[int] = field(default_factory=list)
+    status: EpisodeStatus = EpisodeStatus.OK
+    detail: str = ""
+    done: bool = False
+
+    def fail(self, status: EpisodeStatus, detail: str) -> None:
+        self.status, self.detail, self.done = status, detail, True
+
+
+class EpisodeRunner:
+    """Runs a generate stage's episodes on its ``batcher`` (``submit(prompts,
+    samples, seed)`` and ``version``); ``render`` turns messages into the text
+    a turn reads."""
+
+    def __init__(self, batcher, host: EnvironmentHost, render: Callable[[list[dict]], str], tokenizer,
+                 max_turns: int, max_tokens: int):
+        self.batcher, self.host, self.render, self.tokenizer = batcher, host, render, tokenizer
+        self.max_turns, self.max_tokens = max_turns, max_tokens
+
+    def run(self, prompts: list[p.Prompt], samples_per_prompt: int, seed: int) -> tuple[p.Batch, list]:
+        """Rows prompt-major, like a single-turn group, plus the episode
+        fields; and ``(status, detail)`` of each episode that failed."""
+        episodes = [Episode(prompt) for prompt in prompts for _ in range(samples_per_prompt)]
+        replies = self.host.map([("reset", (e.prompt.meta or {}).get("raw_prompt", e.prompt.text), e.prompt.answer)
+                                 for e in episodes])
+        for episode, reply in zip(episodes, replies):
+            if self._answered(episode, reply):
+                episode.state, episode.messages = reply[1], reply[2]
+        for turn in range(self.max_turns):
+            running = [e for e in episodes if not e.done]
+            if not running:
+                break
+            self._turn(running, turn, seed + TURN_SEED_STRIDE * turn)
+        failures = [(e.status, e.detail) for e in episodes if e.status != EpisodeStatus.OK]
+        return self._batch(episodes), failures
+
+    def _turn(self, running: list[Episode], turn: int, seed: int) -> None:
+        texts = [p.Prompt(e.prompt.index, self.render(e.messages), e.prompt.answer, e.prompt.meta) for e in running]
+        batch = self.batcher.submit(texts, 1, seed)
+        batch.pop(p.FIELD_TOKEN_VERSIONS, None)
+        stepping = []
+        for row, episode in enumerate(running):
+            completion, logprobs = self._completion(episode, batch, row)
+            if completion is None:
+                continue
+            episode.versions.append(int(batch[p.FIELD_VERSION][row]))
+            episode.turns += 1
+            stepping.append((episode, completion, logprobs))
+        replies = self.host.map([("step", e.state, e.messages, self._text(c)) for e, c, _ in stepping])
+        for (episode, completion, logprobs), reply in zip(stepping, replies):
+            if not self._answered(episode, reply):
+                continue
+            episode.state, (observation, reward, done) = reply[1], reply[2]
+            episode.reward += reward
+            last = done or turn == self.max_turns - 1 or len(episode.tokens) + len(completion) >= self.max_tokens
+            if not last and completion and completion[-1] == self.tokenizer.eos_id:
+                completion, logprobs = completion[:-1], logprobs[:-1]  # the turn's end, not conversation
+            room = self.max_tokens - len(episode.tokens)
+            episode.tokens += completion[:room]
+            episode.trained += [1] * len(completion[:room])
+            episode.logprobs += logprobs[:room]
+            episode.messages += [{"role": "assistant", "content": self._text(completion)}, observation]
+            episode.done = last or len(episode.tokens) >= self.max_tokens
+
+    def _completion(self, episode: Episode, batch: p.Batch, row: int):
+        """The row's completion tokens and logprobs; the environment's tokens
+        of the previous turn join the response first (None: the conversation
+        did not re-tokenize to its turns, and the episode has failed)."""
+        read = _masked(batch[p.FIELD_PROMPT_IDS][row], batch[p.FIELD_PROMPT_MASK][row])
+        if not episode.prompt_ids:
+            episode.prompt_ids = read
+        else:
+            observed = split_turn(episode.prompt_ids + episode.tokens, read)
+            if observed is None:
+                episode.fail(EpisodeStatus.TOKENIZATION, "the conversation re-tokenized differently from its turns "
+                                                         f"at turn {episode.turns + 1}")
+                return None, None
+            room = self.max_tokens - len(episode.tokens)
+            episode.tokens += observed[:room]
+            episode.trained += [0] * len(observed[:room])
+            episode.logprobs += [0.0] * len(observed[:room])
+            if len(observed) >= room:
+                episode.done = True  # the environment's answer filled the budget: no room to reply
+                return None, None
+        mask = batch[p.FIELD_RESPONSE_MASK][row]
+        completion = _masked(batch[p.FIELD_RESPONSE_IDS][row], mask)
+        logprobs = batch[p.FIELD_BEHAVIOUR_LOGPROBS][row][mask.bool()].tolist() \
+            if p.FIELD_BEHAVIOUR_LOGPROBS in batch else [0.0] * len(completion)
+        return completion, logprobs
+
+    def _answered(self, episode: Episode, reply) -> bool:
+        if isinstance(reply, CallFailure):
+            episode.fail(reply.status, reply.detail)
+        elif reply[0] != "ok":
+            episode.fail(EpisodeStatus.RAISED, reply[1])
+        return not episode.done
+
+    def _text(self, completion: list[int]) -> str:
+        return self.tokenizer.decode(completion)
+
+    def _batch(self, episodes: list[Episode]) -> p.Batch:
+        for e in episodes:
+            if not e.prompt_ids:  # failed before its first turn: a row still needs a prompt
+                e.prompt_ids = self.tokenizer.encode(e.prompt.text, add_bos=True)
+        prompt_width = max(len(e.prompt_ids) for e in episodes) or 1
+        width = max(1, max(len(e.tokens) for e in episodes))
+        rows = len(episodes)
+        batch = {name: torch.zeros(rows, prompt_width, dtype=torch.long)
+                 for name in (p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK)}
+        for name in (p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_LOSS_MASK):
+            batch[name] = torch.zeros(rows, width, dtype=torch.long)
+        batch[p.FIELD_BEHAVIOUR_LOGPROBS] = torch.zeros(rows, width)
+        for row, e in enumerate(episodes):
+            if e.prompt_ids:  # left-padded, like the engine's
+                batch[p.FIELD_PROMPT_IDS][row, prompt_width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
+                batch[p.FIELD_PROMPT_MASK][row, prompt_width - len(e.prompt_ids):] = 1
+            n = len(e.tokens)
+            batch[p.FIELD_RESPONSE_IDS][row, :n] = torch.tensor(e.tokens, dtype=torch.long)
+            batch[p.FIELD_RESPONSE_MASK][row, :n] = 1
+            batch[p.FIELD_LOSS_MASK][row, :n] = torch.tensor(e.trained, dtype=torch.long)
+            batch[p.FIELD_BEHAVIOUR_LOGPROBS][row, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
+        batch[p.FIELD_VERSION] = torch.tensor([min(e.versions, default=self.batcher.version) for e in episodes])
+        batch[p.FIELD_EPISODE_REWARD] = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+        batch[p.FIELD_EPISODE_STATUS] = torch.tensor([int(e.status) for e in episodes], dtype=torch.long)
+        batch[p.FIELD_TURNS] = torch.tensor([e.turns for e in episodes], dtype=torch.long)
+        return batch
+
+
+def _masked(ids, mask) -> list[int]:
+    return [int(i) for i, keep in zip(ids.tolist(), mask.tolist()) if keep]

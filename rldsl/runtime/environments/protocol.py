@@ -1,0 +1,114 @@
+"""The environment protocol and the checks on what an environment returns.
+
+An environment is a class named ``"module:Class"``, built with no arguments
+once per episode:
+
+- ``reset(prompt, answer) -> messages``: the conversation the model first
+  answers, a list of ``{"role": ..., "content": ...}`` dicts;
+- ``step(messages, completion) -> (observation, reward, done)``: the model's
+  completion of this turn (text) given the conversation so far; the
+  observation (a string, sent as a user turn, or a message dict such as
+  ``{"role": "tool", "content": ...}``) is the next turn's input, unless
+  ``done``. The episode's reward is the sum of its steps' rewards.
+
+An environment's instance travels pickled between its calls (so any of the
+host's processes can run any call, and a killed process loses only the call
+it was running): keep its state in plain, picklable attributes.
+
+No torch here: the environment processes import this module.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import importlib
+import math
+import sys
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Environment(Protocol):
+    def reset(self, prompt: str, answer: str) -> list[dict]: ...
+
+    def step(self, messages: list[dict], completion: str) -> tuple[str | dict, float, bool]: ...
+
+
+class EpisodeStatus(enum.IntEnum):
+    """How an episode ended (the ``episode_status`` field); all but OK drop the sample."""
+
+    OK = 0
+    RAISED = 1  # reset or step raised, or returned something malformed
+    TIMEOUT = 2  # a call overran the environment's timeout; its process was killed
+    DIED = 3  # the process running a call died
+    TOKENIZATION = 4  # the conversation re-tokenized differently from the tokens generated turn by turn
+
+
+DROP_REASONS = {EpisodeStatus.RAISED: "environment_raised", EpisodeStatus.TIMEOUT: "environment_timeout",
+                EpisodeStatus.DIED: "environment_died", EpisodeStatus.TOKENIZATION: "environment_tokenization"}
+
+
+class EnvironmentLoadError(ValueError):
+    pass
+
+
+class EnvironmentProtocolError(ValueError):
+    """An environment returned something the protocol does not allow."""
+
+
+def load_environment(spec: str):
+    """``"module:Class"`` (with the plan's ``@DIR`` suffix for a module beside
+    the pipeline file) -> the class, with messages that say what is wrong."""
+    spec, _, directory = spec.partition("@")
+    module_name, sep, class_name = spec.partition(":")
+    if not sep or not module_name or not class_name:
+        raise EnvironmentLoadError(f"environment {spec!r}: expected 'module:Class', "
+                                   "e.g. 'rldsl.environments:ArithRetry'")
+    if directory and directory not in sys.path:
+        sys.path.insert(0, directory)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise EnvironmentLoadError(f"environment {spec!r}: cannot import module {module_name!r}: {error}") from error
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        close = difflib.get_close_matches(class_name, [n for n in dir(module) if not n.startswith("_")], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise EnvironmentLoadError(f"environment {spec!r}: module {module_name!r} has no {class_name!r}{hint}")
+    missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
+    if not isinstance(cls, type) or missing:
+        lacks = f"lacks {', '.join(missing)}" if isinstance(cls, type) else f"is a {type(cls).__name__}"
+        raise EnvironmentLoadError(f"environment {spec!r}: expected a class with reset(prompt, answer) and "
+                                   f"step(messages, completion); {class_name!r} {lacks}")
+    return cls
+
+
+def checked_messages(value) -> list[dict]:
+    if not isinstance(value, list) or not value or not all(_is_message(m) for m in value):
+        raise EnvironmentProtocolError(f"reset must return a non-empty list of {{'role': str, 'content': str}} dicts, "
+                                f"not {value!r:.200}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def checked_step(value) -> tuple[dict, float, bool]:
+    """``(observation message, reward, done)`` from what ``step`` returned."""
+    if not isinstance(value, tuple) or len(value) != 3:
+        raise EnvironmentProtocolError(f"step must return (observation, reward, done), not {value!r:.200}")
+    observation, reward, done = value
+    if isinstance(observation, str):
+        observation = {"role": "user", "content": observation}
+    if not _is_message(observation):
+        raise EnvironmentProtocolError(f"step's observation must be a string or a {{'role', 'content'}} dict, "
+                                f"not {observation!r:.200}")
+    try:
+        reward = float(reward)
+    except (TypeError, ValueError):
+        raise EnvironmentProtocolError(f"step's reward must be a number, not {reward!r:.100}") from None
+    if not math.isfinite(reward):
+        raise EnvironmentProtocolError(f"step's reward must be finite, not {reward}")
+    return {"role": observation["role"], "content": observation["content"]}, reward, bool(done)
+
+
+def _is_message(value) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("role"), str) and isinstance(value.get("content"), str)

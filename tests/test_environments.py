@@ -1,0 +1,241 @@
+"""Multi-turn environments: the episode loop, the loss mask, killable
+environment processes and the tokenization check (rldsl.runtime.environments)."""
+
+import textwrap
+
+import pytest
+import torch
+
+from rldsl.environments import ArithRetry, episode_reward
+from rldsl.models import load_model
+from rldsl.runtime import protocols as p
+from rldsl.runtime.engines.batching import ContinuousBatcher
+from rldsl.runtime.engines.policy_loss import PolicyLossConfig, policy_loss
+from rldsl.runtime.engines.torch.common import response_logprobs
+from rldsl.runtime.engines.torch.generate import TorchGenerator
+from rldsl.runtime.engines.torch.train import TorchTrainer
+from rldsl.runtime.environments import DROP_REASONS, EpisodeStatus, episode_rewards
+from rldsl.runtime.environments.conversation import split_turn, transcript
+from rldsl.runtime.environments.episodes import EpisodeRunner
+from rldsl.runtime.environments.host import EnvironmentHost
+from rldsl.runtime.environments.protocol import EnvironmentLoadError
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("builtin:tiny-lm", seed=0)
+
+
+@pytest.fixture
+def arith_host():
+    host = EnvironmentHost("rldsl.environments:ArithRetry", 10.0, 2)
+    yield host
+    host.close()
+
+
+def _runner(model, host, render=transcript, max_turns=3, max_tokens=40, max_new_tokens=4):
+    return EpisodeRunner(ContinuousBatcher(TorchGenerator(model, max_new_tokens=max_new_tokens)), host, render,
+                         model.tokenizer, max_turns, max_tokens)
+
+
+def test_arith_retry_hints_and_halves_the_reward():
+    env = ArithRetry()
+    assert env.reset("12+19=", "31") == [{"role": "user", "content": "12+19="}]
+    assert env.step([], "21") == (" up 12+19=", 0.0, False)
+    assert env.step([], "x") == (" no 12+19=", 0.0, False)
+    assert env.step([], "31") == ("", 0.25, True)
+    with pytest.raises(TypeError, match="read from the episode"):
+        episode_reward("31", "31")
+
+
+def test_a_response_is_the_turns_with_the_environment_tokens_masked(model, arith_host):
+    batch, failures = _runner(model, arith_host, max_tokens=64).run([p.Prompt(0, "12+19=", "99999")], 6, seed=1)
+    tokenizer = model.tokenizer
+    ok = [row for row in range(6) if batch[p.FIELD_EPISODE_STATUS][row] == EpisodeStatus.OK]
+    assert len(ok) + len(failures) == 6 and ok  # only a token the text cannot hold (unk) may fail a row
+    for row in ok:
+        mask, trained = batch[p.FIELD_RESPONSE_MASK][row].bool(), batch[p.FIELD_LOSS_MASK][row].bool()
+        ids = batch[p.FIELD_RESPONSE_IDS][row]
+        # an answer that is never right: every turn is taken, and each hint is the environment's
+        assert int(batch[p.FIELD_TURNS][row]) == 3 and float(batch[p.FIELD_EPISODE_REWARD][row]) == 0.0
+        observed = tokenizer.decode(ids[mask & ~trained].tolist())
+        assert observed.count("12+19=") == 2 and observed.startswith(" ")
+        # the trainer reads the conversation the model read: prompt, then model and environment tokens in turn
+        prompt = tokenizer.decode(batch[p.FIELD_PROMPT_IDS][row][batch[p.FIELD_PROMPT_MASK][row].bool()].tolist())
+        assert prompt == "12+19="
+        assert (batch[p.FIELD_BEHAVIOUR_LOGPROBS][row][mask & ~trained] == 0).all()
+    # the behaviour logprobs of the model's tokens are the trainer's over the whole conversation
+    with torch.no_grad():
+        recomputed = response_logprobs(model, batch)
+    on_model_tokens = p.trained_tokens(batch).bool()
+    assert torch.allclose(recomputed[on_model_tokens], batch[p.FIELD_BEHAVIOUR_LOGPROBS][on_model_tokens], atol=1e-4)
+
+
+def test_a_right_answer_ends_the_episode_with_its_reward(model):
+    host = EnvironmentHost("always_right:Right@{}".format(_module_dir("always_right", """
+        class Right:
+            def reset(self, prompt, answer):
+                return [{"role": "user", "content": prompt}]
+            def step(self, messages, completion):
+                return "", 0.75, True
+    """)), 10.0, 1)
+    try:
+        batch, failures = _runner(model, host).run([p.Prompt(0, "1+1=", "2")], 3, seed=0)
+    finally:
+        host.close()
+    assert not failures
+    assert batch[p.FIELD_TURNS].tolist() == [1, 1, 1]
+    assert batch[p.FIELD_EPISODE_REWARD].tolist() == [0.75] * 3
+    assert torch.equal(batch[p.FIELD_LOSS_MASK], batch[p.FIELD_RESPONSE_MASK])  # one turn: every token the model's
+
+
+def test_environment_tokens_get_zero_gradient(model):
+    """The loss's gradient is zero on every environment token and not on the
+    model's; the trainer counts only the model's tokens."""
+    response = torch.tensor([[10, 11, 12, 13, 14, 15, 0, 0], [16, 17, 18, 19, 20, 21, 22, 23]])
+    loss_mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0], [1, 0, 0, 0, 0, 1, 1, 1]])
+    batch = {p.FIELD_PROMPT_IDS: torch.tensor([[1, 5, 6], [1, 7, 8]]), p.FIELD_PROMPT_MASK: torch.ones(2, 3).long(),
+             p.FIELD_RESPONSE_IDS: response, p.FIELD_RESPONSE_MASK: (response > 0).long(),
+             p.FIELD_LOSS_MASK: loss_mask}
+    logprobs = response_logprobs(model, batch).detach().requires_grad_()
+    behaviour = (logprobs.detach() - 0.1) * batch[p.FIELD_RESPONSE_MASK]
+    result = policy_loss(logprobs, behaviour, torch.tensor([1.0, -1.0]), p.trained_tokens(batch), PolicyLossConfig())
+    result.loss_sum.backward()
+    environment = (batch[p.FIELD_RESPONSE_MASK] == 1) & (loss_mask == 0)
+    assert (logprobs.grad[environment] == 0).all() and environment.any()
+    assert (logprobs.grad[loss_mask.bool()] != 0).all()
+
+    trainer = TorchTrainer(load_model("builtin:tiny-lm", seed=0), lr=1e-3)
+    trainer.begin_train_step(0)
+    full = {**batch, p.FIELD_BEHAVIOUR_LOGPROBS: behaviour, p.FIELD_ADVANTAGE: torch.tensor([1.0, -1.0])}
+    counts = trainer.train_microbatch(0, full)
+    assert counts["tokens"] == float(loss_mask.sum())  # not the 14 tokens of the response mask
+    # the parameters' gradient is the one of the model's tokens alone: an advantage on environment tokens
+    # (here: flipping which tokens are the environment's) changes it
+    grads = [q.grad.clone() for q in trainer.model.module.parameters() if q.grad is not None]
+    trainer.abort_train_step(0)
+    trainer.begin_train_step(1)
+    trainer.train_microbatch(1, {**full, p.FIELD_LOSS_MASK: batch[p.FIELD_RESPONSE_MASK]})
+    other = [q.grad for q in trainer.model.module.parameters() if q.grad is not None]
+    assert any(not torch.allclose(a, b) for a, b in zip(grads, other))
+
+
+def _module_dir(name, source, _dirs={}):
+    import tempfile
+    from pathlib import Path
+
+    directory = _dirs.setdefault("dir", tempfile.mkdtemp(prefix="rldsl-env-"))
+    (Path(directory) / f"{name}.py").write_text(textwrap.dedent(source))
+    return directory
+
+
+FLAKY = """
+    import os, time
+
+    class Flaky:
+        def reset(self, prompt, answer):
+            self.answer = answer
+            if answer == "boom":
+                raise ValueError("no such task")
+            return [{"role": "user", "content": prompt}]
+
+        def step(self, messages, completion):
+            if self.answer == "hang":
+                time.sleep(60)
+            if self.answer == "die":
+                os._exit(3)
+            if self.answer == "bad":
+                return "obs", "not a number", True
+            return "", 1.0, True
+"""
+
+
+def test_a_crashing_or_hanging_environment_drops_only_its_sample(model):
+    host = EnvironmentHost(f"flaky:Flaky@{_module_dir('flaky', FLAKY)}", 1.0, 2)
+    answers = ["ok", "boom", "hang", "die", "bad", "ok"]
+    try:
+        batch, failures = _runner(model, host).run([p.Prompt(i, "1+1=", a) for i, a in enumerate(answers)], 1, 0)
+        after, _ = _runner(model, host).run([p.Prompt(9, "1+1=", "ok")], 2, 0)  # the killed processes replaced
+    finally:
+        host.close()
+    statuses = [EpisodeStatus(int(s)) for s in batch[p.FIELD_EPISODE_STATUS]]
+    assert statuses == [EpisodeStatus.OK, EpisodeStatus.RAISED, EpisodeStatus.TIMEOUT, EpisodeStatus.DIED,
+                        EpisodeStatus.RAISED, EpisodeStatus.OK]
+    assert len(failures) == 4 and "ValueError: no such task" in failures[0][1]
+    assert batch[p.FIELD_PROMPT_MASK].sum(dim=1).min() > 0  # a row failed at reset still has its prompt
+    rewards = episode_rewards(batch)
+    assert [float(r) for r in (rewards[0], rewards[5])] == [1.0, 1.0] and rewards[0].parts == {"turns": 1.0}
+    assert [r.reason for r in rewards[1:5]] == [DROP_REASONS[s] for s in statuses[1:5]]
+    assert after[p.FIELD_EPISODE_STATUS].tolist() == [0, 0]
+
+
+def test_an_environment_that_does_not_load_fails_at_start():
+    with pytest.raises(EnvironmentLoadError, match="has no 'Nope'"):
+        EnvironmentHost("rldsl.environments:Nope", 1.0, 1)
+    with pytest.raises(EnvironmentLoadError, match="'episode_reward' is a function"):
+        EnvironmentHost("rldsl.environments:episode_reward", 1.0, 1)
+    with pytest.raises(EnvironmentLoadError, match="cannot import module"):
+        EnvironmentHost("no_such_module_here:Env", 1.0, 1)
+
+
+def test_a_conversation_that_retokenizes_differently_fails_its_episode(model, arith_host):
+    assert split_turn([1, 2, 3], [1, 2, 3, 4, 5]) == [4, 5]
+    assert split_turn([1, 2, 3], [1, 2, 4, 4, 5]) is None
+
+    def forgets_the_model(messages):  # a renderer that drops the model's turns: the text no longer holds them
+        return "".join(m["content"] for m in messages if m["role"] != "assistant")
+
+    batch, failures = _runner(model, arith_host, render=forgets_the_model).run([p.Prompt(0, "1+1=", "99999")], 3, 0)
+    assert batch[p.FIELD_EPISODE_STATUS].tolist() == [EpisodeStatus.TOKENIZATION] * 3
+    assert all("re-tokenized differently" in detail for _, detail in failures)
+    rewards = episode_rewards(batch)
+    assert {r.reason for r in rewards} == {"environment_tokenization"}
+
+
+def test_the_response_stops_at_the_episode_budget(model, arith_host):
+    batch, _ = _runner(model, arith_host, max_tokens=10).run([p.Prompt(0, "12+19=", "99999")], 4, 0)
+    assert int(batch[p.FIELD_RESPONSE_MASK].sum(dim=1).max()) <= 10
+
+
+def test_chat_template_turns_keep_the_template_tokens_as_the_environments(tmp_path):
+    """An `hf:` model with a chat template: each turn is the template over the
+    messages; the template's own tokens between the turns are the environment's."""
+    pytest.importorskip("transformers")
+    import json
+
+    from rldsl.runtime.environments.conversation import chat_renderer
+    from tests.hf_tiny import save_char_llama
+
+    path = save_char_llama(tmp_path / "model")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}<bos>{{ m['role'][0] }}:{{ m['content'] }}{% endfor %}" \
+               "{% if add_generation_prompt %}<bos>a:{% endif %}"
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    hf_model = load_model(f"hf:{path}")
+    host = EnvironmentHost("rldsl.environments:ArithRetry", 10.0, 2)
+    try:
+        runner = EpisodeRunner(ContinuousBatcher(TorchGenerator(hf_model, max_new_tokens=3)), host,
+                               chat_renderer(hf_model.tokenizer.inner), hf_model.tokenizer, 2, 40)
+        batch, _ = runner.run([p.Prompt(0, "1+1=", "99999")], 6, seed=0)
+    finally:
+        host.close()
+    ok = [r for r in range(6) if batch[p.FIELD_EPISODE_STATUS][r] == EpisodeStatus.OK and batch[p.FIELD_TURNS][r] == 2]
+    assert ok
+    bos = hf_model.tokenizer.bos_id
+    for row in ok:
+        environment = batch[p.FIELD_RESPONSE_MASK][row].bool() & ~batch[p.FIELD_LOSS_MASK][row].bool()
+        assert bos in batch[p.FIELD_RESPONSE_IDS][row][environment].tolist()  # "<bos>u: ...<bos>a:" is the template's
+    with torch.no_grad():
+        recomputed = response_logprobs(hf_model, batch)
+    rows = torch.tensor(ok)
+    on_model = p.trained_tokens(batch)[rows].bool()
+    assert torch.allclose(recomputed[rows][on_model], batch[p.FIELD_BEHAVIOUR_LOGPROBS][rows][on_model], atol=1e-4)
+
+
+def test_the_episode_reward_is_recognised_however_the_plan_anchored_it():
+    from rldsl.runtime.environments import reads_episode_reward
+
+    assert reads_episode_reward("rldsl.environments:episode_reward")
+    assert reads_episode_reward("rldsl.environments:episode_reward@/work/pipelines")
+    assert not reads_episode_reward("rldsl.rewards:exact_match")
+    assert not reads_episode_reward([{"name": "a", "fn": "rldsl.environments:episode_reward", "weight": 1.0}])

@@ -1,0 +1,64 @@
+"""A held-out evaluation bounded by `run { eval_timeout }`: one that
+overruns is reported as timed out and the run still ends cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rldsl.runtime.ray_lowering.evaluation import EvaluationSchedule, describe_timeout
+
+SLOW_EVAL = """
+pipeline slow_eval
+cluster { nodes = 1  gpus_per_node = 2 }
+model policy { source = "builtin:tiny-lm" }
+dataset prompts { source = "builtin:arith"  eval_size = 8  eval_metric = "tests.reward_fns:slow_echo" }
+stage generate rollout { model = policy  engine = torch  gpus = 1  samples_per_prompt = 2  max_new_tokens = 4 }
+stage reward score { fn = "rldsl.rewards:exact_match" }
+stage train actor { model = policy  engine = torch  gpus = 1  prompts_per_step = 2  micro_batch = 4 }
+stage sync weights { from = actor  to = rollout }
+flow prompts -> rollout -> score -> actor
+staleness { max_lag = 1 }
+run { steps = 2  watchdog = 120s  eval_timeout = 1s }
+"""
+
+
+def test_the_schedule_reports_an_evaluation_past_its_deadline_and_stops_waiting():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        @ray.remote
+        class Slow:
+            def evaluate(self, min_version):
+                import time
+                time.sleep(30)
+                return {"accuracy": 1.0}
+
+        schedule = EvaluationSchedule(Slow.remote(), every=0, total_steps=1, timeout_s=0.5)
+        schedule.request(step=1, version=1)
+        assert schedule.collect() == ([], [])  # polling: not due yet, still pending
+        finished, expired = schedule.collect(wait=True)  # returns at the deadline, not after 30 s
+        assert finished == [] and expired == [{"step": 1, "version": 1, "timeout_s": 0.5}]
+        assert schedule.pending == [] and schedule.timed_out == expired
+        assert "timed out after 0.5s" in describe_timeout(expired[0])
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_an_evaluation_past_its_timeout_ends_the_run_cleanly_and_says_so(tmp_path):
+    source, run_dir = tmp_path / "slow_eval.rlp", tmp_path / "run"
+    source.write_text(SLOW_EVAL)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    run = subprocess.run([sys.executable, "-m", "rldsl", "run", str(source), "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit"] == "finished" and summary["steps"] == 2
+    assert [entry["step"] for entry in summary["eval_timeouts"]][-1] == 2  # the final evaluation
+    assert "eval @ step 2: timed out after 1s" in run.stdout + run.stderr

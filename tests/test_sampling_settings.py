@@ -1,0 +1,95 @@
+"""`top_k` and `stop_token_ids` on a generate stage: the torch engine draws
+only among the k most likely tokens and ends a row on a stop token; vLLM and
+SGLang get them in their own sampling parameters; the plan carries them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rldsl.compiler.driver import compile_source
+from rldsl.models.tiny import build_tiny_lm
+from rldsl.runtime.engines.factory import sampling_settings
+from rldsl.runtime.engines.sglang import sampling_params
+from rldsl.runtime.engines.torch import TorchGenerator
+from rldsl.runtime.engines.torch.generate import _top_k_filter
+from rldsl.runtime.engines.vllm import sampling_options
+from rldsl.runtime.protocols import Prompt
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [Prompt(0, "12+7=", "19"), Prompt(1, "3+45=", "48")]
+
+
+def small_model(seed=0):
+    return build_tiny_lm(seed, d_model=32, n_layers=2, n_heads=2, d_ff=64)
+
+
+def test_top_k_keeps_the_k_most_likely_tokens():
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.25, 0.25, 0.4, 0.1]])
+    assert torch.equal(_top_k_filter(probs, 2), torch.tensor([[0.0, 0.4, 0.0, 0.3], [0.25, 0.25, 0.4, 0.0]]))
+    assert torch.equal(_top_k_filter(probs, 4), probs)
+
+
+def test_top_1_sampling_is_greedy():
+    model = small_model()
+    greedy = TorchGenerator(model, max_new_tokens=5).generate_greedy(PROMPTS)
+    top_1 = TorchGenerator(model, max_new_tokens=5, temperature=1.5, top_k=1)
+    assert top_1.decode(top_1.generate(PROMPTS, 3, seed=4)) == [text for text in greedy for _ in range(3)]
+
+
+def test_a_stop_token_ends_the_row_and_is_kept_like_eos():
+    model = small_model(seed=3)
+    free = TorchGenerator(model, max_new_tokens=12, temperature=1.0).generate(PROMPTS, 4, seed=7)
+    lengths = free["response_mask"].sum(dim=1)
+    row = int(lengths.argmax())
+    stop = int(free["response_ids"][row, 1])  # the second token a long row drew
+    stopped = TorchGenerator(model, max_new_tokens=12, temperature=1.0, stop_token_ids=(stop,))
+    batch = stopped.generate(PROMPTS, 4, seed=7)
+    for ids, mask in zip(batch["response_ids"], batch["response_mask"]):
+        real = ids[: int(mask.sum())].tolist()
+        assert stop not in real[:-1]  # the stop token only as the last real token
+    assert batch["response_mask"][row].sum() == 2 and batch["response_ids"][row, 1] == stop
+    assert stopped.generate_greedy(PROMPTS) is not None  # evaluation decodes with the same stops
+
+
+def test_the_serving_engines_receive_them():
+    options = sampling_options(4, 64, 1.0, 0.9, 7, top_k=100, stop_token_ids=(128009,))
+    assert options["top_k"] == 100 and options["stop_token_ids"] == [128009]
+    assert sampling_options(4, 64, 1.0, 0.9, 7)["top_k"] == -1  # vLLM's "every token"
+    params = sampling_params(64, 1.0, 0.9, 7, top_k=100, stop_token_ids=(128009,))
+    assert params["top_k"] == 100 and params["stop_token_ids"] == [128009]
+    assert sampling_params(64, 1.0, 0.9, 7)["top_k"] == -1 and "stop_token_ids" not in sampling_params(64, 1.0, 0.9, 7)
+
+
+def test_the_plan_carries_them_and_old_plans_sample_as_before():
+    text = (ROOT / "pipelines" / "grpo_async.rlp").read_text().replace(
+        "  temperature = 1.0\n", "  temperature = 1.0\n  top_k = 20\n  stop_token_ids = [5, 6]\n", 1)
+    result = compile_source(text, "x.rlp")
+    assert result.ok, result.diagnostics
+    rollout = result.plan.pipelines[0].stage("rollout")
+    assert sampling_settings(rollout)["top_k"] == 20 and sampling_settings(rollout)["stop_token_ids"] == (5, 6)
+    del rollout.settings["top_k"], rollout.settings["stop_token_ids"]  # a plan.json written before the keys
+    assert sampling_settings(rollout)["top_k"] == 0 and sampling_settings(rollout)["stop_token_ids"] == ()
+
+
+def test_truncated_mask_leaves_out_only_responses_cut_before_they_ended():
+    from rldsl.runtime.protocols import FIELD_LOSS_MASK, mask_truncated, trained_tokens
+
+    eos, stop = 2, 9
+    batch = {"response_ids": torch.tensor([[5, 6, 2], [5, 6, 7], [5, 0, 0], [4, 4, 9]]),
+             "response_mask": torch.tensor([[1, 1, 1], [1, 1, 1], [1, 0, 0], [1, 1, 1]])}
+    assert mask_truncated(batch, 3, (eos, stop)) == 1  # row 1 ran to 3 tokens without ending
+    assert batch[FIELD_LOSS_MASK].tolist() == [[1, 1, 1], [0, 0, 0], [1, 0, 0], [1, 1, 1]]
+    assert trained_tokens(batch).sum(dim=1).tolist() == [3, 0, 1, 3]
+
+
+def test_truncated_mask_sends_a_loss_mask_to_the_trainer():
+    text = (ROOT / "pipelines" / "grpo_async.rlp").read_text()
+    masked = compile_source(text.replace("  temperature = 1.0\n", "  temperature = 1.0\n  truncated = mask\n", 1),
+                            "x.rlp")
+    assert masked.ok, masked.diagnostics
+    fields = {f for e in masked.plan.pipelines[0].edges if e.kind == "data" for f in e.fields}
+    assert "loss_mask" in fields
+    plain = compile_source(text, "x.rlp").plan.pipelines[0]
+    assert "loss_mask" not in {f for e in plain.edges if e.kind == "data" for f in e.fields}

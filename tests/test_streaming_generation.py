@@ -1,0 +1,331 @@
+"""Generation that streams: groups that finish independently within one
+replica (sim and torch), weights applied mid-generation with per-token
+versions (`update = interrupt`), their journal records and their audit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rldsl.audit import audit_journal
+from rldsl.audit.replay import LAG
+from rldsl.compiler.driver import compile_source
+from rldsl.models.tiny import build_tiny_lm
+from rldsl.runtime.control.journal import JOURNAL_FILE, Journal
+from rldsl.runtime.engines.batch_requests import token_version_runs
+from rldsl.runtime.engines.batching import ContinuousBatcher
+from rldsl.runtime.engines.sim import Latency, SimGenerator
+from rldsl.runtime.engines.torch import TorchGenerator
+from rldsl.runtime.engines.torch.common import response_logprobs, state_buckets
+from rldsl.runtime.protocols import Prompt
+from tests.test_batching import HookedGenerator, Submission, wait_until
+
+LONG = ([Prompt(1, "reverse abcdef:", "fedcba")], 8, 100)  # tiny model, seed 0: every row runs to 24 tokens
+SHORT = ([Prompt(0, "12+7=", "19")], 1, 4)  # ... ends in EOS after 3 tokens
+
+
+def push(batcher, model, version):
+    buckets = list(state_buckets(model.module, 4096))
+    for index, bucket in enumerate(buckets):
+        batcher.update_weights(bucket, version, index == len(buckets) - 1)
+
+
+def finish_order(batcher, first, second, started):
+    """Submit ``first``, once it is decoding ``second``; the requests in the order they were answered."""
+    a = Submission(batcher, first)
+    wait_until(started, "the first request in flight")
+    b = Submission(batcher, second)
+    results = a.result(), b.result()
+    assert not any(isinstance(r, Exception) for r in results), results
+    return ["first", "second"] if a.finished_at <= b.finished_at else ["second", "first"]
+
+
+# -- groups finish independently within one replica ----------------------------------------
+
+
+def sim_engine(streaming, draws):
+    engine = SimGenerator(Latency.constant(0.0), max_new_tokens=4, per_group=0.0, streaming=streaming,
+                          longest_in_wave=True)
+    engine._draw = iter(draws).__next__  # the decode time of each group, in order
+    return engine
+
+
+def test_sim_streaming_groups_finish_out_of_order_within_one_replica():
+    engine = sim_engine(True, [0.6, 0.05])
+    batcher = ContinuousBatcher(engine)
+    order = finish_order(batcher, SHORT, LONG, lambda: engine.generating)
+    assert order == ["second", "first"]  # the short group did not wait for the long one
+    assert batcher.stats()["requests"] == 2
+    batcher.close()
+
+
+def test_sim_waves_hold_a_short_group_behind_the_long_one():
+    """The contrast: a whole-batch engine answers a group only when its call ends."""
+    engine = sim_engine(False, [0.3, 0.3, 0.01])
+    batcher = ContinuousBatcher(engine)
+    first = Submission(batcher, LONG)
+    wait_until(lambda: engine.generating, "the first call")
+    second = Submission(batcher, SHORT)
+    first.result(), second.result()
+    assert second.finished_at > first.finished_at
+
+
+def test_sim_streaming_swaps_weights_between_requests():
+    engine = sim_engine(True, [0.3, 0.02, 0.02])
+    batcher = ContinuousBatcher(engine)
+    first = Submission(batcher, LONG)
+    wait_until(lambda: engine.generating, "the first group")
+    push(batcher, build_tiny_lm(1, d_model=32, n_layers=2, n_heads=2, d_ff=64), 1)  # sim raises if mid-group
+    later = Submission(batcher, SHORT)
+    assert first.result()["version"].unique().tolist() == [0]
+    assert later.result()["version"].unique().tolist() == [1]
+    assert later.finished_at > first.finished_at  # it waited for the group in flight, then the swap
+    assert batcher.stats()["weight_swaps"] == 1
+    batcher.close()
+
+
+def test_a_streamed_group_that_fails_fails_alone():
+    class Failing(SimGenerator):
+        def start_group(self, request):
+            if request[2] == SHORT[2]:
+                raise RuntimeError("engine refused the group")
+            return super().start_group(request)
+
+    engine = Failing(Latency.constant(0.05), max_new_tokens=4, streaming=True)
+    batcher = ContinuousBatcher(engine)
+    good, bad = Submission(batcher, LONG), Submission(batcher, SHORT)
+    assert isinstance(bad.result(), RuntimeError)
+    assert good.result()["version"].shape == (8,)
+    batcher.close()
+
+
+def test_torch_groups_finish_out_of_order_within_one_replica():
+    engine = TorchGenerator(build_tiny_lm(0, d_model=32, n_layers=2, n_heads=2, d_ff=64), max_new_tokens=24)
+    batcher = ContinuousBatcher(engine)
+    order = finish_order(batcher, LONG, SHORT, lambda: engine.rows_in_flight > 0)
+    assert order == ["second", "first"]  # admitted later, answered first, from the one running batch
+    assert batcher.stats()["max_rows"] == 9  # they were decoded together
+    batcher.close()
+
+
+# -- update = interrupt ------------------------------------------------------------------
+
+
+def tiny(seed):
+    return build_tiny_lm(seed, d_model=32, n_layers=2, n_heads=2, d_ff=64)
+
+
+def test_interrupt_applies_weights_mid_group_with_per_token_versions_and_logprobs():
+    new_model = tiny(1)
+    holder = {}
+    engine = HookedGenerator(tiny(0), on_step=lambda step: step == 5 and push(holder["b"], new_model, 1),
+                             max_new_tokens=24)
+    batcher = holder["b"] = ContinuousBatcher(engine, update="interrupt")
+    batch = batcher.submit(*LONG)
+    assert token_version_runs(batch["token_versions"]) == ((0, 5), (1, 19))  # swapped after the 5th step
+    assert batch["version"].unique().tolist() == [0]  # the oldest token's: the lag the trainer uses
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        old = response_logprobs(TorchGenerator(tiny(0)).model, batch)
+        new = response_logprobs(TorchGenerator(tiny(1)).model, batch)
+    behaviour = batch["behaviour_logprobs"]
+    before, after = mask.clone(), mask.clone()
+    before[:, 5:], after[:, :5] = False, False
+    assert torch.allclose(behaviour[before], old[before], atol=1e-4)  # each token under the weights that drew it
+    assert torch.allclose(behaviour[after], new[after], atol=1e-4)
+    assert not torch.allclose(behaviour[after], old[after], atol=1e-2)
+    assert batcher.stats()["interrupts"] == 1
+    batcher.close()
+
+
+def test_between_requests_keeps_one_version_per_sample():
+    new_model = tiny(1)
+    holder = {}
+    engine = HookedGenerator(tiny(0), on_step=lambda step: step == 5 and push(holder["b"], new_model, 1),
+                             max_new_tokens=24)
+    batcher = holder["b"] = ContinuousBatcher(engine)
+    batch = batcher.submit(*LONG)
+    assert "token_versions" not in batch and batch["version"].unique().tolist() == [0]
+    wait_until(lambda: engine.version == 1, "the swap after the request")
+    assert batcher.stats()["interrupts"] == 0
+    batcher.close()
+
+
+def test_interrupt_is_refused_for_an_engine_that_cannot_resume_its_rows():
+    with pytest.raises(ValueError, match="update = interrupt needs an engine"):
+        ContinuousBatcher(SimGenerator(streaming=True), update="interrupt")
+    with pytest.raises(ValueError, match="expected one of between_requests, interrupt"):
+        ContinuousBatcher(SimGenerator(), update="sometimes")
+
+
+# -- the journal and the audit -------------------------------------------------------------
+
+KEYS = ["t/p0/s0", "t/p0/s1"]
+
+
+def journal_of(runs, trained_version, lag, max_lag=1, generated=None):
+    journal = Journal()
+    journal.run_started("t", max_lag, 1)
+    journal.dispatched(KEYS, 0, 0)
+    journal.generated(KEYS, min(v for v, _ in runs) if generated is None else generated, "behaviour_logprobs", runs)
+    journal.trained(KEYS, 1, trained_version, lag)
+    journal.ended("finished")
+    return journal.drain()
+
+
+def audit(tmp_path, events):
+    (tmp_path / JOURNAL_FILE).write_text("".join(json.dumps(e) + "\n" for e in events))
+    return audit_journal(tmp_path / JOURNAL_FILE)
+
+
+def test_the_journal_records_per_token_versions_as_runs():
+    events = journal_of([(3, 4), (4, 12)], 4, 1)
+    assert events[2] == {"e": "generated", "keys": KEYS, "version": 3, "field": "behaviour_logprobs",
+                         "tokens": [[3, 4], [4, 12]]}
+    plain = Journal()
+    plain.generated(KEYS, 3, "behaviour_logprobs")
+    assert "tokens" not in plain.drain()[0]  # one version: the record stays as it was
+
+
+def test_the_audit_proves_every_tokens_lag(tmp_path):
+    result = audit(tmp_path, journal_of([(3, 4), (4, 12)], 4, 1))
+    assert result.ok, result.replay.violations
+    assert result.replay.totals()["token_lag_histogram"] == {0: 24, 1: 8}
+
+
+def test_the_audit_fails_a_token_past_max_lag(tmp_path):
+    result = audit(tmp_path, journal_of([(2, 4), (4, 12)], 4, 2, max_lag=1))
+    whats = {v.what for v in result.replay.violations if v.proof == LAG}
+    assert "4 token(s) at lag 2 > max_lag 1 (step 1)" in whats
+
+
+def test_the_audit_fails_a_version_that_is_not_the_oldest_tokens(tmp_path):
+    result = audit(tmp_path, journal_of([(3, 4), (4, 12)], 4, 0, generated=4))
+    whats = {v.what for v in result.replay.violations if v.proof == LAG}
+    assert "generated at version 4, but its oldest token is version 3" in whats
+
+
+# -- the check ---------------------------------------------------------------------------
+
+PIPELINE = """
+pipeline demo
+cluster {{ nodes = 1  gpus_per_node = 2 }}
+model policy {{ source = "builtin:tiny-lm" }}
+dataset prompts {{ source = "builtin:arith" }}
+stage generate rollout {{ model = policy  gpus = 1  samples_per_prompt = 4  {update} }}
+stage reward score {{ fn = "rldsl.rewards:exact_match" }}
+{extra}
+stage train actor {{ model = policy  gpus = 1  prompts_per_step = 8 }}
+stage sync weights {{ from = actor  to = rollout }}
+flow prompts -> rollout -> score -> {flow}actor
+staleness {{ max_lag = 1 }}
+"""
+
+
+def codes(update="", extra="", flow=""):
+    result = compile_source(PIPELINE.format(update=update, extra=extra, flow=flow), "demo.rlp")
+    return result, [d.code for d in result.diagnostics]
+
+
+def test_check_accepts_interrupt_on_torch_and_plans_it():
+    result, found = codes("update = interrupt")
+    assert "RLP110" not in found and result.plan is not None
+    rollout = next(s for s in result.plan.pipelines[0].stages if s.name == "rollout")
+    assert rollout.settings["update"] == "interrupt"
+    default, _ = codes()
+    assert next(s for s in default.plan.pipelines[0].stages if s.name == "rollout").settings["update"] \
+        == "between_requests"
+
+
+def test_check_refuses_interrupt_with_a_policy_logprob_stage():
+    _, found = codes("update = interrupt", "stage logprob behaviour { model = policy  colocate = actor }",
+                     "behaviour -> ")
+    assert "RLP110" in found
+    _, found = codes("update = interrupt", "stage logprob behaviour { model = policy  colocate = actor  "
+                     "recompute = batch_start }", "behaviour -> ")
+    assert "RLP110" not in found  # it scores with the trainer's batch-start weights, not per sample
+
+
+# -- vLLM's AsyncLLM, faked with its signatures (vLLM is not installed here) -------------
+
+
+class FakeAsyncLLM:
+    """``AsyncLLM.generate(prompt, sampling_params, request_id)`` yields
+    cumulative outputs; a prompt starting with "z" (token 32) decodes slowly."""
+
+    def __init__(self):
+        self.calls = []
+
+    async def generate(self, prompt, sampling_params, request_id):
+        import asyncio
+        from types import SimpleNamespace
+
+        from tests.test_vllm_engine import completion
+
+        self.calls.append(("generate", request_id))
+        await asyncio.sleep(0.4 if prompt["prompt_token_ids"][1] == 32 else 0.02)
+        n = sampling_params["n"]
+        yield SimpleNamespace(outputs=[completion([5, 6], [-0.5, -0.25]) for _ in range(n)], finished=True)
+
+    async def collective_rpc(self, method, args=()):
+        self.calls.append(("rpc", method))
+        return [0]
+
+    async def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def test_vllm_async_groups_finish_independently_and_swap_between_requests():
+    from rldsl.runtime.engines import vllm as ve
+    from rldsl.runtime.engines.serving import EventLoopThread
+    from rldsl.runtime.engines.vllm_async import AsyncLLMBridge
+    from tests.test_vllm_engine import FakeTokenizer
+
+    fake = FakeAsyncLLM()
+    bridge = AsyncLLMBridge(fake, EventLoopThread("test-vllm-async"))
+    generator = ve.VLLMGenerator(bridge, FakeTokenizer(), max_new_tokens=4, make_sampling_params=dict)
+    batcher = ContinuousBatcher(generator)
+    slow_prompt = [Prompt(0, "z", "x")]
+    slow, fast = (slow_prompt, 2, 1), ([Prompt(1, "ab", "y")], 3, 2)
+    order = finish_order(batcher, slow, fast, lambda: batcher.stats()["in_flight"] > 0)
+    assert order == ["second", "first"]
+    first = Submission(batcher, slow)
+    wait_until(lambda: batcher.stats()["in_flight"] == 1, "a group in flight")
+    push(batcher, tiny(1), 1)  # the swap waits for the group in flight
+    later = Submission(batcher, fast)
+    assert first.result()["version"].tolist() == [0, 0]
+    assert later.result()["version"].tolist() == [1, 1, 1] and later.finished_at > first.finished_at
+    assert ("reset_prefix_cache",) in fake.calls
+    batcher.close()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_generation_bound_run_with_interrupt_journals_per_token_versions_and_the_audit_proves_them(tmp_path):
+    """One group in flight at a time, responses that run to 64 tokens and a
+    fast trainer: the generator is busy whenever a version arrives, so some
+    groups change weights mid-generation."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    run_dir = tmp_path / "run"
+    overrides = ["rollout.update=interrupt", "rollout.concurrency=1", "rollout.max_new_tokens=64",
+                 "rollout.temperature=3.0", "actor.micro_batch=64"]
+    args = [a for o in overrides for a in ("--set", o)]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    run = subprocess.run([sys.executable, "-m", "rldsl", "run", "pipelines/grpo_async.rlp", "--steps", "4", *args,
+                          "--run-dir", str(run_dir)], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / JOURNAL_FILE).read_text().splitlines()]
+    mixed = [r for r in records if r.get("e") == "generated" and r.get("tokens")]
+    assert mixed, "no group changed weights mid-generation"
+    assert all(len({v for v, _ in r["tokens"]}) > 1 for r in mixed)
+    audit = subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert "token lag" in audit.stdout and "every proof holds" in audit.stdout

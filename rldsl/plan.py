@@ -126,8 +126,10 @@ class StalenessPlan:
 # the plan; the runtime's advantages.py computes them).
 ADVANTAGE_NORMALISATION = {"grpo": "group", "dr_grpo": "none", "rloo": "none", "reinforce_pp": "batch",
                            "reinforce_pp_baseline": "batch"}
-# Every `normalize`: the group's std, each sample's leave-one-out std, the batch's, none.
-NORMALISATIONS = ("group", "leave_one_out", "batch", "none")
+# Every `normalize`: the group's std, each sample's leave-one-out std, the batch's, the group's std then
+# whitened over the batch, none.
+NORMALISATIONS = ("group", "leave_one_out", "batch", "group_batch", "none")
+GROUP_SCALED = ("group", "group_batch")  # normalisations that divide by a group's spread
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ def test_every_estimator_and_normalisation_by_hand(estimator, normalize):
 def test_the_defaults_of_each_estimator():
     assert {e: default_normalisation(e) for e in ESTIMATORS} == {
         "grpo": "group", "dr_grpo": "none", "rloo": "none", "reinforce_pp": "batch", "reinforce_pp_baseline": "batch"}
-    assert [n for n in NORMALISATIONS if needs_whole_batch(n)] == ["batch"]
+    assert [n for n in NORMALISATIONS if needs_whole_batch(n)] == ["batch", "group_batch"]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
@@ -139,3 +139,11 @@ def test_advantage_clip_bounds_advantages_after_the_scaling():
     assert compute_advantages(REWARDS, "grpo", "group", advantage_clip=0.0)[1][3] == pytest.approx(-1.5, abs=1e-5)
     with pytest.raises(ValueError, match="advantage_clip"):
         compute_advantages(REWARDS, "grpo", "group", advantage_clip=-1.0)
+
+
+def test_group_then_batch_whitening_by_hand():
+    """grpo's group-scaled values (mean 0 over the batch, sum of squares 6 over 7) whitened: / sqrt(6/7)."""
+    scale = math.sqrt(6 / 7)
+    expected = [[v / scale for v in group] for group in BY_HAND[("grpo", "group")]]
+    assert compute_advantages(REWARDS, "grpo", "group_batch") == approx(expected)
+    assert needs_whole_batch("group_batch") and not needs_whole_batch("group")

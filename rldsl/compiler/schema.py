@@ -219,8 +219,8 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
         "advantage": Key(Enum(ADVANTAGES), "grpo", "advantage estimator"),
         "normalize": Key(Enum(NORMALISATIONS), DERIVED, "advantage scaling: by the group's std, by the std of "
                                                         "the group's other samples (`leave_one_out`), whitened "
-                                                        "over the rollout batch, or none (default: the "
-                                                        "estimator's)"),
+                                                        "over the rollout batch, the group's std then whitened "
+                                                        "(`group_batch`), or none (default: the estimator's)"),
         "reward_clip": Key(Float(low=0), 0.0, "rewards clipped to [-c, c] before the baseline (0: off)"),
         "advantage_clip": Key(Float(low=0), 0.0, "advantages clipped to [-c, c] after scaling (0: off)"),
         "dynamic_sampling": Key(Bool(), False, "drop prompt groups whose rewards are all equal and sample more "

@@ -12,6 +12,7 @@ from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic, Span
 from rldsl.compiler.schema import GROUP_BASELINES
 from rldsl.compiler.types import arg_span
+from rldsl.plan import GROUP_SCALED
 
 
 def check_batch_sizes(ctx: Context) -> list[Diagnostic]:
@@ -42,7 +43,7 @@ def _one_sample_group(ctx: Context, train: Decl, gen: Decl, estimator: str, dp: 
     where = f" in {ctx.label(gen.name)}" if ctx.program.multi else ""
     pps = train["prompts_per_step"]
     fixed = next((n for n in (4, 2, 8, 16) if _batch_fits(train, pps, n, dp)), None)
-    group_scaled = train.valid("normalize") and train.explicit("normalize") and train["normalize"] == "group"
+    group_scaled = train.valid("normalize") and train.explicit("normalize") and train["normalize"] in GROUP_SCALED
     switch = "advantage = reinforce_pp with normalize = batch" if group_scaled else "advantage = reinforce_pp"
     more = f"set samples_per_prompt = {fixed}" if fixed else "sample at least 2 responses per prompt"
     return Diagnostic("RLP303", ERROR, f"advantage = {estimator} with samples_per_prompt = {spp}{where}: every "

@@ -7,6 +7,7 @@ from __future__ import annotations
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic, Span
+from rldsl.plan import GROUP_SCALED
 from rldsl.tasks import ANSWER_CHARACTERS
 
 EXACT_MATCH = "rldsl.rewards:exact_match"
@@ -23,10 +24,10 @@ def check_zero_advantages(ctx: Context) -> list[Diagnostic]:
     train, gen = shape
     if gen["samples_per_prompt"] != 1 or not train.valid("advantage", "normalize") \
             or train["advantage"] != "reinforce_pp" or not train.explicit("normalize") \
-            or train["normalize"] != "group":
+            or train["normalize"] not in GROUP_SCALED:
         return []
     return [Diagnostic("RLP314", ERROR, f"{ctx.label(train.name)} cannot learn: with `samples_per_prompt = 1` on "
-                       f"{ctx.label(gen.name)}, `normalize = group` makes every advantage zero",
+                       f"{ctx.label(gen.name)}, `normalize = {train['normalize']}` makes every advantage zero",
                        train.span_of("normalize"),
                        notes=("a one-sample group has no spread: its normalised advantage is 0, and so is the loss "
                               "on every token",),

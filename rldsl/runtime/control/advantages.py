@@ -13,6 +13,8 @@ Then ``normalize`` scales them:
   samples + eps, left unscaled where that std is 0 (NeMo RL's
   ``normalize_rewards`` with ``use_leave_one_out_baseline``);
 - ``batch``: whitened over every sample of the rollout batch (REINFORCE++);
+- ``group_batch``: ``group``, then whitened over the rollout batch (AReaL's
+  ``reward_norm`` by group with ``adv_norm`` over the batch);
 - ``none``: left as they are (Dr. GRPO, RLOO).
 
 Around them, two optional clips (0: off): ``reward_clip`` bounds the rewards
@@ -43,7 +45,7 @@ def needs_whole_batch(normalize: str) -> bool:
     """Whether advantages depend on the whole rollout batch, not one group:
     the controller then computes them once every group of the batch is in."""
     _check(normalize, NORMALISATIONS, "normalisation")
-    return normalize == "batch"
+    return normalize in ("batch", "group_batch")
 
 
 def compute_advantages(groups: list[list[float]], estimator: str, normalize: str, eps: float = 1e-6,
@@ -65,6 +67,8 @@ def compute_advantages(groups: list[list[float]], estimator: str, normalize: str
         scaled = [_scale_by_others_std(rewards, values, eps) for rewards, values in zip(clipped, centred)]
     elif normalize == "batch":
         scaled = _whiten_batch(centred, eps)
+    elif normalize == "group_batch":
+        scaled = _whiten_batch([_scale_by_std(values, eps) for values in centred], eps)
     else:
         scaled = centred
     return [_clip(values, advantage_clip) for values in scaled]

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +16,8 @@ from rldsl.runtime.dataplane.base import refuse_stale_logprobs
 from rldsl.runtime.engines.torch import TorchGenerator, TorchLogprob, TorchTrainer
 from rldsl.runtime.engines.torch.common import state_buckets
 from rldsl.runtime.ray_lowering.logprob_versions import VersionedScorer
+
+from tests.runs import rldsl, run_text
 from tests.test_controller import make_settings, run_controller
 from tests.test_fence import POLICY_LOGPROB
 from tests.test_torch_engines import small_model, trained_batch
@@ -91,19 +90,14 @@ def test_the_train_pump_scores_each_group_at_the_trainers_version_before_its_mic
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_max_lag_1_run_that_recomputes_at_batch_start_drops_no_row(tmp_path):
-    source, run_dir = tmp_path / "batch_start.rlp", tmp_path / "run"
     text = POLICY_LOGPROB.replace("engine = sim(latency = 30ms)  colocate = actor",
                                   "engine = sim(latency = 30ms)  colocate = actor  recompute = batch_start")
     assert text != POLICY_LOGPROB
-    source.write_text(text)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    run = subprocess.run([sys.executable, "-m", "rldsl", "run", str(source), "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    ledger = json.loads((run_dir / "summary.json").read_text())["ledger"]
+    _, run_dir, summary = run_text(tmp_path, text, name="batch_start.rlp")
+    ledger = summary["ledger"]
     assert ledger["open"] == 0 and ledger["trained"] > 0
     assert set(ledger["dropped"]) <= {"run_finished"}  # 0 rows dropped for a version mismatch
     events = [json.loads(line) for line in (run_dir / "journal.jsonl").read_text().splitlines()]
     assert any(e.get("batch_start") for e in events)
-    audit = subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], capture_output=True, text=True)
+    audit = rldsl("audit", str(run_dir))
     assert audit.returncode == 0, audit.stdout + audit.stderr  # behaviour logprobs: the trained version

@@ -5,9 +5,6 @@ still resumes from its newest."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,8 @@ from rldsl.runtime.ray_lowering.checkpoint import (
     latest_complete,
     prune_checkpoints,
 )
+
+from tests.runs import rldsl
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,12 +60,6 @@ def test_the_setting_reaches_the_plan_and_defaults_to_keeping_all():
     kept = compile_source(text.replace("run {", "run {\n  keep_checkpoints = 3"), "x.rlp")
     assert kept.ok, kept.diagnostics
     assert kept.plan.pipelines[0].run.keep_checkpoints == 3
-
-
-def rldsl(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run([sys.executable, "-m", "rldsl", *args], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=600)
 
 
 @pytest.mark.ray

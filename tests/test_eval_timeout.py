@@ -3,14 +3,12 @@ overruns is reported as timed out and the run still ends cleanly."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from rldsl.runtime.ray_lowering.evaluation import EvaluationSchedule, describe_timeout
+
+from tests.runs import run_text
 
 SLOW_EVAL = """
 pipeline slow_eval
@@ -52,13 +50,7 @@ def test_the_schedule_reports_an_evaluation_past_its_deadline_and_stops_waiting(
 @pytest.mark.ray
 @pytest.mark.slow
 def test_an_evaluation_past_its_timeout_ends_the_run_cleanly_and_says_so(tmp_path):
-    source, run_dir = tmp_path / "slow_eval.rlp", tmp_path / "run"
-    source.write_text(SLOW_EVAL)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    run = subprocess.run([sys.executable, "-m", "rldsl", "run", str(source), "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    run, _, summary = run_text(tmp_path, SLOW_EVAL, name="slow_eval.rlp")
     assert summary["exit"] == "finished" and summary["steps"] == 2
     assert [entry["step"] for entry in summary["eval_timeouts"]][-1] == 2  # the final evaluation
     assert "eval @ step 2: timed out after 1s" in run.stdout + run.stderr

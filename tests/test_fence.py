@@ -68,20 +68,12 @@ run { steps = 8  watchdog = 60s  eval_every = 0 }
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_max_lag_1_run_with_a_policy_logprob_stage_drops_no_row_for_version_mismatch(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
+    from tests.runs import rldsl, run_text
 
-    source, run_dir = tmp_path / "fenced.rlp", tmp_path / "run"
-    source.write_text(POLICY_LOGPROB)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    run = subprocess.run([sys.executable, "-m", "rldsl", "run", str(source), "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    ledger = json.loads((run_dir / "summary.json").read_text())["ledger"]
+    _, run_dir, summary = run_text(tmp_path, POLICY_LOGPROB, name="fenced.rlp")
+    ledger = summary["ledger"]
     assert ledger["open"] == 0 and ledger["trained"] > 0
     assert set(ledger["dropped"]) <= {"run_finished"}  # 0 rows dropped for a version mismatch
     assert "stale_logprobs" not in ledger["dropped"]
-    audit = subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], capture_output=True, text=True)
+    audit = rldsl("audit", str(run_dir))
     assert audit.returncode == 0, audit.stdout + audit.stderr  # every trained row's logprobs: the generating version

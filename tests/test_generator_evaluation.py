@@ -5,9 +5,6 @@ scores, bounded by `eval_timeout`, never counted as training samples."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -15,6 +12,8 @@ from rldsl.runtime.engines.batching import ContinuousBatcher
 from rldsl.runtime.engines.factory import build_generator
 from rldsl.runtime.ray_lowering.evaluation import Evaluator
 from rldsl.runtime.ray_lowering.generator_evaluation import ReplicaEvaluation
+
+from tests.runs import run_text
 from tests.test_eval_timeout import SLOW_EVAL
 from tests.test_evaluation import small_plan, with_dataset_options
 
@@ -59,21 +58,11 @@ ON_GENERATORS = SLOW_EVAL.replace('eval_metric = "tests.reward_fns:slow_echo"', 
     .replace("eval_timeout = 1s", "eval_every = 1")
 
 
-def run_rldsl(tmp_path, text: str):
-    source, run_dir = tmp_path / "p.rlp", tmp_path / "run"
-    source.write_text(text)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    run = subprocess.run([sys.executable, "-m", "rldsl", "run", str(source), "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run, run_dir, json.loads((run_dir / "summary.json").read_text())
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_run_evaluates_on_its_generators_and_records_the_version_used(tmp_path):
     assert ON_GENERATORS != SLOW_EVAL
-    run, run_dir, summary = run_rldsl(tmp_path, ON_GENERATORS)
+    run, run_dir, summary = run_text(tmp_path, ON_GENERATORS)
     assert summary["exit"] == "finished" and summary["steps"] == 2
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r.get("eval")]
@@ -94,7 +83,7 @@ def test_a_run_evaluates_on_its_generators_and_records_the_version_used(tmp_path
 def test_an_evaluation_on_the_generators_past_its_timeout_ends_the_run_cleanly(tmp_path):
     text = SLOW_EVAL.replace('eval_metric = "tests.reward_fns:slow_echo"',
                              'eval_metric = "tests.reward_fns:slow_echo"  eval_on = generators')
-    run, _, summary = run_rldsl(tmp_path, text)
+    run, _, summary = run_text(tmp_path, text)
     assert summary["exit"] == "finished" and summary["steps"] == 2
     assert [entry["step"] for entry in summary["eval_timeouts"]][-1] == 2  # the final evaluation
     assert "eval @ step 2: timed out after 1s" in run.stdout + run.stderr

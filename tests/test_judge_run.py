@@ -3,20 +3,17 @@ judges on a Ray logical GPU of its own, beside an exact-match function, and
 each step logs both components."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.runs import rldsl
 
 
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_pipeline_with_a_reward_model_stage_trains_and_logs_its_component(tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    run = subprocess.run([sys.executable, "-m", "rldsl", "run", "pipelines/judge_cpu.rlp", "--run-dir", str(run_dir),
-                          "--set", "run.steps=3"], capture_output=True, text=True, env=env, timeout=600)
+    run = rldsl("run", "pipelines/judge_cpu.rlp", "--run-dir", str(run_dir), "--set", "run.steps=3")
     assert run.returncode == 0, run.stderr[-3000:]
     placement = json.loads((run_dir / "plan.json").read_text())
     judge = next(s for s in placement["pipelines"][0]["stages"] if s["name"] == "judge")

@@ -2,22 +2,16 @@
 with a real local Ray, each sample an episode of the builtin ArithRetry environment."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.runs import rldsl
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def test_multiturn_arith_learns_and_needs_fewer_turns(tmp_path):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "rldsl", "run", "pipelines/multiturn_arith.rlp",
-                           "--run-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    proc = rldsl("run", "pipelines/multiturn_arith.rlp", "--run-dir", str(tmp_path / "run"), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "run"
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -50,7 +50,18 @@ def test_a_stop_token_ends_the_row_and_is_kept_like_eos():
         real = ids[: int(mask.sum())].tolist()
         assert stop not in real[:-1]  # the stop token only as the last real token
     assert batch["response_mask"][row].sum() == 2 and batch["response_ids"][row, 1] == stop
-    assert stopped.generate_greedy(PROMPTS) is not None  # evaluation decodes with the same stops
+
+
+
+def test_greedy_evaluation_stops_on_the_stop_tokens_too():
+    model = small_model(seed=3)
+    unstopped = TorchGenerator(model, max_new_tokens=12).generate_greedy(PROMPTS)
+    stop_char = unstopped[0][1]  # the second character greedy decoding writes for the first prompt
+    (stop,) = model.tokenizer.encode(stop_char, add_bos=False, add_eos=False)
+    stopped = TorchGenerator(model, max_new_tokens=12, stop_token_ids=(stop,)).generate_greedy(PROMPTS)
+    for free_text, text in zip(unstopped, stopped):
+        assert text == (free_text[:free_text.index(stop_char) + 1] if stop_char in free_text else free_text)
+    assert len(stopped[0]) < len(unstopped[0])  # it did stop early
 
 
 def test_the_serving_engines_receive_them():

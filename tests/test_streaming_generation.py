@@ -307,25 +307,18 @@ def test_a_generation_bound_run_with_interrupt_journals_per_token_versions_and_t
     """One group in flight at a time, responses that run to 64 tokens and a
     fast trainer: the generator is busy whenever a version arrives, so some
     groups change weights mid-generation."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.runs import rldsl
 
-    root = Path(__file__).resolve().parent.parent
     run_dir = tmp_path / "run"
     overrides = ["rollout.update=interrupt", "rollout.concurrency=1", "rollout.max_new_tokens=64",
                  "rollout.temperature=3.0", "actor.micro_batch=64"]
     args = [a for o in overrides for a in ("--set", o)]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    run = subprocess.run([sys.executable, "-m", "rldsl", "run", "pipelines/grpo_async.rlp", "--steps", "4", *args,
-                          "--run-dir", str(run_dir)], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    run = rldsl("run", "pipelines/grpo_async.rlp", "--steps", "4", *args, "--run-dir", str(run_dir), timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / JOURNAL_FILE).read_text().splitlines()]
     mixed = [r for r in records if r.get("e") == "generated" and r.get("tokens")]
     assert mixed, "no group changed weights mid-generation"
     assert all(len({v for v, _ in r["tokens"]}) > 1 for r in mixed)
-    audit = subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], cwd=root, env=env,
-                           capture_output=True, text=True, timeout=120)
+    audit = rldsl("audit", str(run_dir), timeout=120)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert "token lag" in audit.stdout and "every proof holds" in audit.stdout

@@ -65,10 +65,11 @@ class ReplicaEvaluation:
                                "`eval_on = evaluator` on the dataset")
         version, responses = int(engine.version), []
         sampled = not self.sampling.greedy
-        saved = (engine.temperature, engine.top_p)
+        saved = (engine.temperature, engine.top_p, engine.top_k)
         try:
-            if sampled:  # the engine samples at the run's settings; evaluation at its own, restored after
-                engine.temperature, engine.top_p = self.sampling.temperature, self.sampling.top_p
+            if sampled:  # the engine samples at the run's settings; evaluation at its own (no top-k, as the
+                # CPU evaluator), restored after
+                engine.temperature, engine.top_p, engine.top_k = self.sampling.temperature, self.sampling.top_p, 0
             for start in range(0, len(self.prompts), EVAL_PROMPTS_PER_DECODE):
                 if deadline is not None and time.monotonic() >= deadline:
                     break
@@ -76,7 +77,7 @@ class ReplicaEvaluation:
                 responses += self._responses(engine, chunk, eval_seed(self.seed, version, start)) if sampled \
                     else [[text] for text in engine.generate_greedy(chunk)]
         finally:
-            engine.temperature, engine.top_p = saved
+            engine.temperature, engine.top_p, engine.top_k = saved
         return version, responses
 
     def _responses(self, engine, prompts: list, seed: int) -> list[list[str]]:

@@ -176,11 +176,14 @@ def cmd_graph(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from rldsl.compiler.rules.catalog import RULES
+    from rldsl.compiler.rules.catalog import RETIRED, RULES
 
     code = args.code.upper()
     if code.isdigit():
         code = f"RLP{int(code):03d}"
+    if code in RETIRED:
+        print(f"{code} (retired): {RETIRED[code]}")
+        return EXIT_OK
     rule = RULES.get(code)
     if rule is None:
         _usage_error(f"no rule {args.code}", "codes: " + ", ".join(RULES))

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
+
+from rldsl.collective_rule import WeightReceiver, collective_blocker
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -119,6 +122,8 @@ class StalenessPlan:
     max_lag: int = 0
     order: str = "any"
     too_stale: str = "wait"
+    # Prompt groups that may be generated ahead of the trainer, in steps; None: max_lag (sampler.py).
+    max_ahead: float | None = None
 
 
 # Each advantage estimator and how it scales its advantages unless the file
@@ -127,8 +132,8 @@ class StalenessPlan:
 ADVANTAGE_NORMALISATION = {"grpo": "group", "dr_grpo": "none", "rloo": "none", "reinforce_pp": "batch",
                            "reinforce_pp_baseline": "batch"}
 # Every `normalize`: the group's std, each sample's leave-one-out std, the batch's, the group's std then
-# whitened over the batch, none.
-NORMALISATIONS = ("group", "leave_one_out", "batch", "group_batch", "none")
+# whitened over the batch, none, whitened over the batch's trained tokens (a sample weighs its token count).
+NORMALISATIONS = ("group", "leave_one_out", "batch", "group_batch", "none", "batch_tokens")
 GROUP_SCALED = ("group", "group_batch")  # normalisations that divide by a group's spread
 
 
@@ -158,6 +163,16 @@ class BatchPlan:
         return self.minibatches * self.ppo_epochs
 
 
+def ahead_groups(max_lag: int, max_ahead: float | None, prompts_per_step: int) -> int:
+    """Prompt groups generated before a version that may train at or after
+    it: ``max_ahead`` steps of ``prompts_per_step``, whole groups only
+    (verl rounds its staleness_threshold the same way); ``max_lag`` steps
+    when unset. The epsilon keeps 0.29 x 100 at 29 groups."""
+    if max_ahead is None:
+        return max_lag * prompts_per_step
+    return math.floor(max_ahead * prompts_per_step + 1e-9)
+
+
 def receives_weights(kind: str, frozen: bool = False) -> bool:
     """The one rule for which stages take the trainer's weights: generators
     and policy (not frozen) logprob stages. The compiler requires a sync to
@@ -174,41 +189,11 @@ def recomputes_at_batch_start(stage: "StagePlan") -> bool:
             and stage.settings.get("recompute") == "batch_start")
 
 
-# Engines that stream weights rank to rank: trainers that send buckets, and
-# generate stages whose batcher applies a stream between two decode batches.
-COLLECTIVE_TRAINERS = ("torch", "fsdp", "megatron", "sim")
-COLLECTIVE_RECEIVERS = ("torch", "sim")
-
-
-@dataclass(frozen=True)
-class WeightReceiver:
-    """What decides whether a receiver can stand in a collective push
-    (``engine`` None: not known yet, which blocks nothing)."""
-
-    name: str
-    kind: str
-    engine: str | None
-    shares_trainer_gpus: bool
-
-
-def collective_blocker(trainer: str, trainer_engine: str | None, receivers,
-                       receivers_sleep: bool = False) -> str | None:
-    """The one rule for `transport = collective` (RLP511 in `check`, the saved
-    plan's re-check and the launcher's choice): why weights cannot go rank to
-    rank, or None when they can."""
-    if trainer_engine is not None and trainer_engine not in COLLECTIVE_TRAINERS:
-        return f"trainer `{trainer}` uses engine `{trainer_engine}`, which does not stream buckets"
-    for receiver in sorted(receivers, key=lambda r: r.name):
-        if receiver.kind != "generate":
-            return f"`{receiver.name}` is a {receiver.kind} stage, which takes weights only between its calls"
-        if receiver.engine is not None and receiver.engine not in COLLECTIVE_RECEIVERS:
-            return f"`{receiver.name}` uses engine `{receiver.engine}`, which takes weights only through the " \
-                   "object store"
-        if receiver.shares_trainer_gpus:
-            return f"`{receiver.name}` shares GPUs with the trainer, so it sleeps while the trainer runs"
-    if receivers_sleep:
-        return "its receivers sleep (partial overlap or GPUs leased from another pipeline) and would miss pushes"
-    return None
+def truncates_long_prompts(dataset_options: Mapping[str, Any]) -> bool:
+    """A dataset that cuts prompts over `max_prompt_tokens` (`long_prompts =
+    truncate`) rather than dropping them: its generate stages then write a
+    ``loss_mask`` leaving those prompts' samples out of the loss."""
+    return bool(dataset_options.get("max_prompt_tokens")) and dataset_options.get("long_prompts") == "truncate"
 
 
 @dataclass(frozen=True)
@@ -216,7 +201,8 @@ class RunPlan:
     """``steps`` counts rollout batches (weight versions). A run written in
     ``samples`` has its steps computed by the compiler; one written in
     ``epochs`` has ``steps = 0`` until the runtime has read the dataset
-    (``resolved``)."""
+    (``resolved``). ``max_steps``: a ``steps`` written beside ``epochs`` or
+    ``samples``; the run ends at whichever bound it reaches first."""
 
     steps: int
     seed: int
@@ -229,13 +215,21 @@ class RunPlan:
     log: list[str] = field(default_factory=lambda: ["tensorboard"])  # metric backends besides metrics.jsonl
     keep_checkpoints: int = 0  # the newest complete checkpoints kept (0: all)
     eval_timeout_s: float = 0.0  # a held-out evaluation not answered this long after its request times out (0: never)
+    max_steps: int = 0  # 0: no second bound
+    eval_at_start: bool = True  # held-out evaluation of the weights before the first step
+    eval_at_end: bool = True  # ... and of the last step's, even off the `eval_every` grid
 
     def resolved(self, train_prompts: int, prompts_per_step: int) -> "RunPlan":
         """Steps from epochs, once the number of training prompts is known
         (whole steps: a last partial rollout batch is not trained)."""
         if not self.epochs:
             return self
-        return dataclasses.replace(self, steps=max(1, self.epochs * train_prompts // prompts_per_step))
+        steps = max(1, self.epochs * train_prompts // prompts_per_step)
+        return dataclasses.replace(self, steps=min(steps, self.max_steps or steps))
+
+    @property
+    def asks_evaluation(self) -> bool:
+        return bool(self.eval_every or self.eval_at_start or self.eval_at_end)
 
 
 @dataclass(frozen=True)
@@ -298,10 +292,11 @@ class PipelinePlan:
     @property
     def evaluates(self) -> bool:
         """Held-out evaluation runs (in an evaluator actor on the CPU): the
-        policy has real weights and the dataset a held-out split."""
+        policy has real weights, the dataset a held-out split and the run
+        asks for at least one evaluation."""
         train = self.stage(self.batch.train_stage)
         has_weights = train.engine.name in ("torch", "megatron", "fsdp")
-        return has_weights and bool(self.stages_of("generate")) and self.eval_size > 0
+        return has_weights and bool(self.stages_of("generate")) and self.eval_size > 0 and self.run.asks_evaluation
 
     @property
     def eval_on(self) -> str:

@@ -9,6 +9,9 @@
   without ``{split}`` is one file for both splits: read whole, or with
   ``hold_out`` split by the builtins' prompt-hash rule, so a dataset that
   evaluates on its own training file never sees its eval rows in training.
+  A prompt may be a string or a list of chat messages (``{"role",
+  "content"}``); a list is kept in ``meta["messages"]`` for the policy's
+  chat template to render (``rldsl.runtime.control.prompts``).
 
 Builtin splits are decided by a hash of the prompt text, so train and eval
 are disjoint for every seed and every size; the seed only orders (and, for
@@ -103,10 +106,11 @@ def jsonl_prompts(path: str, split: str, prompt_field: str = "prompt", answer_fi
     for line_number, line in enumerate(lines, start=1):
         if line.strip():
             row = _parse_row(path, line_number, line, (prompt_field, answer_field))
-            if hold_out and not _in_split(str(row[prompt_field]), split):
+            text, messages = _prompt_of(row[prompt_field], f"{path}:{line_number}: `{prompt_field}`")
+            if hold_out and not _in_split(json.dumps(messages) if messages else text, split):
                 continue
-            meta = {"file": path, "line": line_number}
-            prompts.append(Prompt(len(prompts), str(row[prompt_field]), str(row[answer_field]), meta))
+            meta = {"file": path, "line": line_number, **({"messages": messages} if messages else {})}
+            prompts.append(Prompt(len(prompts), text, str(row[answer_field]), meta))
     if not prompts and hold_out:
         raise DatasetError(f"{path}: none of its rows falls in the {split} split (about {EVAL_PER_MILLE / 10:g}% "
                            "of prompts, by a hash of the text, are held out for evaluation); give `eval_source`, "
@@ -128,6 +132,47 @@ def _parse_row(path: str, line_number: int, line: str, required: tuple[str, ...]
             present = ", ".join(sorted(row)) or "none"
             raise DatasetError(f"{path}:{line_number}: missing field {name!r} (fields present: {present})")
     return row
+
+
+def _prompt_of(value, where: str) -> tuple[str, list[dict] | None]:
+    """A row's prompt: a string as it is; a list of chat messages as the last
+    user turn's content (its text without a chat template) and the messages."""
+    if not isinstance(value, list):
+        return str(value), None
+    if not value:
+        raise DatasetError(f"{where} is an empty list; a chat prompt needs at least one message")
+    for number, message in enumerate(value, start=1):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise DatasetError(f"{where}: message {number} is {json.dumps(message)[:80]}; each chat message is "
+                               '{"role": "...", "content": "..."} with string values')
+    users = [m["content"] for m in value if m["role"] == "user"]
+    return (users[-1] if users else value[-1]["content"]), [dict(m) for m in value]
+
+
+def holds_messages(source: str, prompt_field: str = "prompt") -> str | None:
+    """Where a ``jsonl:`` source's first row holds a list of chat messages
+    (``path:line``), else None; a missing or unreadable file is None here
+    (reading it reports that). Only the first row is read: a quick look
+    before a run starts, at files of any size."""
+    if not source.startswith("jsonl:"):
+        return None
+    path = source[len("jsonl:"):]
+    for name in dict.fromkeys(path.replace("{split}", split) for split in SPLITS):
+        try:
+            with open(name, encoding="utf-8") as lines:
+                first = next(((n, line) for n, line in enumerate(lines, start=1) if line.strip()), None)
+        except OSError:
+            continue
+        if first is None:
+            continue
+        try:
+            row = json.loads(first[1])
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get(prompt_field), list):
+            return f"{name}:{first[0]}"
+    return None
 
 
 BUILTIN_TASKS = {"builtin:arith": arith_prompts, "builtin:reverse": reverse_prompts}

@@ -15,6 +15,7 @@ from rldsl.runtime.control.advantages import (
     batch_advantages,
     compute_advantages,
     default_normalisation,
+    difficulty_masked,
     group_advantages,
     needs_whole_batch,
 )
@@ -68,14 +69,17 @@ def test_every_estimator_and_normalisation_by_hand(estimator, normalize):
 def test_the_defaults_of_each_estimator():
     assert {e: default_normalisation(e) for e in ESTIMATORS} == {
         "grpo": "group", "dr_grpo": "none", "rloo": "none", "reinforce_pp": "batch", "reinforce_pp_baseline": "batch"}
-    assert [n for n in NORMALISATIONS if needs_whole_batch(n)] == ["batch", "group_batch"]
+    assert [n for n in NORMALISATIONS if needs_whole_batch(n)] == ["batch", "group_batch", "batch_tokens"]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
 @pytest.mark.parametrize("normalize", NORMALISATIONS)
 def test_group_baselines_give_exact_zeros_without_signal(estimator, normalize):
-    assert compute_advantages([[1.0, 1.0, 1.0], [0.0, 0.0]], estimator, normalize) == [[0.0] * 3, [0.0] * 2]
-    assert compute_advantages([[0.7]], estimator, normalize) == [[0.0]]  # one sample: nothing to compare with
+    tokens = [[3, 1, 2], [5, 4]] if normalize == "batch_tokens" else None
+    assert compute_advantages([[1.0, 1.0, 1.0], [0.0, 0.0]], estimator, normalize, tokens=tokens) == \
+        [[0.0] * 3, [0.0] * 2]
+    one = [[7]] if normalize == "batch_tokens" else None
+    assert compute_advantages([[0.7]], estimator, normalize, tokens=one) == [[0.0]]  # one sample: nothing to compare
 
 
 def test_a_zero_variance_group_or_batch_becomes_zeros_when_scaled():
@@ -147,3 +151,54 @@ def test_group_then_batch_whitening_by_hand():
     expected = [[v / scale for v in group] for group in BY_HAND[("grpo", "group")]]
     assert compute_advantages(REWARDS, "grpo", "group_batch") == approx(expected)
     assert needs_whole_batch("group_batch") and not needs_whole_batch("group")
+
+
+def test_token_weighted_whitening_by_hand():
+    """ROLL's `whiten_advantages`: every trained token carries its sample's
+    value. Rewards [1, 0] over 3 and 1 tokens, [0, 1] over 0 and 4 (the 0-token
+    sample is masked out of the loss and of the statistics): the 8 tokens hold
+    7 ones and 1 zero, mean 7/8, unbiased variance (7 x (1/8)^2 + (7/8)^2) / 7 = 1/8."""
+    std = math.sqrt(1 / 8)
+    whitened = compute_advantages([[1.0, 0.0], [0.0, 1.0]], "reinforce_pp", "batch_tokens",
+                                  tokens=[[3, 1], [0, 4]])
+    assert whitened == approx([[(1 / 8) / std, (-7 / 8) / std], [(-7 / 8) / std, (1 / 8) / std]])
+    assert whitened[0][0] == pytest.approx(0.353553, abs=1e-5)
+    # equal lengths weigh every sample alike: the sample whitening up to the token count's Bessel correction
+    by_samples = compute_advantages(REWARDS, "grpo", "batch")
+    by_tokens = compute_advantages(REWARDS, "grpo", "batch_tokens", tokens=[[2] * 4, [2] * 4])
+    correction = math.sqrt((16 - 1) / 16 * 8 / (8 - 1))
+    assert by_tokens == approx([[v * correction for v in group] for group in by_samples])
+
+
+def test_token_weighted_whitening_needs_the_token_counts():
+    with pytest.raises(ValueError, match="batch_tokens"):
+        compute_advantages(REWARDS, "grpo", "batch_tokens")
+    with pytest.raises(ValueError, match="batch_tokens"):
+        compute_advantages(REWARDS, "grpo", "batch_tokens", tokens=[[1, 2, 3, 4]])
+
+
+def test_reward_bias_then_scale_then_clip_as_areal():
+    """(r + bias) x scale, then the clip: 3 -> (3 - 0.5) x 10 = 25, clipped to 20;
+    0 -> -5; 1 -> 5."""
+    shaped = compute_advantages([[3.0, 0.0, 1.0]], "reinforce_pp", "none", reward_clip=20.0, reward_scale=10.0,
+                                reward_bias=-0.5)
+    assert shaped == [[20.0, -5.0, 5.0]]
+    # the baseline comes after: the group mean of [20, -5, 5] is 20/3
+    assert compute_advantages([[3.0, 0.0, 1.0]], "grpo", "none", reward_clip=20.0, reward_scale=10.0,
+                              reward_bias=-0.5) == approx([[40 / 3, -35 / 3, -5 / 3]])
+    # the defaults change nothing
+    assert compute_advantages(REWARDS, "grpo", "group") == \
+        compute_advantages(REWARDS, "grpo", "group", reward_scale=1.0, reward_bias=0.0)
+
+
+@pytest.mark.parametrize(("rewards", "masked"), [
+    ([0.0] * 8, True), ([1.0] * 8, True), ([1.0] * 7 + [0.0], False), ([1.0] + [0.0] * 7, False),
+    ([1.0] * 19 + [0.0], True),  # mean 0.95: not strictly below the high bound
+    ([1.0] * 2 + [0.0] * 18, True),  # mean 0.1: not strictly above the low bound
+])
+def test_difficulty_mask_keeps_the_groups_strictly_inside_the_bounds(rewards, masked):
+    assert difficulty_masked(rewards, (0.1, 0.95)) is masked
+
+
+def test_no_difficulty_mask_masks_nothing():
+    assert not difficulty_masked([0.0, 0.0], None)

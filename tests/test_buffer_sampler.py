@@ -190,3 +190,46 @@ def test_in_order_targets_follow_prompt_order():
     assert sampler.plan_dispatch(buffer, progress(), 0, 4).blocked is not None  # step 2 would be lag 2
     # after an abort the batch index stays, so the same targets train one version later at most
     assert sampler.plan_dispatch(buffer, progress(1, 1, finished_steps=1), 1, 4).train_version == 2
+
+
+def test_max_ahead_lets_whole_groups_past_the_step_the_generator_trains_fresh():
+    """verl's staleness_threshold = 0.5 of 4 prompts per step: 2 groups ahead, not the max_lag step's 4."""
+    sampler = StalenessSampler(settings(max_lag=1, max_ahead=0.5, prompts_per_step=4))
+    buffer = ReplayBuffer(capacity=16)
+    planned = []
+    while (plan := sampler.plan_dispatch(buffer, progress(), generator_version=0, groups_dispatched=0)).blocked is None:
+        planned.append(plan.train_version)
+        buffer.reserve(len(planned), keys(len(planned)), plan.target_step, 0)
+    assert planned == [0, 0, 0, 0, 1, 1]
+    assert "3 groups generated with weights version 0 or older would train at a later version" in plan.blocked
+    assert "max_ahead 0.5 x 4 prompts per step allows 2" in plan.blocked
+    # the trainer moved on to version 1 but the generator still holds 0: everything it makes now is stale
+    moved_on = progress(1, 1, finished_steps=1)
+    for group_id in (1, 2, 3, 4):
+        buffer.release(group_id)
+    assert sampler.plan_dispatch(buffer, moved_on, 0, 0).blocked is not None  # 2 stale already outstanding
+    assert sampler.plan_dispatch(buffer, moved_on, 1, 0).blocked is None  # version 1 arrived: fresh again
+
+
+def test_max_ahead_in_order_counts_positions_in_prompt_order():
+    sampler = StalenessSampler(settings(order="in_order", max_lag=2, max_ahead=1.5, prompts_per_step=2))
+    buffer = ReplayBuffer(capacity=16)
+    plans = [sampler.plan_dispatch(buffer, progress(), 0, n) for n in range(6)]
+    assert [p.blocked is None for p in plans] == [True] * 5 + [False]  # the open step, then 3 groups ahead
+    assert [p.target_step for p in plans[:5]] == [0, 0, 1, 1, 2]
+
+
+def test_max_ahead_unset_or_equal_to_max_lag_is_the_lag_bound():
+    buffer = ReplayBuffer(capacity=32)
+    for group_id in range(5):
+        buffer.reserve(group_id, keys(group_id), 0, 0)
+    unset, equal = (StalenessSampler(settings(max_lag=2, prompts_per_step=2, max_ahead=a)) for a in (None, 2.0))
+    for trainer, generator, consumed in [(0, 0, 0), (0, 0, 1), (1, 0, 0), (2, 1, 1), (3, 1, 0)]:
+        at = progress(trainer, trainer, consumed, trainer)
+        assert (unset.plan_dispatch(buffer, at, generator, 0).blocked is None) == \
+            (equal.plan_dispatch(buffer, at, generator, 0).blocked is None)
+
+
+def test_max_ahead_beyond_max_lag_is_refused_by_the_settings():
+    with pytest.raises(ValueError, match="max_ahead must be between 0 and max_lag 1"):
+        settings(max_lag=1, max_ahead=1.5)

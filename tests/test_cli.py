@@ -96,6 +96,8 @@ def test_explain(capsys):
     assert main(["explain", "RLP304"]) == 0
     assert "deadlock" in capsys.readouterr().out
     assert main(["explain", "501"]) == 0
+    assert main(["explain", "307"]) == 0
+    assert "retired" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
         main(["explain", "RLP999"])
     assert exc.value.code == 2

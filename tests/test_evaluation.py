@@ -10,7 +10,11 @@ import torch
 from rldsl.compiler.driver import compile_source
 from rldsl.runtime.engines.torch.warmstart import greedy_accuracy
 from rldsl.runtime.protocols import Prompt
-from rldsl.runtime.ray_lowering.evaluation import EvaluationSchedule, Evaluator, held_out_prompts, score
+from rldsl.compiler.plan_view import render_plan
+from rldsl.runtime.control.settings import settings_from_plan
+from rldsl.runtime.ray_lowering.evaluation import EvaluationSchedule, Evaluator, accuracy_change, \
+    evaluation_summary, held_out_prompts, score
+from rldsl.runtime.ray_lowering.progress import Progress
 from rldsl.tasks import load_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +60,63 @@ def test_the_schedule_asks_every_eval_every_steps_but_not_for_the_last():
     schedule = EvaluationSchedule(actor=None, every=10, total_steps=30)
     assert [s for s in range(1, 31) if schedule.due(s)] == [10, 20]
     assert not EvaluationSchedule(actor=None, every=0, total_steps=30).due(10)
+
+
+@pytest.mark.parametrize(("at_start", "at_end", "every", "asked"), [
+    (True, True, 10, [0, 10, 20, 25]),  # the default: the start, the grid and the last step
+    (False, False, 10, [10, 20]),  # NeMo RL's val_at_start / val_at_end = false
+    (False, False, 5, [5, 10, 15, 20, 25]),  # the grid falls on the last step: evaluated there anyway
+    (False, True, 0, [25]),
+    (True, False, 0, [0]),
+])
+def test_the_start_and_the_end_are_evaluated_only_when_the_run_asks(at_start, at_end, every, asked):
+    schedule = EvaluationSchedule(actor=None, every=every, total_steps=25, at_start=at_start, at_end=at_end)
+    steps = [0] if schedule.at_start else []  # the driver asks for step 0 when the run begins
+    steps += [s for s in range(1, 26) if schedule.due(s)] + ([25] if schedule.due_at_end(25) else [])
+    assert steps == asked
+
+
+def test_the_start_and_end_switches_reach_the_plan_and_plan_says_when():
+    text = (ROOT / "pipelines" / "grpo_async.rlp").read_text()
+    skipped = text.replace("eval_every = 10", "eval_every = 10  eval_at_start = false  eval_at_end = false")
+    result = compile_source(skipped, str(ROOT / "pipelines" / "grpo_async.rlp"))
+    run = result.plan.pipeline().run
+    assert (run.eval_at_start, run.eval_at_end, run.eval_every) == (False, False, 10)
+    assert "held-out split of builtin:arith; every 10 steps, not at the start or the end" in render_plan(result)
+    default = compile_source(text, str(ROOT / "pipelines" / "grpo_async.rlp"))
+    assert default.plan.pipeline().run.eval_at_start and "not at the" not in render_plan(default)
+
+
+def test_a_run_that_asks_for_no_evaluation_starts_no_evaluator():
+    text = (ROOT / "pipelines" / "grpo_async.rlp").read_text()
+    result = compile_source(text.replace("eval_every = 10", "eval_every = 0  eval_at_start = false  "
+                                         "eval_at_end = false"), str(ROOT / "pipelines" / "grpo_async.rlp"))
+    pipe = result.plan.pipeline()
+    assert not pipe.evaluates and not pipe.has_evaluator
+    assert "evaluation: none asked for (eval_every = 0, eval_at_start = false, eval_at_end = false)" \
+        in render_plan(result)
+
+
+def test_the_summary_reports_no_change_it_did_not_measure():
+    start, middle, end = ({"step": s, "accuracy": a} for s, a in ((0, 0.25), (10, 0.375), (25, 0.5)))
+    assert evaluation_summary([start, middle, end], 25) == \
+        {"evals": [start, middle, end], "eval_start": 0.25, "eval_end": 0.5}
+    assert accuracy_change([start, end], 25) == "0.250 -> 0.500 (+0.250)"
+    # no start evaluation, and the last one (step 10) is not the run's last step (25)
+    assert evaluation_summary([middle], 25) == {"evals": [middle]}
+    assert accuracy_change([middle], 25) == "0.375 at step 10 (the only evaluation)"
+    assert accuracy_change([middle, end], 25) == "0.375 (step 10) -> 0.500 (step 25), +0.125"
+    assert evaluation_summary([], 25) == {} and accuracy_change([], 25) is None
+
+
+def test_the_final_table_without_a_start_evaluation(tmp_path, capsys):
+    pipe = small_plan()
+    progress = Progress(settings_from_plan(pipe), tmp_path, live=False, log=())
+    summary = {"steps": 25, "ledger": {"generated": 800, "trained": 800, "dropped": {}}, "max_lag": 1,
+               "samples_per_s": 10.0, "wall_clock_s": 80.0, "train_loop_s": 70.0,
+               **evaluation_summary([{"step": 20, "accuracy": 0.5}], 25)}
+    progress.final_table(summary, tmp_path)
+    assert "0.500 at step 20 (the only evaluation)" in capsys.readouterr().err
 
 
 def test_the_default_evaluation_prompts_are_the_first_sources_eval_split():

@@ -103,6 +103,7 @@ def test_no_import_cycles():
     ("rldsl.runtime.export", ("external:ray", "rldsl.runtime.control", "rldsl.runtime.dataplane",
                               "rldsl.runtime.inprocess")),
     ("rldsl.plan", ("rldsl.compiler", "rldsl.runtime")),
+    ("rldsl.collective_rule", ("rldsl.compiler", "rldsl.runtime")),
     # the bundle layout is the plan's: `check` and the launcher share it, so it knows neither of them
     ("rldsl.layout", ("rldsl.compiler", "rldsl.runtime", "external:ray")),
     # the CLI uses the compiler and the Ray lowering, nothing below it

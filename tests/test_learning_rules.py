@@ -52,3 +52,41 @@ def test_one_sample_per_prompt_normalised_by_its_group(normalize, expected):
     text = BASE.replace("  samples_per_prompt = 4\n", "  samples_per_prompt = 1\n").replace(
         "  prompts_per_step = 8\n", f"  prompts_per_step = 8\n  advantage = reinforce_pp\n  normalize = {normalize}\n")
     assert codes(text) == expected
+
+
+def with_train(text: str, lines: str, samples: int = 4) -> str:
+    return text.replace("  samples_per_prompt = 4\n", f"  samples_per_prompt = {samples}\n").replace(
+        "  prompts_per_step = 8\n", f"  prompts_per_step = 8\n{lines}")
+
+
+@pytest.mark.parametrize(("mask", "samples", "expected"), [
+    ("[0.1, 0.95]", 4, []),  # 1/4, 2/4, 3/4 lie inside
+    ("[0.9, 0.1]", 4, ["RLP314"]),  # an empty interval: every group masked, whatever the reward
+    ("[0.5, 0.5]", 4, ["RLP314"]),
+    ("[0.1, 0.95]", 1, ["RLP314"]),  # one 0/1 reward: a mean of 0 or 1, both outside
+    ("[0.6, 0.7]", 2, ["RLP314"]),  # 0, 1/2, 1 (or 0 and 1 when a sample fails): none inside
+    ("[0.6, 0.7]", 3, []),  # 2/3 lies inside
+])
+def test_a_difficulty_mask_that_masks_every_group(mask, samples, expected):
+    estimator = "  advantage = reinforce_pp\n" if samples == 1 else ""  # a group baseline needs two (RLP303)
+    assert codes(with_train(BASE, f"{estimator}  difficulty_mask = {mask}\n", samples)) == expected
+
+
+def test_a_difficulty_mask_on_partial_credit_is_not_judged():
+    text = with_train(BASE, "  advantage = reinforce_pp\n  difficulty_mask = [0.1, 0.95]\n", 1)
+    assert codes(text.replace('"rldsl.rewards:exact_match"', '"rldsl.rewards:char_match"')) == []
+
+
+def test_the_empty_interval_edit_swaps_the_bounds():
+    (finding,) = compile_source(with_train(BASE, "  difficulty_mask = [0.9, 0.1]\n"), "p.rlp").diagnostics
+    assert finding.edit[1] == "[0.1, 0.9]"
+    assert codes(with_train(BASE, f"  difficulty_mask = {finding.edit[1]}\n")) == []
+
+
+def test_a_difficulty_mask_takes_two_bounds():
+    assert codes(with_train(BASE, "  difficulty_mask = [0.1, 0.5, 0.9]\n")) == ["RLP312"]
+
+
+def test_a_zero_reward_scale_makes_every_reward_zero():
+    assert codes(with_train(BASE, "  reward_scale = 0\n")) == ["RLP314"]
+    assert codes(with_train(BASE, "  reward_scale = 10  reward_bias = -0.5\n")) == []

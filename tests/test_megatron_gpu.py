@@ -7,7 +7,8 @@ Skipped without CUDA (CI has none). On a GPU machine, one process, one GPU:
 - bf16 with the distributed optimizer: steps train, a checkpoint resumes
   the same next step, and offload really frees GPU memory and gives the
   same next step after wake; a rollout batch in mini-batches with a token
-  budget takes the steps separate rollout batches take.
+  budget takes the steps separate rollout batches take; the proximal pass
+  gives a second pass over the same rows the first pass's logprobs.
 
 bf16 comparisons use tolerances, not equality: some CUDA backward kernels
 (the embedding's) accumulate with atomics, so two runs may differ in the
@@ -66,9 +67,17 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: f
         assert float((a[name] - b[name]).abs().max()) / scale < rtol, name
 
 
-def test_split_step_gradient_equals_full_batch_gradient_on_cuda_fp32(megatron_gpu, monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+@pytest.fixture
+def no_tf32():
+    """TF32 off for one test, then as it was (set and restored by hand: the
+    cuBLAS flag is a module property, which monkeypatch cannot restore)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_split_step_gradient_equals_full_batch_gradient_on_cuda_fp32(megatron_gpu, no_tf32):
     shape = SHAPES["llama"]
     weights = random_hf_weights(shape, seed=1)
     batch = make_batch(shape)
@@ -144,3 +153,31 @@ def test_bf16_mini_batches_with_a_token_budget_take_the_separate_steps(megatron_
     assert mini.scheduler.num_steps == separate.scheduler.num_steps == 3
     assert all(torch.isfinite(torch.tensor(v)) for v in result.metrics.values())
     assert_close(weights_of(mini), weights_of(separate), rtol=1e-2)
+
+
+def test_bf16_proximal_pass_gives_a_second_epoch_the_batch_start_logprobs(megatron_gpu, monkeypatch):
+    """ppo_epochs = 2 with a correction: the second pass over the same rows
+    trains against the logprobs the first pass took on the batch-start
+    weights, though the first (held) optimizer step has moved them since."""
+    from tests.test_megatron_proximal import record_losses
+
+    shape = SHAPES["qwen2"]
+    batch = make_batch(shape)
+    calls = record_losses(monkeypatch)
+    options = dict(BF16, lr=1e-2, lr_schedule=LRSchedule("constant"), rows_per_forward=4)
+    trainer = make_trainer(shape, random_hf_weights(shape, seed=1),
+                           loss=PolicyLossConfig(correction="tis", clip=0.02), **options)
+    trainer.begin_train_step(0)
+    trainer.train_microbatch(0, batch)
+    assert trainer.optimizer_step(0) == {"deferred": 1.0}
+    trainer.train_microbatch(0, batch)
+    result = trainer.finish_train_step(0)
+    assert result.version == 1 and result.metrics["optimizer_steps"] == 2.0
+    first, second = calls[:3], calls[3:]  # 10 rows, 4 a forward
+    at_start = torch.cat([logprobs.float().cpu() for logprobs, _ in first])
+    proximal = torch.cat([proximal.float().cpu() for _, proximal in second])
+    trained_with = torch.cat([logprobs.float().cpu() for logprobs, _ in second])
+    assert float((proximal - at_start).abs().max()) < 1e-3
+    assert float((trained_with - at_start).abs().max()) > 1e-2  # the weights had moved
+    assert result.metrics["clip_fraction"] > 0 and all(torch.isfinite(torch.tensor(v))
+                                                       for v in result.metrics.values())

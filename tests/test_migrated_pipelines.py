@@ -76,9 +76,11 @@ def test_verl_one_step_off_places_2_rollout_and_6_trainer_gpus():
     assert _gpus(result, "actor") == _gpus(result, "reference") == [2, 3, 4, 5, 6, 7]
     assert _shape(result, "rollout") == (2, 1, 1)        # one vLLM engine, tp 2
     assert _shape(result, "actor") == (1, 1, 6)
-    # actor.strategy fsdp2: sharded over all 6 ranks, fp32 master weights, bf16 compute
-    assert _engine(result, "actor") == ("fsdp", {"shard": 0, "offload": True, "dtype": "bf16"})
-    assert _engine(result, "reference")[0] == "fsdp"
+    # actor.strategy fsdp2: sharded over all 6 ranks, fp32 master weights, bf16 compute, resident
+    # (param_offload = optimizer_offload = False)
+    assert _engine(result, "actor") == ("fsdp", {"shard": 0, "offload": False, "dtype": "bf16"})
+    # ref strategy fsdp2: sharded over the same 6 ranks, bf16 compute, ref.param_offload = True
+    assert _engine(result, "reference") == ("fsdp", {"shard": 0, "offload": True, "dtype": "bf16"})
     assert _engine(result, "rollout")[0] == "vllm"
 
 
@@ -127,5 +129,5 @@ def test_openrlhf_colocates_everything_on_8_gpus():
     assert _shape(result, "actor") == (1, 1, 8)
     # --ds.zero_stage 3: parameters, gradients and Adam state sharded over all 8 ranks
     assert _engine(result, "actor") == ("fsdp", {"shard": 0, "offload": True, "dtype": "bf16"})
-    for stage in ("reference", "behaviour"):
-        assert _engine(result, stage)[0] == "fsdp", stage
+    for stage in ("reference", "behaviour"):  # ZeRO-3 forwards: sharded over the 8 ranks
+        assert _engine(result, stage) == ("fsdp", {"shard": 0, "offload": True, "dtype": "bf16"}), stage

@@ -56,6 +56,10 @@ def gradient(config: PolicyLossConfig) -> list[float]:
     ({"correction": "mis", "correction_level": "sequence"}, [0.75, 0.75, 0.75, 0.0, 0.0, 0.0], 2),
     # behaviour_cap 2 is a token mask at [0, 2], as mis
     ({"behaviour_cap": 2.0}, [1.0, 1.5, 0.5, 0.7, 0.0, 0.0], 1),
+    # is: the weight untruncated, 4.0 kept whole
+    ({"correction": "is"}, [1.0, 1.5, 0.5, 0.7, 4.0, 0.0], 0),
+    # is, sequence: the products 0.75 and 2.8, untouched
+    ({"correction": "is", "correction_level": "sequence"}, [0.75, 0.75, 0.75, 2.8, 2.8, 0.0], 0),
 ])
 def test_each_correction_weighs_tokens_as_computed_by_hand(options, weights, corrected):
     config = PolicyLossConfig(**options)
@@ -75,6 +79,24 @@ def test_the_tis_values_written_out():
     # sequence: -3 x 0.75 + 2 x 2 x 2.0 = 5.75
     out = loss(PolicyLossConfig(correction="tis", correction_level="sequence"))
     assert out.loss_sum.item() == pytest.approx(5.75, abs=1e-5)
+
+
+def test_the_untruncated_weight_written_out():
+    # -(1 + 1.5 + 0.5) + 2 (0.7 + 4.0) = 6.4: the tis value 2.4 with the 4.0 no longer clamped to 2
+    assert loss(PolicyLossConfig(correction="is")).loss_sum.item() == pytest.approx(6.4, abs=1e-5)
+
+
+def test_the_untruncated_weight_drops_only_a_weight_that_overflowed():
+    # The second sequence's last token: proximal 100 nats above behaviour, and e^100 overflows a float32.
+    proximal = LOGPROBS.clone()
+    proximal[1, 1] = BEHAVIOUR[1, 1] + 100
+    out = policy_loss(LOGPROBS, BEHAVIOUR, ADVANTAGES, MASK, PolicyLossConfig(correction="is"),
+                      proximal_logprobs=proximal)
+    # That token's ratio to the proximal policy is e^-100, clipped up to 0.8: it would add 2 x 0.8 x inf.
+    # Dropped (it still counts in N), the loss is the other tokens': ratio 1, weights [1, 1.5, 0.5], [0.7],
+    # so -(1 + 1.5 + 0.5) + 2 x 0.7 = -1.6.
+    assert out.loss_sum.item() == pytest.approx(-1.6, abs=1e-5) and out.count == 5
+    assert out.stats["capped_tokens"] == 1
 
 
 def test_without_a_correction_the_ratio_is_against_the_behaviour_policy():
@@ -121,7 +143,8 @@ def test_rollout_metrics_weigh_the_mismatch_by_tokens_and_keep_the_extremes():
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"correction": "is"}, "correction"),
+    ({"correction": "rejection"}, "correction"),
+    ({"correction": "is", "correction_high": 5.0}, "untruncated"),
     ({"correction": "tis", "correction_level": "batch"}, "correction_level"),
     ({"correction": "icepop", "correction_level": "sequence"}, "icepop"),
     ({"correction": "tis", "correction_high": 0.9}, "correction bounds"),
@@ -245,18 +268,12 @@ def check(train_lines: str, generate_lines: str = "") -> list:
     return compile_source(text, "p.rlp").diagnostics
 
 
-@pytest.mark.parametrize("engine", ["", "  engine = fsdp"])
+@pytest.mark.parametrize("engine", ["", "  engine = fsdp", "  engine = megatron(tp = 1)"])
 @pytest.mark.parametrize("loss_line", ["  loss = grpo(correction = tis)", "  loss = grpo(behaviour_cap = 5.0)",
                                        "  loss = grpo(correction = mis, correction_level = sequence)"])
 def test_several_optimizer_steps_with_a_proximal_pass_are_accepted(engine, loss_line):
+    """Every trainer recomputes the proximal policy at the batch start (megatron: ``megatron/proximal.py``)."""
     assert check(f"{engine}\n  global_batch = 16\n  ppo_epochs = 2\n{loss_line}") == []
-
-
-def test_an_engine_without_a_proximal_pass_is_refused():
-    found = check("  engine = megatron(tp = 1)\n  ppo_epochs = 2\n  loss = grpo(behaviour_cap = 5.0)")
-    assert [d.code for d in found] == ["RLP307"]
-    assert "ppo_epochs = 2" in found[0].message and "engine = torch or fsdp" in found[0].help
-    assert check("  engine = megatron(tp = 1)\n  loss = grpo(correction = icepop)") == []  # one optimizer step
 
 
 @pytest.mark.parametrize(("loss_line", "words"), [
@@ -264,6 +281,7 @@ def test_an_engine_without_a_proximal_pass_is_refused():
     ("grpo(correction = mis, correction_low = 1.5, correction_high = 3.0)", "leave out the weight 1"),
     ("grpo(correction = icepop, correction_level = sequence)", "masks tokens"),
     ("grpo(correction = tis, behaviour_cap = 2.0)", "both weigh"),
+    ("grpo(correction = is, correction_high = 5.0)", "untruncated"),
 ])
 def test_bad_correction_arguments_are_reported(loss_line, words):
     found = check(f"  loss = {loss_line}")

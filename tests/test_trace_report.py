@@ -107,6 +107,14 @@ def test_report_writes_the_png_and_a_self_contained_html(tmp_path, capsys):
     assert f"wrote {path / 'report.html'}" in capsys.readouterr().out
 
 
+def test_report_of_a_run_with_one_evaluation_shows_no_change(tmp_path, capsys):
+    path = run_dir(tmp_path)  # run { eval_at_start = false }: only the last step was evaluated
+    lines = [line for line in (path / "metrics.jsonl").read_text().splitlines() if '"step": 0,' not in line]
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert write_report(path) == 0
+    assert "held-out accuracy: 0.500 (step 3), the only evaluation" in capsys.readouterr().out
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 

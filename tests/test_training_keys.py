@@ -78,6 +78,55 @@ def test_run_length_in_epochs_is_counted_from_the_training_prompts(tmp_path):
     assert with_run_lengths(result.plan, 7).pipeline().run.steps == 7  # --steps wins
 
 
+@pytest.mark.parametrize(("written", "steps", "words"), [
+    ("steps = 3  samples = 100", 3, "(steps = 3 ends the run before samples = 100, which would take 4)"),
+    ("steps = 9  samples = 100", 4, "(samples = 100 ends the run before steps = 9)"),
+    ("steps = 4  samples = 100", 4, "(samples = 100 and steps = 4 end the run together)"),
+])
+def test_steps_beside_samples_end_the_run_at_whichever_comes_first(written, steps, words):
+    result = compiled(extra=f"run {{ {written} }}\n")  # 100 samples / 32 per step: 4 steps
+    run = result.plan.pipeline().run
+    assert (run.steps, run.samples) == (steps, 100)
+    assert f"run: {steps} steps {words}" in render_plan(result)
+
+
+@pytest.mark.parametrize(("cap", "steps", "words"), [
+    (2, 2, "steps = 2 ends it before 3 epochs of {n} training prompts"),
+    (500, None, "3 epochs of {n} training prompts end it before steps = 500"),
+])
+def test_steps_beside_epochs_end_the_run_at_whichever_comes_first(tmp_path, cap, steps, words):
+    rows = "\n".join(f'{{"prompt": "q{i}", "answer": "a"}}' for i in range(40))
+    (tmp_path / "train.jsonl").write_text(rows + "\n")
+    result = compiled(extra=f"run {{ steps = {cap}  epochs = 3 }}\n", base_dir=tmp_path,
+                      dataset='dataset prompts { source = "jsonl:train.jsonl" }')
+    run = result.plan.pipeline().run
+    assert (run.steps, run.epochs, run.max_steps) == (0, 3, cap)  # counted when the dataset is read
+    assert f"run: {cap} steps or 3 epochs, whichever is reached first" in render_plan(result)
+    said = []
+    resolved = with_run_lengths(result.plan, None, say=said.append).pipeline().run
+    from rldsl.tasks import is_eval_text
+
+    trained = sum(not is_eval_text(f"q{i}") for i in range(40))
+    assert resolved.steps == (steps or 3 * trained // 8) < 500
+    assert said == [f"demo: the run takes {resolved.steps} steps: {words.format(n=trained)}"
+                    + ("" if steps is None else f" ({3 * trained // 8} steps)")]
+    assert with_run_lengths(result.plan, 7).pipeline().run.steps == 7  # --steps still wins over both
+
+
+def test_steps_beside_epochs_is_no_longer_an_error_but_epochs_beside_samples_is():
+    assert not [d for d in compile_source(BASE + "run { steps = 5  epochs = 2 }\n", "t.rlp").diagnostics]
+    for written in ("epochs = 2  samples = 100", "steps = 5  epochs = 2  samples = 100"):
+        found = compile_source(BASE + f"run {{ {written} }}\n", "t.rlp").diagnostics
+        assert [d.code for d in found] == ["RLP309"] and "epochs = 2, samples = 100" in found[0].message
+
+
+def test_warmup_is_checked_against_the_steps_that_cap_a_run_in_epochs():
+    text = BASE.replace(TRAIN, "  prompts_per_step = 8\n  warmup = 10\n}")
+    found = compile_source(text + "run { steps = 5  epochs = 3 }\n", "t.rlp").diagnostics
+    assert [d.code for d in found] == ["RLP311"] and "the run takes at most 5:" in found[0].message
+    assert compile_source(text + "run { epochs = 3 }\n", "t.rlp").diagnostics == []  # unknown before the data
+
+
 def test_a_mixture_and_an_evaluation_dataset_reach_the_plan(tmp_path):
     (tmp_path / "eval.jsonl").write_text('{"prompt": "q", "answer": "a"}\n')
     result = compiled(dataset='dataset prompts {\n  sources = ["builtin:arith", "builtin:reverse"]\n'

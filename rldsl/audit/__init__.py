@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rldsl.audit.replay import CLEAN_EXITS, PROOFS, JournalError, Replay, latest_run, read_journal
+from rldsl.plan import ahead_groups
 from rldsl.runtime.control.journal import FINISHED, JOURNAL_FILE
 
 EXIT_OK, EXIT_VIOLATIONS, EXIT_UNREADABLE = 0, 1, 2
@@ -41,7 +42,7 @@ def audit_journal(path: Path) -> Audit:
     if len(run) < len(events):
         notes.append("the journal also holds an earlier run in this directory; only the latest is audited")
     pipeline = run[0].get("pipeline") or path.parent.name
-    replay = Replay(_plan_max_lag(path.parent, pipeline)).replay(run)  # the plan's bound, for headers without one
+    replay = Replay(*_plan_bounds(path.parent, pipeline)).replay(run)  # the plan's bounds, for headers without them
     return Audit(path, pipeline, replay, notes + replay.notes)
 
 
@@ -93,7 +94,7 @@ def _summary_lines(audit: Audit) -> list[str]:
     dropped = ", ".join(f"{reason} {n}" for reason, n in totals["dropped"].items())
     samples = (f"samples: {totals['generated']} dispatched, {totals['trained']} trained, "
                f"{sum(totals['dropped'].values())} dropped" + (f" ({dropped})" if dropped else "")
-               + f", {totals['open']} left open")
+               + (f", {totals['masked']} masked" if totals.get("masked") else "") + f", {totals['open']} left open")
     if totals["rolled_back"]:
         samples += f", {totals['rolled_back']} rolled back"
     lags = " ".join(f"{lag}:{n}" for lag, n in totals["lag_histogram"].items())
@@ -130,6 +131,8 @@ def to_json(audit: Audit) -> dict:
         "pipeline": audit.pipeline,
         "ok": audit.ok,
         "totals": replay.totals(),
+        "ahead": {"most": replay.most_ahead,
+                  "bound": replay.segments[-1].header.get("ahead_groups", replay.default_ahead_groups)},
         "segments": [{"segment": s.number, "resume": s.header.get("resume"), "exit": s.exit,
                       "error": (s.end or {}).get("error"), "open": s.open_keys} for s in replay.segments],
         "proofs": [{"proof": proof, "ok": not any(v.proof == proof for v in replay.violations),
@@ -163,12 +166,19 @@ def _pipelines(run_dir: Path) -> list[str]:
     return [name for name in names if isinstance(name, str)] if len(names) > 1 else []
 
 
-def _plan_max_lag(directory: Path, pipeline: str) -> int | None:
-    """max_lag from the run's plan.json (next to the journal, or one up for a run of several pipelines)."""
+def _plan_bounds(directory: Path, pipeline: str) -> tuple[int | None, int | None]:
+    """max_lag and the groups that may be generated ahead, from the run's plan.json (next to the journal, or
+    one up for a run of several pipelines); None for what it does not say."""
     for plan_path in (directory / "plan.json", directory.parent / "plan.json"):
         try:
             plan = json.loads(plan_path.read_text())
-            return next(p["staleness"]["max_lag"] for p in plan["pipelines"] if p["name"] == pipeline)
+            pipe = next(p for p in plan["pipelines"] if p["name"] == pipeline)
+            max_lag = pipe["staleness"]["max_lag"]
         except (OSError, ValueError, KeyError, TypeError, StopIteration):
             continue
-    return None
+        try:
+            pps = pipe["batch"]["prompts_per_step"]
+            return max_lag, ahead_groups(max_lag, pipe["staleness"].get("max_ahead"), pps)
+        except (KeyError, TypeError, AttributeError):
+            return max_lag, None
+    return None, None

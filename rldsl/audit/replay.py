@@ -15,20 +15,23 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rldsl.audit.ahead import crossings, trained_groups
+from rldsl.audit.checks import logprob_problem, token_runs_problem
 from rldsl.runtime.control import journal as j
-from rldsl.runtime.protocols import FIELD_BEHAVIOUR_LOGPROBS, FIELD_REF_LOGPROBS
 
 # The proofs, in the order they are reported.
-ENDED_ONCE = "every dispatched sample ended exactly once (trained or dropped)"
+ENDED_ONCE = "every dispatched sample ended exactly once (trained, masked or dropped)"
 TRAINED_ONCE = "no sample trained twice, across resumes"
 LAG = ("every trained sample's lag <= max_lag, and = trainer version - generating version "
        "(with per-token versions: every token's lag <= max_lag, the sample's is its oldest token's)")
 LOGPROBS = ("every logprob field trained on was computed as the staleness rules assume "
             "(behaviour_logprobs by the generating version, ref_logprobs by frozen weights)")
-PROOFS = (ENDED_ONCE, TRAINED_ONCE, LAG, LOGPROBS)
+AHEAD = ("at most max_ahead x prompts_per_step prompt groups generated before a version trained at or after it "
+         "(max_ahead unset: max_lag steps)")
+PROOFS = (ENDED_ONCE, TRAINED_ONCE, LAG, AHEAD, LOGPROBS)
 
 CLEAN_EXITS = (j.FINISHED, j.STOPPED)  # the ledger was balanced: nothing may be left open
-KEYED_EVENTS = (j.DISPATCHED, j.GENERATED, j.LOGPROB, j.TRAINED, j.DROPPED)
+KEYED_EVENTS = (j.DISPATCHED, j.GENERATED, j.LOGPROB, j.TRAINED, j.MASKED, j.DROPPED)
 
 
 class JournalError(Exception):
@@ -133,7 +136,9 @@ class Sample:
     generated: int | None = None  # the weight version that generated it (its oldest token's)
     tokens: list | None = None  # [version, steps] runs over its group's decode steps, when weights changed mid-group
     writes: dict[str, dict] = field(default_factory=dict)  # logprob field -> the event that wrote it last
-    outcome: str | None = None  # "trained" or the drop reason
+    outcome: str | None = None  # "trained", "masked" or the drop reason
+    group: str | None = None  # the prompt it was sampled for
+    trained_version: int | None = None
 
 
 @dataclass
@@ -157,10 +162,11 @@ class Segment:
 
 class Replay:
     """Feed it a run's events in order (``replay``); it keeps the totals and
-    every violation of the proofs. ``max_lag``: the bound when a header has none."""
+    every violation of the proofs. ``max_lag``, ``ahead_groups``: the bounds when a header has none."""
 
-    def __init__(self, max_lag: int | None = None) -> None:
+    def __init__(self, max_lag: int | None = None, ahead_groups: int | None = None) -> None:
         self.default_max_lag = max_lag
+        self.default_ahead_groups = ahead_groups
         self.segments: list[Segment] = []
         self.violations: list[Violation] = []
         self.notes: list[str] = []
@@ -168,7 +174,9 @@ class Replay:
         self.dispatched = 0
         self.rolled_back = 0
         self.dropped: Counter[str] = Counter()
+        self.masked = 0  # in a step, out of its loss (difficulty_mask)
         self.token_lags: Counter[int] = Counter()  # decode steps of trained samples by lag (per-token versions)
+        self.most_ahead = 0  # the most groups generated before a version that trained at or after it
 
     def replay(self, events: list[dict]) -> "Replay":
         if events and events[0]["e"] != j.RUN:
@@ -202,8 +210,9 @@ class Replay:
         retried = [k for k in keys if k in self.trained_at and self.trained_at[k][0] < segment.number]
         self._violate(TRAINED_ONCE, "generated again after a resume although already trained "
                                     f"(segment {self._first(retried)})", retried)
+        group = None if event.get("prompt") is None else str(event["prompt"])
         for key in keys:
-            segment.samples.setdefault(key, Sample())
+            segment.samples.setdefault(key, Sample(group=group))
 
     def _on_generated(self, event: dict) -> None:
         for key, sample in self._known(event).items():
@@ -228,8 +237,12 @@ class Replay:
         samples = self._ended(event, j.TRAINED)
         self._check_lag(event, samples)
         self._check_logprobs(samples, event.get("version"))
-        for key in samples:
+        for key, sample in samples.items():
             self.trained_at[key] = (segment.number, event.get("step"), event.get("lag"))
+            sample.trained_version = event.get("version")
+
+    def _on_masked(self, event: dict) -> None:
+        self.masked += len(self._ended(event, j.MASKED))
 
     def _on_dropped(self, event: dict) -> None:
         samples = self._ended(event, event.get("reason") or "unknown")
@@ -321,6 +334,20 @@ class Replay:
         segment.open_keys = [k for k, s in segment.samples.items() if s.outcome is None]
         if segment.open_keys and segment.exit in CLEAN_EXITS:
             self._violate(ENDED_ONCE, f"left open although the segment ended `{segment.exit}`", segment.open_keys)
+        self._check_ahead(segment)
+
+    def _check_ahead(self, segment: Segment) -> None:
+        bound = segment.header.get("ahead_groups", self.default_ahead_groups)
+        crossing = crossings(trained_groups(segment.samples))
+        self.most_ahead = max([self.most_ahead, *map(len, crossing.values())])
+        if bound is None:
+            if crossing:
+                self.notes.append(f"segment {segment.number}: the bound on groups generated ahead is unknown (no "
+                                  "header field, no plan.json): it was not checked")
+            return
+        for version in sorted(v for v, groups in crossing.items() if len(groups) > bound):
+            self._violate(AHEAD, f"{len(crossing[version])} groups generated before version {version} trained at "
+                                 f"or after it > {bound}", [key for group in crossing[version] for key in group.keys])
 
     def _roll_back(self, steps_done: int) -> None:
         """Resuming from the checkpoint after step ``steps_done`` discards what later steps trained."""
@@ -349,6 +376,7 @@ class Replay:
             "generated": self.dispatched,
             "trained": len(self.trained_at),
             "dropped": dict(sorted(self.dropped.items())),
+            **({"masked": self.masked} if self.masked else {}),
             "open": sum(len(s.open_keys) for s in self.segments),
             "rolled_back": self.rolled_back,
             "max_lag": max(lags) if lags else None,
@@ -358,43 +386,3 @@ class Replay:
             "resumes": max(len(self.segments) - 1, 0),
             "exit": last.exit if last else None,
         }
-
-
-def token_runs_problem(runs, generated: int | None) -> str | None:
-    """Why a ``tokens`` list is not well formed, or None: ``[version, steps]``
-    pairs with steps >= 1, the oldest version the one recorded as generating."""
-    if not isinstance(runs, list) or not runs or not all(
-            isinstance(run, list) and len(run) == 2 and all(isinstance(x, int) for x in run) and run[1] >= 1
-            for run in runs):
-        return f"per-token versions {str(runs)[:60]} are not [version, steps] runs"
-    oldest = min(version for version, _ in runs)
-    if oldest != generated:
-        return f"generated at version {generated}, but its oldest token is version {oldest}"
-    return None
-
-
-def logprob_problem(name: str, write: dict, generated: int | None, trained_at: int | None = None) -> str | None:
-    """Why a logprob field is not what the staleness rules assume, or None.
-    behaviour_logprobs must come from the generating weights exactly (the
-    importance ratio and the lag assume it), or, written with ``batch_start``
-    (``recompute = batch_start``), from the trainer's version ``trained_at``
-    of the step that trained it; ref_logprobs from frozen weights. Other
-    fields carry no rule."""
-    stage = write.get("stage")
-    if name == FIELD_REF_LOGPROBS and not write.get("frozen"):
-        return f"{name} by stage `{stage}` whose weights are not frozen (version {write.get('version')})"
-    if name != FIELD_BEHAVIOUR_LOGPROBS:
-        return None
-    if write.get("frozen"):
-        return f"{name} by stage `{stage}` with frozen weights, not the generating version {generated}"
-    if write.get("version") is None:
-        between = write.get("between")
-        known = f"between versions {between[0]} and {between[1]}" if between else "at an unknown version"
-        return f"{name} by stage `{stage}` {known}: not provably the generating version {generated}"
-    if write.get("batch_start"):
-        if write["version"] != trained_at:
-            return f"{name} by stage `{stage}` at version {write['version']}, trained at version {trained_at}"
-        return None
-    if write["version"] != generated:
-        return f"{name} by stage `{stage}` at version {write['version']}, generated at version {generated}"
-    return None

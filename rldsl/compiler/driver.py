@@ -28,14 +28,14 @@ from rldsl.compiler.parser import parse
 from rldsl.compiler.placement import Placement, place
 from rldsl.compiler.resolve import resolve
 from rldsl.compiler.rules import (
-    batching, dataflow, engines, environments, learning, reward_models, sharing, training, weights,
+    batching, dataflow, engines, environments, forwards, learning, reward_models, sharing, training, weights,
 )
 
 if TYPE_CHECKING:  # the plan type only: lowering imports it when a plan is made
     from rldsl.plan import ExecutionPlan
 
 PIPELINE_PASSES = dataflow.PASSES + weights.PASSES + engines.PASSES + training.PASSES + learning.PASSES + \
-    environments.PASSES + reward_models.PASSES
+    environments.PASSES + reward_models.PASSES + forwards.PASSES
 PROGRAM_PLACED_PASSES = (sharing.check_sharing, sharing.check_pipeline_sharing)
 # these read the placement when there is one
 PLACED_PASSES = batching.PASSES + (sharing.check_on_policy_disjoint, weights.check_transport)
@@ -88,6 +88,7 @@ def compile_source(text: str, filename: str = "<input>", base_dir: Path | None =
         diags += check_memory(program, placement, base_dir)
         result.memory = estimate(program, placement, base_dir)
         diags = sharing.explain_memory(program, diags, result.memory)
+        diags = sharing.allow_resident_trainers(program, placement, diags, result.memory)
     result.diagnostics = order_by_cause(diags)
     if result.ok:  # `check` too: a plan that checks must be one Ray can lay out (RLP512)
         plan = _lower(result, base_dir)

@@ -38,16 +38,18 @@ def batch_equivalents(pipe: PipelinePlan) -> list[tuple[str, str]]:
 
 
 def staleness_equivalents(pipe: PipelinePlan) -> list[tuple[str, str]]:
-    lag = pipe.staleness.max_lag
+    lag, ahead = pipe.staleness.max_lag, pipe.staleness.max_ahead
     if lag == 0:
         return [("all five", "their synchronous loop (no asynchronous setting)")]
+    # a max_ahead below max_lag is verl's alone: the others bound the version span only
+    finer = f" (max_ahead = {ahead:g} has no counterpart)" if ahead is not None and ahead < lag else ""
     return [
-        ("AReaL", f"max_head_offpolicyness = {lag}"),
-        ("NeMo RL", f"async_grpo.enabled = true, max_trajectory_age_steps = {lag}"),
-        ("ROLL", f"async_generation_ratio = {lag}"),
-        ("verl", "the one-step-off recipe" if lag == 1 else
-         f"the fully async recipe, samples up to {lag} versions old (its staleness_threshold, a share of stale "
-         "samples, has no counterpart: max_lag is the one bound)"),
-        ("OpenRLHF", "--async_train (one batch generated ahead)" if lag == 1 else
-         f"no counterpart: --async_train generates one batch ahead, not {lag}"),
+        ("AReaL", f"max_head_offpolicyness = {lag}{finer}"),
+        ("NeMo RL", f"async_grpo.enabled = true, max_trajectory_age_steps = {lag}{finer}"),
+        ("ROLL", f"async_generation_ratio = {lag}{finer}"),
+        ("verl", "the one-step-off recipe" if lag == 1 and ahead is None else
+         f"the fully async recipe, async_training.staleness_threshold = {lag if ahead is None else ahead:g}, "
+         f"trigger_parameter_sync_step x require_batches x ppo_mini_batch_size = {pipe.batch.prompts_per_step}"),
+        ("OpenRLHF", ("--async_train (one batch generated ahead)" if lag == 1 else
+                      f"no counterpart: --async_train generates one batch ahead, not {lag}") + finer),
     ]

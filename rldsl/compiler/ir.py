@@ -10,7 +10,7 @@ from __future__ import annotations
 import networkx as nx
 
 from rldsl.compiler.decls import Decl, Pipeline
-from rldsl.plan import EPISODE_REWARD_FN
+from rldsl.plan import EPISODE_REWARD_FN, truncates_long_prompts
 
 DATA = "data"
 WEIGHTS = "weights"
@@ -21,12 +21,14 @@ _GENERATED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "ver
 EPISODE_FIELDS = ("loss_mask", "episode_reward", "episode_status", "turns")
 
 
-def produced_fields(kind: str, decl: Decl | None) -> tuple[str, ...]:
+def produced_fields(kind: str, decl: Decl | None, masks_prompts: bool = False) -> tuple[str, ...]:
+    """``masks_prompts``: the dataset truncates long prompts, whose samples a loss mask leaves out."""
     if kind == "dataset":
         return ("prompt", "answer")
     if kind == "generate":
+        masked = decl.get("truncated") == "mask" or masks_prompts
         return _GENERATED + (("behaviour_logprobs",) if decl.get("logprobs") else ()) + \
-            (EPISODE_FIELDS if decl.get("environment") else ("loss_mask",) if decl.get("truncated") == "mask" else ())
+            (EPISODE_FIELDS if decl.get("environment") else ("loss_mask",) if masked else ())
     if kind == "reward":
         return ("reward",)
     if kind == "logprob":
@@ -78,13 +80,18 @@ def build_ir(pipe: Pipeline) -> nx.MultiDiGraph:
         if edge.src in graph and edge.dst in graph:
             src = graph.nodes[edge.src]
             graph.add_edge(edge.src, edge.dst, key=DATA, kind=DATA, span=edge.dst_span, src_span=edge.src_span,
-                           fields=produced_fields(src["kind"], src["decl"]))
+                           fields=produced_fields(src["kind"], src["decl"], _masks_prompts(pipe)))
     for sync in pipe.stages_of("sync"):
         source = sync.get("from")
         for target in sync.get("to") or ():
             if source and source.name in graph and target.name in graph:
                 graph.add_edge(source.name, target.name, key=WEIGHTS, kind=WEIGHTS, sync=sync.name, span=target.span)
     return graph
+
+
+def _masks_prompts(pipe: Pipeline) -> bool:
+    return any(truncates_long_prompts({key: d.get(key) for key in ("max_prompt_tokens", "long_prompts")})
+               for d in pipe.datasets.values() if d.valid("max_prompt_tokens", "long_prompts"))
 
 
 def data_view(graph: nx.MultiDiGraph) -> nx.DiGraph:

@@ -9,7 +9,7 @@ from rldsl.compiler.decls import Decl, Program
 from rldsl.compiler.ir import generations
 from rldsl.compiler.placement import Placement, StagePlacement
 from rldsl.compiler.reward_types import RewardComponent
-from rldsl.compiler.schema import JUDGE_KEYS
+from rldsl.compiler.schema import JUDGE_KEYS, stage_engine_args
 from rldsl.compiler.types import EngineSpec, GpuRequest, LossSpec, Ref
 from rldsl.plan import (
     ADVANTAGE_NORMALISATION, BatchPlan, ClusterPlan, DatasetPlan, EdgePlan, EnginePlan, EnvironmentPlan,
@@ -34,6 +34,10 @@ def _int_or_none(value):
     return None if value is None else int(value)
 
 
+def _float_or_none(value):
+    return None if value is None else float(value)
+
+
 def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None], base_dir: Path) -> PipelinePlan:
     pipe, sizing = ctx.pipe, ctx.sizing()
     staleness, run = pipe.block("staleness"), pipe.block("run")
@@ -49,7 +53,8 @@ def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None],
         edges=[EdgePlan(u, v, d["kind"], list(d.get("fields", ())), d.get("sync"))
                for u, v, d in ctx.graph.edges(data=True)],
         generations=generations(ctx.graph),
-        staleness=StalenessPlan(staleness["max_lag"], staleness["order"], staleness["too_stale"]),
+        staleness=StalenessPlan(staleness["max_lag"], staleness["order"], staleness["too_stale"],
+                                _float_or_none(staleness.get("max_ahead"))),
         batch=BatchPlan(sizing.train_stage, sizing.prompts_per_step, sizing.samples_per_prompt, sizing.global_batch,
                         sizing.micro_batch, sizing.capacity, sizing.max_inflight, sizing.ppo_epochs),
         run=_run(run, sizing.prompts_per_step * sizing.samples_per_prompt),
@@ -65,11 +70,17 @@ def _environment(decl: Decl, base_dir: Path) -> EnvironmentPlan:
 
 def _run(run: Decl, rollout_batch: int) -> RunPlan:
     """Steps as written, or from `samples` (whole steps, rounded up); a run
-    in `epochs` gets its steps when the runtime has read the dataset."""
+    in `epochs` gets its steps when the runtime has read the dataset. A
+    `steps` written beside either is a cap (`max_steps`): the run ends at
+    whichever bound it reaches first."""
     epochs, samples = run.get("epochs", 0), int(run.get("samples", 0))
+    max_steps = run["steps"] if (epochs or samples) and run.explicit("steps") else 0
     steps = -(-samples // rollout_batch) if samples else 0 if epochs else run["steps"]
+    if samples and max_steps:
+        steps = min(steps, max_steps)
     return RunPlan(steps, run["seed"], run["eval_every"], run["checkpoint_every"], run["watchdog"], run["restarts"],
-                   epochs, samples, list(run["log"]), run["keep_checkpoints"], eval_timeout_s=run["eval_timeout"])
+                   epochs, samples, list(run["log"]), run["keep_checkpoints"], eval_timeout_s=run["eval_timeout"],
+                   max_steps=max_steps, eval_at_start=run["eval_at_start"], eval_at_end=run["eval_at_end"])
 
 
 def _dataset(decl: Decl, base_dir: Path) -> DatasetPlan:
@@ -142,7 +153,7 @@ def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement, shares:
     return StagePlan(
         name=stage.name,
         kind=stage.stage_kind,
-        engine=EnginePlan(engine.name, dict(engine.args)) if engine else None,
+        engine=EnginePlan(engine.name, stage_engine_args(engine, stage.stage_kind)) if engine else None,
         model=stage["model"].name if stage.get("model") else None,
         settings=_anchored_functions(_derived(stage, _settings(stage, skip=("engine", "model", "gpus", "colocate"))),
                                      base_dir),

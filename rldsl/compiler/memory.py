@@ -3,7 +3,9 @@
 Each placed stage's peak on one of its GPUs comes from
 rldsl.compiler.memory_model (per engine and phase, from the model's shape
 and the stage's microbatch); a GPU counts the largest peak among its
-stages that sleep plus every stage that cannot. A setting the estimate
+stages that take turns (sleep or offload while another runs) plus every
+stage that cannot, and every logprob stage, which scores at any time. A
+setting the estimate
 needs that did not resolve leaves that stage out (its parameter count) or
 its activations out (its token counts): the estimate stays a lower bound
 rather than a guess.
@@ -12,14 +14,14 @@ rather than a guess.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rldsl.compiler import memory_model as mm
 from rldsl.compiler.decls import Decl, Pipeline, Program
 from rldsl.compiler.diagnostics import ERROR, Diagnostic
 from rldsl.compiler.placement import Placement, StagePlacement
-from rldsl.compiler.schema import can_sleep
+from rldsl.compiler.schema import can_sleep, stage_engine_args
 from rldsl.compiler.units import format_bytes
 
 # Builtin models' parameter counts (kept in sync by a test against the model) and shapes.
@@ -96,7 +98,7 @@ def estimate(program: Program, placement: Placement, base_dir: Path) -> list[Gpu
         awake_alone = max((m.total - m.asleep for _, m in here), default=0.0)
         used = sum(m.asleep for _, m in here) + awake_alone
         out.append(GpuMemory(gpu, used, capacity, tuple((name, m.total) for name, m in here),
-                             len(residents) > 1 and any(m.sleeps for _, m in here), tuple(m for _, m in here)))
+                             len(residents) > 1 and any(m.takes_turns for _, m in here), tuple(m for _, m in here)))
     return out
 
 
@@ -123,6 +125,8 @@ def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, 
     c = _DTYPE_BYTES[model.get("dtype") or engine.args.get("dtype", "fp32")]  # the model's dtype wins
     shape = model_shape(model, base_dir, params)
     sleeps = can_sleep(engine) and kind != "reward"  # a reward model stays resident: nothing puts it to sleep
+    if kind == "logprob":  # it scores whenever a group arrives: counted in every phase of the others
+        return replace(_logprob_memory(pipe, stage, sp, params, shape, c, capacity, sleeps), concurrent=True)
     if engine.name in ("vllm", "sglang"):
         return mm.reserving_generator(params, c, sp.tp * sp.pp, engine.args["gpu_memory"], capacity, sleeps)
     if kind == "generate":
@@ -131,10 +135,6 @@ def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, 
         return mm.torch_generator(params, shape, c, rows, _row_tokens(pipe, shape), sleeps)
     if kind == "reward":
         return _reward_model(pipe, stage, params, shape, c)
-    if kind == "logprob":
-        rows = stage["micro_batch"] if stage.valid("micro_batch") else None
-        row = _row_tokens(pipe, shape)
-        return mm.logprob_stage(params, shape, c, sp.tp * sp.pp, rows * row if rows and row else None, sleeps)
     tokens, bucket = _train_tokens(pipe, stage, shape), _sync_bucket(pipe, stage)
     if engine.name == "fsdp":
         return mm.fsdp_trainer(params, shape, c, engine.args.get("shard") or sp.dp, tokens, bucket, sleeps)
@@ -142,6 +142,20 @@ def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, 
         return mm.megatron_trainer(params, shape, c, sp.tp, sp.pp, sp.dp,
                                    bool(engine.args.get("distributed_optimizer")), tokens, bucket, sleeps)
     return mm.torch_trainer(params, shape, c, tokens, bucket, sleeps)
+
+
+def _logprob_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, params: int, shape: mm.ModelShape, c: int,
+                    capacity: float | None, sleeps: bool) -> mm.StageMemory:
+    """A logprob stage's forward: vLLM and SGLang hold their reserved share;
+    the torch and fsdp engines log-softmax their logits a slice at a time."""
+    engine = stage["engine"]
+    if engine.name in ("vllm", "sglang"):
+        return mm.reserving_generator(params, c, sp.tp * sp.pp, engine.args["gpu_memory"], capacity, sleeps)
+    tokens, sliced = _logprob_tokens(pipe, stage, shape), engine.name in ("torch", "fsdp")
+    shard = stage_engine_args(engine, "logprob").get("shard", 1) if engine.name == "fsdp" else 1
+    if shard != 1 and sp.dp > 1:  # a sharded fsdp copy, over all its ranks for 0
+        return mm.fsdp_logprob(params, shape, c, shard or sp.dp, tokens, sleeps)
+    return mm.logprob_stage(params, shape, c, sp.tp * sp.pp, tokens, sleeps, sliced)
 
 
 def _reward_model(pipe: Pipeline, stage: Decl, params: int, shape: mm.ModelShape, c: int) -> mm.StageMemory:
@@ -179,6 +193,16 @@ def _train_tokens(pipe: Pipeline, train: Decl, shape: mm.ModelShape) -> int | No
         return train["micro_batch_tokens"]
     groups = [g["samples_per_prompt"] for g in _generators(pipe)]
     rows, row = train.get("micro_batch") or max(groups, default=0), _row_tokens(pipe, shape)
+    return rows * row if rows and row else None
+
+
+def _logprob_tokens(pipe: Pipeline, stage: Decl, shape: mm.ModelShape) -> int | None:
+    """Tokens in one logprob forward: `micro_batch_tokens`, else `micro_batch` rows of the longest row."""
+    if not stage.valid("micro_batch", "micro_batch_tokens"):
+        return None
+    if stage.get("micro_batch_tokens"):
+        return stage["micro_batch_tokens"]
+    rows, row = stage["micro_batch"], _row_tokens(pipe, shape)
     return rows * row if rows and row else None
 
 
@@ -225,10 +249,12 @@ def _memory_notes(program: Program, mem: GpuMemory) -> tuple[str, ...]:
         parts = " + ".join(f"{what} {format_bytes(b)}" for what, b in detail.parts)
         notes.append(f"{name if program.multi else name.split('/')[1]} ({detail.phase}): {parts}")
     if len(mem.details) > 1:
-        sleeping = sum(d.sleeps for d in mem.details)
+        sleeping = sum(d.takes_turns for d in mem.details)
         notes.append("they sleep in turn: the GPU counts the largest" if sleeping == len(mem.details) else
-                     "none of them sleeps: they add up" if not sleeping else
+                     "none of them takes turns: they add up" if not sleeping else
                      "the GPU counts the largest of those that sleep plus every one that cannot")
+        if any(d.concurrent for d in mem.details):
+            notes.append("a logprob stage scores while the others run: its forward counts beside each of them")
     return tuple(notes)
 
 

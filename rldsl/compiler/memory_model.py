@@ -25,6 +25,21 @@ activation and product: 4 ffn); the third usually dominates for a 150k
 vocabulary. Without checkpointing (the torch engine) every layer keeps the
 second term. Megatron splits all three over tensor parallelism (sequence
 parallel activations, vocab-parallel logits).
+
+A logprob forward (no gradients) holds one layer's activations and the
+logits. The torch and fsdp engines log-softmax them a slice of
+LOGPROB_SLICE_TOKENS positions at a time (rldsl.runtime.engines.torch.common):
+
+    T x vocab x c                      the logits, in the compute dtype
+  + 2 x S x vocab x 4                  one slice upcast to fp32 and its log-softmax
+                                       (fp32 logits need no upcast: 1 x)
+
+where megatron log-softmaxes all T x vocab (/ tp) in fp32.
+
+A logprob stage scores each group as it arrives, beside generation and
+training: nothing puts it to sleep for a turn, so its peak counts in every
+phase of the other stages on its GPUs (``StageMemory.concurrent``), whether
+it rests with its weights in host memory (``offload``) or on the GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ from math import log
 CHECKPOINTS_ACTIVATIONS = {"fsdp": True, "megatron": True, "torch": False}
 FSDP_LAYERS_IN_FLIGHT = 2  # the layer computing and the one prefetched
 LOGIT_BYTES = 4  # log-softmax in fp32
+LOGPROB_SLICE_TOKENS = 1024  # the torch engines' log-softmax slice (kept equal by a test)
 
 
 @dataclass(frozen=True)
@@ -109,15 +125,22 @@ class StageMemory:
 
     phase: str  # "train step", "weight sync", "forward", "generation"
     parts: tuple[tuple[str, float], ...]  # (what, bytes)
-    sleeps: bool  # gives its GPU memory back while another stage runs
+    sleeps: bool  # gives its GPU memory back when idle (sleep, offload)
+    concurrent: bool = False  # runs at any time beside the others (a logprob stage): never takes turns
 
     @property
     def total(self) -> float:
         return sum(b for _, b in self.parts)
 
     @property
+    def takes_turns(self) -> bool:
+        """Asleep while another stage on its GPUs runs."""
+        return self.sleeps and not self.concurrent
+
+    @property
     def asleep(self) -> float:
-        return 0.0 if self.sleeps else self.total
+        """What it holds during the other stages' phases."""
+        return 0.0 if self.takes_turns else self.total
 
 
 def _peak(phases: list[tuple[str, list[tuple[str, float]]]], sleeps: bool) -> StageMemory:
@@ -139,9 +162,16 @@ def activation_bytes(shape: ModelShape, tokens: int, c: int, checkpointed: bool,
     return (kept_inputs + layers_kept * per_layer + logits) / split
 
 
-def forward_bytes(shape: ModelShape, tokens: int, c: int, split: int = 1) -> float:
-    """A forward without gradients: one layer's activations and the logits."""
-    return (tokens * shape.activation_width * c + tokens * shape.vocab * LOGIT_BYTES) / split
+def forward_bytes(shape: ModelShape, tokens: int, c: int, split: int = 1, sliced: bool = False) -> float:
+    """A forward without gradients: one layer's activations and the logits,
+    log-softmaxed whole in fp32 or, ``sliced``, a slice at a time (module
+    docstring)."""
+    if sliced:
+        copies = 2 if c < LOGIT_BYTES else 1  # the slice's upcast (none in fp32) and its log-softmax
+        logits = tokens * shape.vocab * c + copies * min(tokens, LOGPROB_SLICE_TOKENS) * shape.vocab * LOGIT_BYTES
+    else:
+        logits = tokens * shape.vocab * LOGIT_BYTES
+    return (tokens * shape.activation_width * c + logits) / split
 
 
 def fsdp_trainer(params: float, shape: ModelShape, c: int, shard: int, tokens: int | None,
@@ -188,11 +218,23 @@ def torch_trainer(params: float, shape: ModelShape, c: int, tokens: int | None, 
 
 
 def logprob_stage(params: float, shape: ModelShape, c: int, split: int, tokens: int | None,
-                  sleeps: bool) -> StageMemory:
+                  sleeps: bool, sliced: bool = False) -> StageMemory:
     """Scoring: the weights (/ tp x pp) and one forward's activations."""
     split = max(1, split)
-    acts = forward_bytes(shape, tokens, c, split) if tokens else 0.0
+    acts = forward_bytes(shape, tokens, c, split, sliced) if tokens else 0.0
     return _peak([("forward", [("params", params * c / split), ("activations", acts)])], sleeps)
+
+
+def fsdp_logprob(params: float, shape: ModelShape, c: int, shard: int, tokens: int | None,
+                 sleeps: bool, sliced: bool = True) -> StageMemory:
+    """A sharded forward-only copy: the compute-dtype shards (/ the shard
+    group) and, during a forward, the layers in flight and the root unit
+    (embedding and head) gathered, and one forward's activations."""
+    shard = max(1, shard)
+    gathered = (FSDP_LAYERS_IN_FLIGHT * shape.layer_params + shape.embedding_params) * c
+    acts = forward_bytes(shape, tokens, c, sliced=sliced) if tokens else 0.0
+    return _peak([("forward", [("params", params * c / shard), ("gathered layers", gathered),
+                               ("activations", acts)])], sleeps)
 
 
 def reserving_generator(params: float, c: int, split: int, share: float, capacity: float | None,

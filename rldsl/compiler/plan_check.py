@@ -97,6 +97,11 @@ def _wrong_types(pipe: PipelinePlan, where: str) -> list[PlanFinding]:
     if not (_is_int(lag) and lag >= 0):
         out.append(PlanFinding("RLP104", ERROR, f"max_lag is {lag!r}, not a whole number >= 0",
                                f"{where}.staleness.max_lag"))
+    ahead = pipe.staleness.max_ahead
+    if ahead is not None and not (isinstance(ahead, (int, float)) and not isinstance(ahead, bool)
+                                  and _is_int(lag) and 0 <= ahead <= lag):
+        out.append(PlanFinding("RLP104", ERROR, f"max_ahead is {ahead!r}, not a number from 0 to max_lag {lag!r}",
+                               f"{where}.staleness.max_ahead"))
     if not any(s.name == pipe.batch.train_stage and s.kind == "train" for s in pipe.stages):
         out.append(PlanFinding("RLP104", ERROR, f"train_stage {pipe.batch.train_stage!r} names no train stage of "
                                f"pipeline `{pipe.name}`", f"{where}.batch.train_stage"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rldsl.compiler.driver import CompileResult
 from rldsl.compiler.equivalents import batch_equivalents, staleness_equivalents
 from rldsl.compiler.units import format_bytes, format_duration
-from rldsl.plan import LEASE_QUANTUM_S, ExecutionPlan, PipelinePlan
+from rldsl.plan import LEASE_QUANTUM_S, ExecutionPlan, PipelinePlan, ahead_groups
 
 
 
@@ -86,7 +86,7 @@ def _stage_memory(result: CompileResult, many: bool) -> list[str]:
     return ["", "memory per GPU (peak phase: parts):"] + [
         f"  {name:<{width}}  {d.phase} {format_bytes(d.total)}: "
         + ", ".join(f"{what} {format_bytes(b)}" for what, b in d.parts)
-        + ("" if d.sleeps else ", kept while another stage runs")
+        + (", at any time beside the others" if d.concurrent else "" if d.sleeps else ", kept while another stage runs")
         for name, d in seen.items()]
 
 
@@ -188,13 +188,19 @@ def _staleness(pipe: PipelinePlan) -> list[str]:
     meaning = ("on-policy: every sample is trained by the weights that generated it" if lag == 0 else
                f"a sample is trained at most {lag} version{'s' * (lag != 1)} (rollout batch{'es' * (lag != 1)}) "
                "after the weights that generated it")
-    out = [f"staleness: max_lag = {lag} ({meaning}); order {st.order}; too-stale samples: {st.too_stale}"]
+    ahead = "" if st.max_ahead is None else (
+        f"; max_ahead = {st.max_ahead:g} (at most {ahead_groups(lag, st.max_ahead, pipe.batch.prompts_per_step)} "
+        "groups generated before a version train at or after it)")
+    out = [f"staleness: max_lag = {lag} ({meaning}){ahead}; order {st.order}; too-stale samples: {st.too_stale}"]
     out += [f"  = {system}: {text}" for system, text in staleness_equivalents(pipe)]
     out.append(f"run: {_run_length(pipe)}, seed {pipe.run.seed}, watchdog {format_duration(pipe.run.watchdog_s)}, "
                f"restarts {pipe.run.restarts}")
     out.append(f"evaluation: {_evaluation(pipe)}")
     budget = pipe.datasets[0].options.get("max_prompt_tokens", 0) if pipe.datasets else 0
-    if budget:
+    if budget and pipe.datasets[0].options.get("long_prompts", "drop") == "truncate":
+        out.append(f"prompts: those over {budget} tokens are cut to {budget} when the dataset is read, their "
+                   "samples generated and scored but left out of the loss (the count is logged)")
+    elif budget:
         out.append(f"prompts: those over {budget} tokens are dropped when the dataset is read (the count is logged)")
     return out
 
@@ -207,23 +213,53 @@ def _evaluation(pipe: PipelinePlan) -> str:
     size, source = dataset.options.get("eval_size", 0), dataset.options.get("eval_source")
     if not size:
         return "off (eval_size = 0)"
+    if not pipe.run.asks_evaluation:
+        return "none asked for (eval_every = 0, eval_at_start = false, eval_at_end = false)"
     if not pipe.evaluates:
         return "none (the trainer's engine holds no weights)"
     where = " (decoded on the generators)" if pipe.eval_on == "generators" else ""
     if source:
-        return f"{size} prompts of {source}{where}"
+        return f"{size} prompts of {source}{where}{_eval_times(pipe.run)}"
     if dataset.source.startswith("jsonl:") and "{split}" not in dataset.source:
         return (f"{size} prompts held out of {dataset.source}: the rows whose prompt hashes into the eval share "
-                "(about 5%), which training never reads")
-    return f"{size} prompts of the held-out split of {dataset.source}{where}"
+                f"(about 5%), which training never reads{_eval_times(pipe.run)}")
+    return f"{size} prompts of the held-out split of {dataset.source}{where}{_eval_times(pipe.run)}"
+
+
+def _eval_times(run) -> str:
+    """When, said only where the start or the end is left out (by default both are evaluated)."""
+    if run.eval_at_start and run.eval_at_end:
+        return ""
+    asked = [f"every {run.eval_every} steps"] if run.eval_every else []
+    asked += ["at the start"] if run.eval_at_start else ["at the end"] if run.eval_at_end else []
+    skipped = [moment for moment, on in (("the start", run.eval_at_start), ("the end", run.eval_at_end)) if not on]
+    return f"; {' and '.join(asked)}, not at {' or '.join(skipped)}"
 
 
 def _run_length(pipe: PipelinePlan) -> str:
     run, optimizer = pipe.run, pipe.batch.optimizer_steps_per_step
     if run.epochs:
-        return f"{run.epochs} epoch{'s' * (run.epochs != 1)} (steps counted when the dataset is read)"
-    text = f"{run.steps} steps" + (f" ({run.samples} samples)" if run.samples else "")
+        epochs = f"{run.epochs} epoch{'s' * (run.epochs != 1)}"
+        if run.max_steps:
+            return (f"{run.max_steps} steps or {epochs}, whichever is reached first (an epoch's steps are counted "
+                    "when the dataset is read; `rldsl run` says which bound ends the run)")
+        return f"{epochs} (steps counted when the dataset is read)"
+    text = f"{run.steps} steps" + _samples_bound(run, pipe.batch.rollout_batch)
     return text + (f", {run.steps * optimizer} optimizer steps" if optimizer > 1 else "")
+
+
+def _samples_bound(run, rollout_batch: int) -> str:
+    """Which of `samples` and a `steps` written beside it ends the run."""
+    if not run.samples:
+        return ""
+    if not run.max_steps:
+        return f" ({run.samples} samples)"
+    of_samples = -(-run.samples // rollout_batch)
+    if of_samples == run.max_steps:
+        return f" (samples = {run.samples} and steps = {run.max_steps} end the run together)"
+    if of_samples < run.max_steps:
+        return f" (samples = {run.samples} ends the run before steps = {run.max_steps})"
+    return f" (steps = {run.max_steps} ends the run before samples = {run.samples}, which would take {of_samples})"
 
 
 def _graph_parts(plan: ExecutionPlan):

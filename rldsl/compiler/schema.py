@@ -20,6 +20,9 @@ UPDATE_MODES = ("between_requests", "interrupt")  # a generate stage's `update`;
 EVAL_ON = ("evaluator", "generators")  # a dataset's `eval_on`; the first is the default
 RECOMPUTE_MODES = ("behaviour", "batch_start")  # a policy logprob stage's `recompute`; the first is the default
 INTERRUPTING_ENGINES = ("torch",)  # engines that resume rows in flight under new weights (RLP110)
+# logprob engines whose forwards rldsl chooses, so `micro_batch_tokens` applies (RLP108)
+TOKEN_BUDGET_LOGPROB_ENGINES = ("torch", "fsdp", "megatron", "sim")
+LONG_PROMPTS = ("drop", "truncate")  # a dataset's `long_prompts`
 
 REQUIRED = object()  # a key without a default
 DERIVED = object()  # a default computed from other settings by a later pass
@@ -72,7 +75,8 @@ ENGINES: dict[str, EngineInfo] = {
         ("train", "logprob"), {"shard": Int(low=0), "offload": Bool(), "dtype": Enum(("fp32", "bf16"))},
         "offload", False, (),
         "torch FSDP2 (`fully_shard`): parameters, gradients and AdamW state sharded over the trainer's ranks "
-        "(`shard` ranks per copy; 0: all of them)"),
+        "(`shard` ranks per copy; 0: all of them); a logprob stage shards its model only with `shard` written "
+        "(left out: 1, a whole copy per rank)"),
     "sim": EngineInfo(
         ("generate", "logprob", "train"),
         {"latency": DURATION, "tail": Fraction(), "tail_factor": Float(low=1), "jitter": Fraction(), "sleep": Bool(),
@@ -97,6 +101,16 @@ def _engine(name: str, args: dict, span, arg_spans, name_span) -> EngineSpec:
     return EngineSpec(name, {**ENGINE_ARG_DEFAULTS[name], **args}, span, arg_spans, name_span)
 
 
+def stage_engine_args(engine: EngineSpec, kind: str) -> dict:
+    """The engine's arguments on a stage of ``kind``. An fsdp logprob stage's
+    `shard` left out is 1: each rank holds the whole model and serves alone
+    (`shard = 0` or S shards it like the trainer)."""
+    args = dict(engine.args)
+    if engine.name == "fsdp" and kind == "logprob" and "shard" not in (engine.arg_spans or {}):
+        args["shard"] = 1
+    return args
+
+
 def _loss(name: str, args: dict, span, arg_spans, name_span) -> LossSpec:
     return LossSpec(name, {**LOSS_DEFAULTS[name], **args}, span, arg_spans)
 
@@ -110,7 +124,7 @@ LOSSES = {"grpo": {
     "kl_estimator": Enum(("k1", "k2", "k3")), "kl_in": Enum(("loss", "reward")), "agg": Enum(AGGREGATIONS),
     "ratio": Enum(("token", "sequence")), "behaviour_cap": Float(low=0),
     "kl_input_clamp": Float(low=0), "kl_output_clamp": Float(low=0),
-    "correction": Enum(("none", "tis", "mis", "icepop")), "correction_level": Enum(("token", "sequence")),
+    "correction": Enum(("none", "is", "tis", "mis", "icepop")), "correction_level": Enum(("token", "sequence")),
     "correction_low": Float(low=0), "correction_high": Float(low=0),
 }}
 LOSS_DEFAULTS = {"grpo": {"clip": 0.2, "dual_clip": 0.0, "kl": 0.0, "kl_estimator": "k3", "kl_in": "loss",
@@ -196,6 +210,9 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
         "engine": Key(ENGINE, EngineSpec("torch", dict(ENGINE_ARG_DEFAULTS["torch"]), None), "logprob engine"),
         **_GPU_PLACEMENT,
         "micro_batch": Key(Int(low=1), 8, "rows per forward pass"),
+        "micro_batch_tokens": Key(Int(low=0), 0, "token budget (prompt + response) of one forward, rows packed up "
+                                                 "to it, a longer row alone (0: `micro_batch` rows; engines "
+                                                 "`torch`, `fsdp` and `megatron`)"),
         "recompute": Key(Enum(RECOMPUTE_MODES), RECOMPUTE_MODES[0],
                          "a policy stage's weights per row: `behaviour` (the version that generated it) or "
                          "`batch_start` (the trainer's, at the start of the step that trains it)"),
@@ -220,11 +237,20 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
         "normalize": Key(Enum(NORMALISATIONS), DERIVED, "advantage scaling: by the group's std, by the std of "
                                                         "the group's other samples (`leave_one_out`), whitened "
                                                         "over the rollout batch, the group's std then whitened "
-                                                        "(`group_batch`), or none (default: the estimator's)"),
-        "reward_clip": Key(Float(low=0), 0.0, "rewards clipped to [-c, c] before the baseline (0: off)"),
+                                                        "(`group_batch`), none, or whitened over the batch's "
+                                                        "trained tokens (`batch_tokens`: long responses weigh "
+                                                        "more) (default: the estimator's)"),
+        "reward_bias": Key(Float(), 0.0, "added to each reward first: (reward + reward_bias) x reward_scale"),
+        "reward_scale": Key(Float(low=0), 1.0, "each reward's factor, after `reward_bias` and before `reward_clip`"),
+        "reward_clip": Key(Float(low=0), 0.0, "rewards clipped to [-c, c] before the baseline, after "
+                                              "`reward_bias` and `reward_scale` (0: off)"),
         "advantage_clip": Key(Float(low=0), 0.0, "advantages clipped to [-c, c] after scaling (0: off)"),
         "dynamic_sampling": Key(Bool(), False, "drop prompt groups whose rewards are all equal and sample more "
                                                "(DAPO)"),
+        "difficulty_mask": Key(ListOf(Float(), allow_single=False), None,
+                               "`[low, high]`: a prompt group whose mean reward is not strictly between them stays "
+                               "in its step but out of the loss, and no prompt replaces it (ROLL's "
+                               "`difficulty_mask`; default: off)"),
         "lr": Key(Float(low=0), 1e-5, "AdamW learning rate"),
         "lr_schedule": Key(Enum(("constant", "linear", "cosine")), "constant", "learning rate after warmup"),
         "warmup": Key(Int(low=0), 0, "optimizer steps of linear warmup from `warmup_start_lr`"),
@@ -263,16 +289,21 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "params": Key(COUNT, None, "parameter count (read from the model when omitted)"),
         "dtype": Key(_DTYPE, None, "weights dtype (default: the engine's)"),
         "chat_template": Key(Bool(), False, "format each prompt with the tokenizer's chat template, as a user turn "
-                                            "with the assistant's turn opened (`hf:` instruct models)"),
+                                            "(a dataset's chat messages as they are) with the assistant's turn "
+                                            "opened (`hf:` instruct models)"),
     },
     "dataset": {
         "source": Key(_DATA_SOURCE, DERIVED, "`builtin:arith`, `builtin:reverse` or `jsonl:<path>` "
                                              "(required unless `sources` is given)"),
-        "prompt_field": Key(Str(), "prompt", "jsonl field holding the prompt"),
+        "prompt_field": Key(Str(), "prompt", "jsonl field holding the prompt: a string, or a list of chat "
+                                             "messages (`{\"role\", \"content\"}`) for the chat template"),
         "answer_field": Key(Str(), "answer", "jsonl field holding the reference answer"),
         "shuffle": Key(Bool(), True, "shuffle each epoch"),
         "max_prompt_tokens": Key(Int(low=0), 0, "prompts longer than this many tokens of the policy's tokenizer "
                                                 "are dropped when the dataset is read, and counted (0: keep all)"),
+        "long_prompts": Key(Enum(LONG_PROMPTS), LONG_PROMPTS[0], "a prompt over `max_prompt_tokens`: `drop`ped, "
+                                                               "or `truncate`d to its first `max_prompt_tokens` "
+                                                               "tokens with its samples out of the loss (NeMo RL)"),
         "sources": Key(ListOf(_DATA_SOURCE), None, "a mixture: several sources, drawn by `weights` "
                                                    "(then `source` may be left out)"),
         "weights": Key(ListOf(Float(low=0)), None, "relative share of each of `sources` (default: equal)"),
@@ -310,6 +341,9 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
                      "`any`: by lag then arrival; `in_order`: strictly by prompt"),
         "too_stale": Key(Enum(("wait", "drop")), StalenessPlan.too_stale,
                          "`wait`: never dispatch what could go stale; `drop`: over-sample and drop stale groups"),
+        "max_ahead": Key(Float(low=0), StalenessPlan.max_ahead,
+                         "prompt groups generated ahead of the trainer, in steps: at most max_ahead x "
+                         "prompts_per_step groups generated before a version train at or after it (default max_lag)"),
     },
     "buffer": {
         "capacity": Key(Int(low=1), DERIVED, "prompt groups stored (default prompts_per_step x (max_lag + 1))"),
@@ -324,11 +358,16 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "priority": Key(Int(low=0), 0, "on shared GPUs a pipeline of higher priority is served first"),
     },
     "run": {
-        "steps": Key(Int(low=1), 20, "training steps (rollout batches); or `epochs` or `samples`"),
+        "steps": Key(Int(low=1), 20, "training steps (rollout batches); or `epochs` or `samples`, beside which "
+                                     "`steps` is a cap: the run ends at whichever is reached first"),
         "epochs": Key(Int(low=1), None, "run length in passes over the training prompts"),
         "samples": Key(COUNT, None, "run length in trained samples (rounded up to whole steps)"),
         "seed": Key(Int(low=0), 0, "random seed"),
-        "eval_every": Key(Int(low=0), 0, "held-out evaluation every N steps (0: start and end only)"),
+        "eval_every": Key(Int(low=0), 0, "held-out evaluation every N steps (0: only `eval_at_start` and "
+                                         "`eval_at_end`)"),
+        "eval_at_start": Key(Bool(), RunPlan.eval_at_start, "evaluate the weights before the first step"),
+        "eval_at_end": Key(Bool(), RunPlan.eval_at_end, "evaluate the last step's weights, also off the "
+                                                        "`eval_every` grid"),
         "eval_timeout": Key(DURATION, 0.0, "longest a held-out evaluation may take from its request; one that "
                                            "overruns is reported as timed out, the run goes on (0: no limit)"),
         "checkpoint_every": Key(Int(low=0), 0, "checkpoint every N steps (0: only on stop)"),

@@ -41,8 +41,9 @@ def load_tokenizer(source: str):
 
 @functools.lru_cache(maxsize=8)
 def chat_formatter(source: str):
-    """``text -> text`` through the model's chat template: the prompt as a
-    user turn, the assistant's turn opened. Only `hf:` models have one; a
+    """``prompt -> text`` through the model's chat template, the assistant's
+    turn opened: a string prompt as one user turn, a list of chat messages
+    (``{"role", "content"}``) as it is. Only `hf:` models have one; a
     tokenizer without a template is refused rather than silently skipped.
     Cached: the preflight and every dataset load of a run ask for the same
     model's, and a tokenizer takes a while to load."""
@@ -52,8 +53,11 @@ def chat_formatter(source: str):
     if not getattr(inner, "chat_template", None):
         raise ValueError(f"`chat_template = true`, but the tokenizer of {source} has no chat template "
                          "(tokenizer_config.json `chat_template`)")
-    return lambda text: inner.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                  add_generation_prompt=True)
+    def formatted(prompt) -> str:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        return inner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    return formatted
 
 
 __all__ = ["BUILTIN_TINY", "CharTokenizer", "chat_formatter", "load_model", "load_tokenizer"]

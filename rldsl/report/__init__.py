@@ -38,7 +38,9 @@ def write_report(run_dir: Path, html: bool = False) -> int:
         if "samples_per_s" in summary:  # the controller's figure: absent when it died
             figures.append(f"{number(summary['samples_per_s']):.1f} samples/s")
         print(", ".join(figures + [f"wall clock {number(summary.get('wall_clock_s')):.0f}s"]))
-    if evals:
+    if len(evals) == 1:  # no start and end to compare (run { eval_at_start  eval_at_end })
+        print(f"held-out accuracy: {evals[0]['accuracy']:.3f} (step {evals[0]['step']}), the only evaluation")
+    elif evals:
         first, last = evals[0], evals[-1]
         print(f"held-out accuracy: {first['accuracy']:.3f} (step {first['step']}) -> {last['accuracy']:.3f} "
               f"(step {last['step']}), {last['accuracy'] - first['accuracy']:+.3f}")

@@ -3,7 +3,9 @@
 A reward is ``fn(response, answer, prompt) -> float``. Pipelines name one as
 ``"module:function"``, or several as named components summed with weights
 (``WeightedRewards``); ``load_reward`` resolves them with messages that say
-what is wrong. ``code_tests`` scores code in a sandbox (``sandbox.py``).
+what is wrong. ``code_tests`` scores code in a sandbox (``sandbox.py``);
+``gsm8k``, ``gsm8k_strict``, ``math`` and ``boxed_match`` check final
+answers (``verifiers.py``).
 ``safe_reward`` turns a reward that raises, hangs or returns a
 non-number into a dropped sample with a reason, in this process; a run's
 reward workers isolate rewards in processes instead
@@ -14,15 +16,16 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import math
 import sys
 import threading
+from math import isfinite
 from typing import Callable
 
 from rldsl.rewards.code import code_tests
+from rldsl.rewards.verifiers import boxed_match, gsm8k, gsm8k_strict, math
 
-__all__ = ["RewardLoadError", "WeightedRewards", "char_match", "code_tests", "digit_match", "exact_match",
-           "load_reward", "safe_reward"]
+__all__ = ["RewardLoadError", "WeightedRewards", "boxed_match", "char_match", "code_tests", "digit_match",
+           "exact_match", "gsm8k", "gsm8k_strict", "load_reward", "math", "safe_reward"]
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -155,6 +158,6 @@ def checked_reward(value) -> tuple[float | None, str | None]:
         except (TypeError, ValueError):
             return None, f"reward returned {type(value).__name__}, not a number"
     value = float(value)
-    if not math.isfinite(value):
+    if not isfinite(value):
         return None, f"reward returned {value}"
     return value, None

@@ -59,6 +59,11 @@ def trained_tokens(batch: Batch):
     return mask if loss_mask is None else mask * loss_mask.to(device=mask.device, dtype=mask.dtype)
 
 
+def sample_token_counts(batch: Batch) -> tuple[int, ...]:
+    """Each row's trained tokens (``trained_tokens`` summed over the row)."""
+    return tuple(int(n) for n in trained_tokens(batch).sum(dim=1).tolist())
+
+
 def mask_truncated(batch: Batch, max_new_tokens: int, end_ids) -> int:
     """Write a ``loss_mask`` that leaves out every response cut at
     ``max_new_tokens`` before it ended (its last token no EOS or stop token):
@@ -73,6 +78,23 @@ def mask_truncated(batch: Batch, max_new_tokens: int, end_ids) -> int:
     truncated = (lengths >= max_new_tokens) & ~torch.isin(last, torch.tensor(list(end_ids), dtype=last.dtype))
     batch[FIELD_LOSS_MASK] = mask * (~truncated).to(mask.dtype)[:, None]
     return int(truncated.sum())
+
+
+# Prompt.meta key: the prompt's token count before `long_prompts = truncate` cut it to `max_prompt_tokens`
+PROMPT_TRUNCATED = "prompt_truncated"
+
+
+def mask_truncated_prompts(batch: Batch, prompts: list[Prompt], samples_per_prompt: int) -> int:
+    """Write a ``loss_mask`` that leaves every sample of a truncated prompt
+    (rows prompt-major) out of the loss, as NeMo RL's ``loss_multiplier =
+    0``, and keeps a mask already written. The rows keep their rewards.
+    Returns the rows masked."""
+    cut = [i for i, prompt in enumerate(prompts) if (prompt.meta or {}).get(PROMPT_TRUNCATED)]
+    mask = trained_tokens(batch).clone()
+    for group in cut:
+        mask[group * samples_per_prompt:(group + 1) * samples_per_prompt] = 0
+    batch[FIELD_LOSS_MASK] = mask
+    return len(cut) * samples_per_prompt
 
 
 def logprob_field(frozen: bool) -> str:
@@ -103,11 +125,14 @@ class Generated:
     oldest: a group's lag is its oldest token's) and its response tokens (the
     trainer's ranks are balanced by them). ``token_versions``: when weights
     changed mid-group, the version of each decode step as ``(version,
-    steps)`` runs in order; empty when every token is ``version``'s."""
+    steps)`` runs in order; empty when every token is ``version``'s.
+    ``sample_tokens``: each sample's trained tokens (``trained_tokens``), in
+    key order, which `normalize = batch_tokens` weighs its samples by."""
 
     version: int
     tokens: int = 0
     token_versions: tuple[tuple[int, int], ...] = ()
+    sample_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,15 @@ data-parallel size; each runs when exactly those inputs resolved."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic, Span
-from rldsl.compiler.schema import GROUP_BASELINES
+from rldsl.compiler.schema import GROUP_BASELINES, stage_engine_args
 from rldsl.compiler.types import arg_span
-from rldsl.plan import GROUP_SCALED
+from rldsl.plan import GROUP_SCALED, ahead_groups
 
 
 def check_batch_sizes(ctx: Context) -> list[Diagnostic]:
@@ -238,15 +239,18 @@ def _set_edit(decl: Decl, key: str, value) -> tuple:
 
 
 def check_shard_group(ctx: Context) -> list[Diagnostic]:
-    """RLP510: an fsdp trainer's shard groups tile its data-parallel ranks."""
-    train = ctx.train_stage()
-    if train is None or not train.valid("engine") or train["engine"].name != "fsdp":
-        return []
-    shard, dp = train["engine"].args.get("shard", 0), data_parallel_size(ctx, train)
+    """RLP510: the shard groups of an fsdp trainer, or of a sharded fsdp logprob stage, tile its ranks."""
+    stages = [ctx.train_stage(), *ctx.pipe.stages_of("logprob")]
+    return [d for stage in stages if stage is not None and stage.valid("engine") and stage["engine"].name == "fsdp"
+            for d in _shard_group_findings(ctx, stage)]
+
+
+def _shard_group_findings(ctx: Context, stage: Decl) -> list[Diagnostic]:
+    shard, dp = stage_engine_args(stage["engine"], stage.stage_kind)["shard"], data_parallel_size(ctx, stage)
     if not shard or dp is None or dp % shard == 0:
         return []
     fits = [s for s in range(1, dp + 1) if dp % s == 0]
-    span = arg_span(train["engine"], "shard")
+    span = arg_span(stage["engine"], "shard")
     return [Diagnostic("RLP510", ERROR, f"fsdp(shard = {shard}) on {dp} data-parallel rank{'s' * (dp != 1)}: the "
                        "shard groups do not divide them", span, edit=(span, f"shard = {nearest(fits, shard)}"),
                        notes=("hybrid sharding shards each tensor within a group of `shard` ranks and replicates "
@@ -266,4 +270,33 @@ def check_buffer(ctx: Context) -> list[Diagnostic]:
             for f in buffer_findings(*shape, inflight_explicit=buffer.explicit("max_inflight"), of=of)]
 
 
-PASSES = (check_batch_sizes, check_shard_group, check_buffer)
+def check_ahead(ctx: Context) -> list[Diagnostic]:
+    """RLP317: max_ahead within max_lag, and at least one whole group when max_lag lets samples go stale."""
+    staleness, lag = ctx.pipe.block("staleness"), ctx.lag()
+    if lag is None or not staleness.explicit("max_ahead") or not staleness.valid("max_ahead"):
+        return []
+    ahead, span = staleness["max_ahead"], staleness.span_of("max_ahead")
+    if ahead > lag:
+        needed = math.ceil(ahead)
+        edit = (staleness.span_of("max_lag"), str(needed)) if staleness.explicit("max_lag") else \
+            (Span(span.end_line, span.end_col, span.end_line, span.end_col), f"  max_lag = {needed}")
+        return [Diagnostic("RLP317", ERROR, f"max_ahead = {ahead:g} > max_lag = {lag}: a group generated that far "
+                           f"ahead trains up to {needed} version{'s' * (needed != 1)} after its weights", span,
+                           notes=("max_ahead counts steps of prompts_per_step groups, as max_lag counts versions",),
+                           help=f"set max_lag = {needed} (verl's staleness_threshold = {ahead:g} is max_lag = "
+                                f"{needed} with max_ahead = {ahead:g}), or max_ahead <= {lag}", edit=edit)]
+    train = ctx.train_stage()
+    if lag == 0 or train is None or not train.valid("prompts_per_step"):
+        return []
+    pps = train["prompts_per_step"]
+    if ahead_groups(lag, ahead, pps) >= 1:
+        return []
+    one_group = f"{math.ceil(1000 / pps) / 1000:g}"
+    return [Diagnostic("RLP317", ERROR, f"max_ahead = {ahead:g} x prompts_per_step = {pps} is less than one "
+                       f"group: nothing is generated ahead, so no sample trains off-policy although max_lag = {lag}",
+                       span, notes=("groups generated ahead are whole groups, rounded down",),
+                       help=f"set max_ahead = {one_group} (one group ahead) or more, or max_lag = 0 for an "
+                            "on-policy pipeline", edit=(span, one_group))]
+
+
+PASSES = (check_batch_sizes, check_shard_group, check_buffer, check_ahead)

@@ -81,10 +81,12 @@ RULES: dict[str, Rule] = {r.code: r for r in [
     _r("RLP108", ERROR, "engine cannot run this stage",
        "Each engine serves some stage kinds (vLLM generates and scores, megatron trains and scores), "
        "GPU engines need GPUs, and `pp > 1` is refused for a stage kind its engine does not pipeline "
-       "(megatron pipelines train and logprob stages, vLLM generate and logprob stages).",
+       "(megatron pipelines train and logprob stages, vLLM generate and logprob stages). A logprob stage's "
+       "`micro_batch_tokens` is refused on vLLM and SGLang, which schedule their own forwards and would "
+       "ignore it.",
        "stage train actor { model = policy  engine = vllm(tp = 1)  prompts_per_step = 2 }",
        "the stage's `engine`; for a GPU-only engine also the cluster's `gpus_per_node` (or, for a stage "
-       "without GPUs, its placement)."),
+       "without GPUs, its placement); for a logprob stage its `micro_batch_tokens`."),
     _r("RLP109", WARNING, "renamed setting",
        "A setting written under a name the language has since renamed still works: it is read under its new "
        "name (its value translated where the values changed too) and every rule checks it as if it had been "
@@ -221,15 +223,6 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "buffer { capacity = 8 }   # with prompts_per_step = 8 and max_lag = 1",
        "the train stage (exactly one) and its `prompts_per_step`, the staleness `max_lag`, the buffer's "
        "`capacity` and `max_inflight`: nothing of the dataflow or the placement."),
-    _r("RLP307", ERROR, "a proximal policy the engine cannot recompute",
-       "`behaviour_cap` (AReaL's decoupled objective) and `correction` (truncated or masked importance "
-       "sampling) take the ratio against the proximal policy, the weights the rollout batch started with, and "
-       "weight each token by pi_prox / pi_behaviour. With several optimizer steps per rollout batch "
-       "(global_batch below the rollout batch, or ppo_epochs > 1) the torch and fsdp trainers recompute the "
-       "proximal logprobs with the batch-start weights before the first optimizer step; the megatron trainer "
-       "has no such pass and no longer holds those weights after its first optimizer step.",
-       "engine = megatron(tp = 1)  global_batch = 16  loss = grpo(correction = tis)   # rollout batch 32",
-       _STEP + ", its `ppo_epochs`, its `engine` and its `loss`."),
     _r("RLP308", ERROR, "dynamic sampling that cannot refill a step",
        "dynamic_sampling (DAPO) drops prompt groups whose rewards are all equal and samples more prompts in "
        "their place, so each step stays full. An in-order step trains exactly its own prompts and cannot take "
@@ -237,11 +230,13 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "dynamic_sampling = true   # with staleness { order = in_order }",
        "the train stage's `dynamic_sampling`, the staleness `order` and the upstream generator's "
        "`samples_per_prompt`, each finding on its own."),
-    _r("RLP309", ERROR, "run length written more than one way",
+    _r("RLP309", ERROR, "run length in both epochs and samples",
        "A run lasts `steps` rollout batches, `epochs` passes over the training prompts, or `samples` trained "
-       "samples: one of the three.",
-       "run { steps = 100  epochs = 2 }",
-       "the run block's `steps`, `epochs` and `samples` as written."),
+       "samples. `steps` may stand beside `epochs` or `samples` as a cap: the run ends at whichever bound it "
+       "reaches first (NeMo RL's `max_num_steps` with `max_num_epochs`). `epochs` and `samples` both count "
+       "the data trained on, so together they say one length twice: keep one.",
+       "run { epochs = 2  samples = 100000 }",
+       "the run block's `epochs` and `samples` as written."),
     _r("RLP310", ERROR, "dataset without one source, or weights that do not match",
        "A dataset has `source` or, for a mixture, `sources` with optional `weights` (one non-negative weight "
        "per source, not all 0).",
@@ -258,12 +253,15 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "which must lie above the clipped loss. `behaviour_cap` is 0 (off) or at least 1: a cap below 1 would "
        "drop the tokens the behaviour policy preferred. A `linear` or `cosine` schedule decays from `lr` to "
        "`min_lr`, so `min_lr` must not exceed `lr`; a warmup rises from `warmup_start_lr` to `lr`, so "
-       "`warmup_start_lr` must not exceed it either. `adam_betas` are two values, each below 1. A "
+       "`warmup_start_lr` must not exceed it either. `adam_betas` are two values, each below 1, and "
+       "`difficulty_mask` two bounds, `[low, high]`. A "
        "`correction` keeps the on-policy weight 1 (`correction_low` <= 1 <= `correction_high`), `icepop` is "
-       "token-level, and `behaviour_cap` and a `correction` are not combined (both weight the tokens).",
+       "token-level, `is` (the untruncated weight) takes no bounds, and `behaviour_cap` and a `correction` are "
+       "not combined (both weight the tokens).",
        "loss = grpo(dual_clip = 0.5)",
        "the train stage's `loss`; for `min_lr`, its `lr`, `min_lr` and `lr_schedule`; for `warmup_start_lr`, "
-       "its `lr` and `warmup_start_lr`; its `adam_betas`; the loss's `correction` arguments."),
+       "its `lr` and `warmup_start_lr`; its `adam_betas` and `difficulty_mask`; the loss's `correction` "
+       "arguments."),
     _r("RLP313", WARNING, "evaluation on the training prompts",
        "Held-out evaluation reads the dataset's `eval_source`, or else the eval split of its first source (a "
        "`jsonl:` file without `{split}` in its path is split by a hash of each prompt: about 5% of its rows are "
@@ -272,16 +270,20 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        'dataset prompts { source = "jsonl:data/math.jsonl"  eval_source = "jsonl:data/math.jsonl" }',
        "each dataset's `source`, `sources`, `eval_source` and `eval_size`."),
     _r("RLP314", ERROR, "the pipeline cannot learn",
-       "The run would go to its end and train nothing. Two cases are certain from the file: one sample per "
+       "The run would go to its end and train nothing. These cases are certain from the file: one sample per "
        "prompt with `advantage = reinforce_pp` and `normalize = group` (a one-sample group has no spread: "
-       "every advantage is zero, so is every loss; the group-baseline estimators are RLP303's), and exact "
+       "every advantage is zero, so is every loss; the group-baseline estimators are RLP303's); exact "
        "match on a builtin task with responses shorter than every answer (the reward is a constant 0; with "
        "`truncated = mask` the answer's end token must fit too, since only responses that ended are trained, "
-       "so a right answer cut at the limit rewards nothing).",
+       "so a right answer cut at the limit rewards nothing); `reward_scale = 0` (every reward 0); and a "
+       "`difficulty_mask` that masks every prompt group out of the loss: bounds with no value strictly "
+       "between them, or, with exact match as the only reward, bounds that hold no mean of 0/1 rewards over "
+       "up to `samples_per_prompt` samples.",
        "loss ...  advantage = reinforce_pp  normalize = group   # with samples_per_prompt = 1",
        "the train stage's `advantage` and `normalize` and its generator's `samples_per_prompt`; for the "
        "reward case the reward's `fn`, the dataset's builtin source, the policy's source, `max_new_tokens` and "
-       "`truncated`."),
+       "`truncated`; the train stage's `reward_scale`; its `difficulty_mask`, with the reward's `fn` and the "
+       "generator's `samples_per_prompt`."),
     _r("RLP315", WARNING, "responses shorter than some answers",
        "With exact match as the only reward on a builtin task, a response must be as long as the answer. "
        "`max_new_tokens` below the task's longest answer leaves those prompts unrewardable: they train "
@@ -289,6 +291,25 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "stage generate rollout { model = policy  max_new_tokens = 2 }   # builtin:arith answers run to 3",
        "the reward's `fn`, the dataset's builtin source, the policy's source and the generator's "
        "`max_new_tokens` and `truncated`."),
+    _r("RLP316", WARNING, "a forward token budget below the longest row",
+       "`micro_batch_tokens` packs a train or logprob stage's rows into forwards of at most that many tokens, "
+       "but a single longer row goes alone, in a forward past the budget, so the bound it sets on memory does "
+       "not hold (NeMo RL and verl refuse such a row at run time). The longest row is the generators' "
+       "`max_model_len`, or the datasets' `max_prompt_tokens` plus `max_new_tokens` (an environment's "
+       "`max_tokens`), whichever is smaller; the rule is silent when neither is known.",
+       "micro_batch_tokens = 1024   # rollout: vllm(max_model_len = 4096)",
+       "the stage's `micro_batch_tokens`; the generate stages' engines (`max_model_len`), `max_new_tokens` "
+       "and environments' `max_tokens`; the datasets' `max_prompt_tokens`."),
+    _r("RLP317", ERROR, "max_ahead that contradicts max_lag",
+       "`max_ahead` bounds the prompt groups generated ahead of the trainer, in steps of prompts_per_step "
+       "(verl's `staleness_threshold`): at most max_ahead x prompts_per_step groups generated before a version "
+       "train at or after it. A group generated more than max_lag steps ahead would train past max_lag, so "
+       "max_ahead may not exceed max_lag (verl's threshold f needs max_lag = ceil(f)). And it counts whole "
+       "groups: below one group nothing is generated ahead and nothing trains off-policy, which max_lag > 0 "
+       "says it may (write max_lag = 0 for that). Either order works with it.",
+       "staleness { max_lag = 1  max_ahead = 1.5 }",
+       "the staleness `max_lag` and `max_ahead`, and the train stage's `prompts_per_step` (for the whole-group "
+       "check)."),
     _r("RLP401", WARNING, "on-policy with disjoint generate and train GPUs",
        "With max_lag = 0 generation of step t+1 must wait for the weights of step t, so on separate GPUs each "
        "side idles while the other works. Allow max_lag = 1 or colocate the stages.",
@@ -311,10 +332,16 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "the stage's GPUs (placed) and its engine's tp and pp."),
     _r("RLP504", ERROR, "colocated stage cannot sleep or offload",
        "Stages sharing GPUs take turns: each must release its memory (vLLM sleep, trainer offload) while the "
-       "other runs. An engine with sleep/offload disabled cannot share; nor can vLLM at sleep level 2 (weights "
-       "discarded) on a stage no sync refills, which would wake without weights.",
+       "other runs. An engine with sleep/offload disabled cannot share, with one exception: a train stage that "
+       "does not offload stays resident on its GPUs while the other stages of its pipeline take turns beside "
+       "it (the runtime's offload call is then a no-op), allowed when the cluster declares `gpu_memory` and "
+       "the memory estimate, which adds the trainer's peak to every other stage on those GPUs, fits each of "
+       "them (docs/performance.md#memory-model). Nor can vLLM at sleep level 2 (weights discarded) share on a "
+       "stage no sync refills, which would wake without weights.",
        "engine = vllm(sleep = false)  colocate = actor",
-       "the placement of both stages and their engines; for sleep level 2 also every sync of the pipeline."),
+       "the placement of both stages and their engines; for a train stage that does not offload also the "
+       "cluster's `gpu_memory` and the memory estimate of its GPUs; for sleep level 2 every sync of the "
+       "pipeline."),
     _r("RLP505", ERROR, "invalid partial overlap",
        "A partial overlap (a train stage on some of a generate stage's GPUs) is valid when the train GPUs lie "
        "inside the generate GPUs, each generation replica lies wholly inside or wholly outside them, and at "
@@ -328,16 +355,18 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "the compute dtype, and a microbatch's checkpointed activations and fp32 logits, or during a weight "
        "sync two of its buckets; `megatron` holds weights and fp32 gradients / (tp x pp) and AdamW state also "
        "/ dp with the distributed optimizer, activations / tp; `torch` holds all of it unsharded with every "
-       "layer's activations; vLLM and SGLang reserve their share; sim engines count nothing. A GPU counts "
-       "the largest peak of its stages that sleep plus every stage that cannot. The notes split each "
-       "stage's peak into params, gathered layers, grads, optimizer, activations and buckets.",
+       "layer's activations; vLLM and SGLang reserve their share; sim engines count nothing; a logprob "
+       "stage's forward holds its logits in the compute dtype and one fp32 slice of them (`megatron`: all in "
+       "fp32). A GPU counts the largest peak of its stages that sleep plus every stage that cannot, and every "
+       "logprob stage, which scores as groups arrive, beside generation and training, however it rests. The "
+       "notes split each stage's peak into params, gathered layers, grads, optimizer, activations and buckets.",
        "cluster { gpu_memory = 24GiB }   # training a 7B model on one GPU",
        "the cluster's `gpu_memory`, the placement of each GPU's stages, their engines and their models' "
        "`source`, `params` and `dtype` (an `hf:` model's config.json for its shape); a trainer's "
-       "`micro_batch` and `micro_batch_tokens`, a logprob stage's `micro_batch`, the generators' "
-       "`samples_per_prompt`, `max_new_tokens` and `max_model_len` and the bucket of a sync from the trainer "
-       "for its activations and buckets; a stage left unplaced is left out, activations whose token count "
-       "did not resolve are."),
+       "`micro_batch` and `micro_batch_tokens`, a logprob stage's `micro_batch` and `micro_batch_tokens`, the "
+       "generators' `samples_per_prompt`, `max_new_tokens` and `max_model_len` and the bucket of a sync from "
+       "the trainer for its activations and buckets; a stage left unplaced is left out, activations whose "
+       "token count did not resolve are."),
     _r("RLP507", ERROR, "invalid placement groups",
        "`placement { groups, ratios }` splits the cluster's GPUs: one ratio per group, ratios summing to 100%, "
        "each share a whole, non-zero number of GPUs (every group's share is checked), each stage in at most one "
@@ -361,10 +390,12 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "the placement of stages of two pipelines and both pipelines' `share`."),
     _r("RLP510", ERROR, "fsdp shard groups do not divide the data-parallel ranks",
        "`fsdp(shard = S)` shards each tensor within groups of S data-parallel ranks and replicates it across "
-       "the groups (hybrid sharding), so S must divide the trainer's data-parallel size; `shard = 0` shards "
-       "over all of them.",
+       "the groups (hybrid sharding), so S must divide the stage's data-parallel size; `shard = 0` shards "
+       "over all of them. This holds for the trainer and for a logprob stage that shards (on a logprob stage "
+       "`shard` left out is 1: each rank holds the whole model).",
        "engine = fsdp(shard = 3)   # on 2 GPUs",
-       "the train stage's `engine` and its data-parallel size (as RLP302 reads it)."),
+       "the `engine` of the train stage and of each fsdp logprob stage, and its data-parallel size (as RLP302 "
+       "reads it)."),
     _r("RLP511", ERROR, "`transport = collective` where a receiver cannot take part",
        "A collective sync streams each new version rank to rank to every receiver at once, in a process group "
        "of their own: the trainer's engine must stream buckets (torch, fsdp, megatron, sim), and every receiver "
@@ -457,17 +488,25 @@ So the rule families depend on each other only through these inputs:
 | reward models | RLP113-RLP115 | each reward stage's `fn`, `model` and judge keys, its config.json, the datasets |
 | dataflow | RLP201-RLP204, RLP207, RLP208 | the flows and the declarations |
 | weights | RLP205, RLP206, RLP209, RLP511 | syncs, models, and the flows for RLP209; RLP511 the placement |
-| batch sizes | RLP301-RLP303, RLP510 | trainer and generator sizes; RLP302 and RLP510 the trainer's GPU count |
-| learning | RLP314, RLP315 | the estimator, samples per prompt, the reward, the builtin task, the response limits |
-| training | RLP307-RLP313 | the trainer's loss, sampling and schedule keys, the run length, the datasets |
-| buffer | RLP304-RLP306 | the trainer's prompts_per_step, staleness and buffer |
+| batch sizes | RLP301-RLP303, RLP510 | trainer and generator sizes; RLP302 and RLP510 GPU counts |
+| learning | RLP314-RLP316 | the estimator, samples per prompt, the reward, the builtin task, response and row limits |
+| training | RLP308-RLP313 | the trainer's loss, sampling and schedule keys, the run length, the datasets |
+| buffer | RLP304-RLP306, RLP317 | the trainer's prompts_per_step, staleness and buffer |
 | placement | RLP501-RLP503, RLP507, RLP508, RLP512 | cluster, `gpus`, `colocate`, placement groups, engines |
-| sharing | RLP401, RLP504, RLP505, RLP509 | placed stages |
+| sharing | RLP401, RLP504, RLP505, RLP509 | placed stages (RLP504 for a resident trainer also the memory estimate) |
 | memory | RLP506 | placed stages and their models |
 | environments | RLP601-RLP606 | generate stages' environments, their budgets, reward stages, `eval_metric` |
 
 Each rule's entry below says what it reads.
 """
+
+
+# Codes no longer given, kept so `rldsl explain` can say why a code from an older output is gone.
+RETIRED: dict[str, str] = {
+    "RLP307": "a proximal policy the engine cannot recompute: retired once every training engine (torch, fsdp, "
+              "megatron) recomputed it at the batch start, so `behaviour_cap` and `correction` work with any number "
+              "of optimizer steps per rollout batch.",
+}
 
 
 def render_markdown() -> str:
@@ -478,6 +517,7 @@ def render_markdown() -> str:
         lines += [f"## {rule.code}: {rule.summary}", "", f"Severity: {rule.severity}.", "", rule.explanation, "",
                   f"Reads: {rule.reads}", "",
                   "Example that triggers it:", "", "```", rule.example, "```", ""]
+    lines += ["## Retired codes", ""] + [f"- {code}: {why}" for code, why in RETIRED.items()] + [""]
     return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
 """Engine capability: the engine serves the stage's kind, with GPUs if it
-needs them, with pipeline parallelism only where it supports it (RLP108);
+needs them, with pipeline parallelism only where it supports it, with a
+logprob token budget only where rldsl chooses the forwards (RLP108);
 weights that interrupt generation only where the engine resumes its rows
 and behaviour logprobs are the generator's or the trainer's batch-start
 ones (RLP110); `recompute` only
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from rldsl.compiler.context import Context
 from rldsl.compiler.diagnostics import ERROR, Diagnostic
-from rldsl.compiler.schema import ENGINES, INTERRUPTING_ENGINES
+from rldsl.compiler.schema import ENGINES, INTERRUPTING_ENGINES, TOKEN_BUDGET_LOGPROB_ENGINES
 from rldsl.compiler.types import arg_span
 
 
@@ -38,7 +39,20 @@ def check_engines(ctx: Context) -> list[Diagnostic]:
                                   f"pipeline parallelism, but {ctx.label(stage.name)} asks for pp = "
                                   f"{engine.args['pp']}", arg_span(engine, "pp"),
                                   help="split the model with `tp` instead, or leave pp = 1"))
+        elif _budget_ignored(stage, engine.name):
+            out.append(Diagnostic("RLP108", ERROR, f"engine `{engine.name}` schedules its own logprob forwards, so "
+                                  f"{ctx.label(stage.name)} cannot bound them with micro_batch_tokens = "
+                                  f"{stage['micro_batch_tokens']}", stage.span_of("micro_batch_tokens"),
+                                  help="leave micro_batch_tokens = 0, or score with " +
+                                       " or ".join(f"`{e}`" for e in TOKEN_BUDGET_LOGPROB_ENGINES if e != "sim"),
+                                  edit=(stage.span_of("micro_batch_tokens"), "0")))
     return out
+
+
+def _budget_ignored(stage, engine: str) -> bool:
+    """A logprob stage's token budget on an engine that would silently ignore it (vLLM, SGLang)."""
+    return (stage.stage_kind == "logprob" and engine not in TOKEN_BUDGET_LOGPROB_ENGINES
+            and stage.valid("micro_batch_tokens") and stage.get("micro_batch_tokens", 0) > 0)
 
 
 def check_interrupt(ctx: Context) -> list[Diagnostic]:

@@ -4,6 +4,8 @@ enough to be sure, never guessed."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic, Span
@@ -34,6 +36,55 @@ def check_zero_advantages(ctx: Context) -> list[Diagnostic]:
                        help="`normalize = batch` (reinforce_pp's default) whitens over the rollout batch instead; "
                             "or sample several responses per prompt",
                        edit=(train.span_of("normalize"), "batch"))]
+
+
+def check_constant_rewards(ctx: Context) -> list[Diagnostic]:
+    """RLP314: `reward_scale = 0` makes every reward (reward_bias x 0 =) 0."""
+    train = ctx.train_stage()
+    if train is None or not train.valid("reward_scale") or train["reward_scale"] != 0:
+        return []
+    return [Diagnostic("RLP314", ERROR, f"{ctx.label(train.name)} cannot learn: `reward_scale = 0` makes every "
+                       "reward 0", train.span_of("reward_scale"),
+                       notes=("a constant reward gives every sample the same advantage: no learning signal",),
+                       help="scale by a positive factor (1 leaves the rewards as scored), or leave it out",
+                       edit=(train.span_of("reward_scale"), "1.0"))]
+
+
+def check_difficulty_mask(ctx: Context) -> list[Diagnostic]:
+    """RLP314: a difficulty mask that masks every group, for any reward (an
+    empty interval) or for exact match's (no mean k/n of 0/1 rewards, n up to
+    `samples_per_prompt`, lies strictly inside it)."""
+    train = ctx.train_stage()
+    bounds = train.get("difficulty_mask") if train is not None and train.valid("difficulty_mask") else None
+    if bounds is None or len(bounds) != 2:  # off, or RLP312's
+        return []
+    low, high = bounds
+    span = train.span_of("difficulty_mask")
+    if low >= high:
+        return [Diagnostic("RLP314", ERROR, f"{ctx.label(train.name)} cannot learn: `difficulty_mask = [{low:g}, "
+                           f"{high:g}]` leaves no mean reward strictly between its bounds", span,
+                           notes=("every prompt group is masked out of the loss",),
+                           help="write the lower bound first", edit=(span, f"[{high:g}, {low:g}]"))]
+    gen = ctx.generator_for(train)
+    if gen is None or not gen.valid("samples_per_prompt"):
+        return []
+    samples = gen["samples_per_prompt"]
+    if not _exact_match_only(ctx) or any(low < Fraction(k, n) < high for n in range(1, samples + 1)
+                                         for k in range(n + 1)):
+        return []
+    return [Diagnostic("RLP314", ERROR, f"{ctx.label(train.name)} cannot learn: with exact match's 0/1 rewards and "
+                       f"`samples_per_prompt = {samples}` no group's mean reward lies strictly between "
+                       f"{low:g} and {high:g}", span,
+                       notes=("every prompt group is masked out of the loss",),
+                       help="widen the bounds around the means a group can have (k / samples_per_prompt), "
+                            "sample more responses per prompt, or leave difficulty_mask out")]
+
+
+def _exact_match_only(ctx: Context) -> bool:
+    """Exact match is the only reward, unscaled by a reward model."""
+    rewards = ctx.pipe.stages_of("reward")
+    return len(rewards) == 1 and rewards[0].valid("fn") and rewards[0].get("fn") == EXACT_MATCH \
+        and not rewards[0].get("model")
 
 
 def check_answer_lengths(ctx: Context) -> list[Diagnostic]:
@@ -92,4 +143,4 @@ def _exact_match_on_builtin(ctx: Context) -> tuple[Decl, str] | None:
     return gen, sources[0]
 
 
-PASSES = (check_zero_advantages, check_answer_lengths)
+PASSES = (check_zero_advantages, check_constant_rewards, check_difficulty_mask, check_answer_lengths)

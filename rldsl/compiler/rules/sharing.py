@@ -46,10 +46,12 @@ def _sleep_findings(program: Program, a: StagePlacement, b: StagePlacement) -> l
             enable = f"`{engine.name}({arg} = true)`" if arg else "an engine that can release the GPU"
             span = arg_span(engine, arg) if arg else engine.span
             written = arg and arg in (engine.arg_spans or {})
+            resident = " (a trainer may stay resident where the cluster's `gpu_memory` is declared and the " \
+                "estimate of its GPUs fits)" if this.kind == "train" and this.pipeline == other.pipeline else ""
             out.append(Diagnostic("RLP504", ERROR, f"{program.label(this.pipeline, this.stage)} shares GPUs with "
                                   f"{program.label(other.pipeline, other.stage)} but its engine `{engine.name}` "
                                   "cannot sleep or offload", span,
-                                  help=f"enable it, {enable}, or give the stages separate GPUs",
+                                  help=f"enable it, {enable}, or give the stages separate GPUs{resident}",
                                   edit=(span, f"{arg} = true") if written else None,
                                   subject=_pair(this, other)))
     return out
@@ -220,6 +222,36 @@ def explain_memory(program: Program, diags: list[Diagnostic], memory: list) -> l
             d = d._replace(explains=d.explains + extra)
         out.append(d)
     return out
+
+
+def allow_resident_trainers(program: Program, placement: Placement, diags: list[Diagnostic],
+                            memory: list) -> list[Diagnostic]:
+    """RLP504 spares a train stage that cannot offload when the memory check counts it on every GPU it
+    shares, and they fit: the runtime leaves such a trainer on its GPUs (its `sleep` is a no-op) while
+    the others take turns beside it, and the estimate adds its peak to theirs. Only within its own
+    pipeline: other pipelines wait for a lease to be given back before using its GPUs. ``memory``:
+    rldsl.compiler.memory.GpuMemory per GPU."""
+    capacity = program.cluster.get("gpu_memory") if program.cluster.valid("gpu_memory") else None
+    if not capacity:
+        return diags
+    by_gpu, residents = {m.gpu: m for m in memory}, placement.residents()
+    spared = {_sleepless_span(program, sp) for sp in placement.stages.values()
+              if sp.kind == "train" and sp.gpus and not can_sleep(_decl(program, sp)["engine"])
+              and all(_counted_within(by_gpu.get(gpu), residents[gpu], sp.pipeline, capacity) for gpu in sp.gpus)}
+    return [d for d in diags if not (d.code == "RLP504" and d.span in spared)]
+
+
+def _sleepless_span(program: Program, sp: StagePlacement) -> Span:
+    """Where RLP504 points for a stage that cannot sleep (its `_sleep_findings` span)."""
+    engine = _decl(program, sp)["engine"]
+    arg = ENGINES[engine.name].can_sleep_arg
+    return arg_span(engine, arg) if arg else engine.span
+
+
+def _counted_within(mem, residents: list[StagePlacement], pipeline: str, capacity: float) -> bool:
+    """The GPU's estimate counts every stage on it, all of one pipeline, and fits."""
+    return (mem is not None and len(mem.by_stage) == len(residents) and mem.used <= capacity
+            and all(sp.pipeline == pipeline for sp in residents))
 
 
 def _stage_decl(program: Program, label: str):

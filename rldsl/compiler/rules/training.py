@@ -1,10 +1,12 @@
-"""Training-semantics rules: the loss against the optimizer steps, dynamic
-sampling against the order, the run length, the dataset mixture, warmup.
+"""Training-semantics rules: the loss's arguments, dynamic sampling
+against the order, the run length, the dataset mixture, warmup.
 
 Each reads only the keys it names, so one wrong key never hides another's
 finding."""
 
 from __future__ import annotations
+
+import math
 
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
@@ -14,31 +16,8 @@ from rldsl.compiler.types import arg_span
 RUN_LENGTHS = ("steps", "epochs", "samples")
 
 
-PROXIMAL_PASS_ENGINES = ("torch", "fsdp", "sim")  # trainers with a proximal pass (sim: no weights to drift)
-CORRECTION_DEFAULT_BOUNDS = {"tis": (0.0, 2.0), "mis": (0.0, 2.0), "icepop": (0.5, 5.0)}  # as the engines'
-
-
-def check_decoupled_loss(ctx: Context) -> list[Diagnostic]:
-    """RLP307: behaviour_cap and a correction weigh tokens by pi_prox / pi_behaviour; over several optimizer
-    steps per rollout batch only a trainer with a proximal pass still holds the batch-start policy."""
-    sizing, train = ctx.sizing(), ctx.train_stage()
-    if sizing is None or train is None or not train.valid("loss", "ppo_epochs", "engine"):
-        return []
-    engine, args = train["engine"].name, train["loss"].args
-    setting = "behaviour_cap" if args.get("behaviour_cap") else "correction"
-    steps = (sizing.prompts_per_step * sizing.samples_per_prompt // sizing.global_batch) * sizing.ppo_epochs
-    if args.get(setting) in (None, 0.0, "none") or steps <= 1 or engine in PROXIMAL_PASS_ENGINES:
-        return []
-    causes = [f"global_batch = {sizing.global_batch}"] if train.explicit("global_batch") else []
-    causes += [f"ppo_epochs = {sizing.ppo_epochs}"] if sizing.ppo_epochs > 1 else []
-    return [Diagnostic(
-        "RLP307", ERROR, f"{setting} = {args[setting]} with {steps} optimizer steps per rollout batch "
-        f"({', '.join(causes)}) on engine `{engine}`, which has no proximal pass", arg_span(train["loss"], setting),
-        notes=("the weight pi_prox / pi_behaviour needs the proximal policy, the weights the rollout batch started "
-               "with; the torch and fsdp trainers recompute its logprobs before the first optimizer step, the "
-               f"`{engine}` trainer does not and no longer holds those weights after it",),
-        help=f"train with engine = torch or fsdp, take one optimizer step per rollout batch (leave global_batch "
-             f"and ppo_epochs out), or drop {setting}")]
+CORRECTION_DEFAULT_BOUNDS = {"is": (0.0, math.inf), "tis": (0.0, 2.0), "mis": (0.0, 2.0),
+                             "icepop": (0.5, 5.0)}  # as the engines'
 
 
 LOSS_BOUNDS = {  # argument: (what an active value must exceed, inclusive, why)
@@ -56,7 +35,8 @@ def check_loss_arguments(ctx: Context) -> list[Diagnostic]:
     train = ctx.train_stage()
     if train is None:
         return []
-    out = _min_lr_findings(train) + _warmup_start_findings(train) + _adam_betas_findings(train)
+    out = _min_lr_findings(train) + _warmup_start_findings(train) + _adam_betas_findings(train) \
+        + _difficulty_mask_findings(train)
     if not train.valid("loss"):
         return out
     out += _correction_findings(train["loss"])
@@ -82,6 +62,12 @@ def _correction_findings(loss) -> list[Diagnostic]:
         return [Diagnostic("RLP312", ERROR, f"behaviour_cap = {args['behaviour_cap']} and correction = {correction} "
                            "both weigh each token by pi_prox / pi_behaviour", arg_span(loss, "behaviour_cap"),
                            help="keep one: behaviour_cap = c is correction = mis with correction_high = c")]
+    bounded = [key for key in ("correction_low", "correction_high") if key in args]
+    if correction == "is" and bounded:
+        return [Diagnostic("RLP312", ERROR, f"correction = is leaves the weight untruncated, but {bounded[0]} "
+                           "bounds it", arg_span(loss, bounded[0]),
+                           help="use correction = tis to truncate the weight at correction_high, or leave "
+                                f"{' and '.join(bounded)} out")]
     if correction == "icepop" and args.get("correction_level") == "sequence":
         return [Diagnostic("RLP312", ERROR, "correction = icepop masks tokens, not sequences",
                            arg_span(loss, "correction_level"),
@@ -129,6 +115,18 @@ def _adam_betas_findings(train: Decl) -> list[Diagnostic]:
                             "the engine's")]
 
 
+def _difficulty_mask_findings(train: Decl) -> list[Diagnostic]:
+    bounds = train.get("difficulty_mask") if train.valid("difficulty_mask") else None
+    if bounds is None or len(bounds) == 2:
+        return []
+    written = ", ".join(f"{bound:g}" for bound in bounds)
+    return [Diagnostic("RLP312", ERROR, f"difficulty_mask = [{written}]: it takes two bounds, `[low, high]`",
+                       train.span_of("difficulty_mask"),
+                       notes=("a prompt group whose mean reward is not strictly between low and high is masked "
+                              "out of the loss",),
+                       help="write two values, such as `difficulty_mask = [0.1, 0.95]`, or leave it out")]
+
+
 def check_dynamic_sampling(ctx: Context) -> list[Diagnostic]:
     """RLP308: dropped groups are replaced by over-sampling, which an
     in-order step (exactly its own prompts) or a one-sample group cannot do."""
@@ -154,14 +152,17 @@ def check_dynamic_sampling(ctx: Context) -> list[Diagnostic]:
 
 
 def check_run_length(ctx: Context) -> list[Diagnostic]:
-    """RLP309: the run's length is written one way."""
+    """RLP309: the data the run trains on is counted one way. `steps` beside
+    `epochs` or `samples` is a cap (whichever is reached first ends the run);
+    `epochs` and `samples` both count the data, so one of them."""
     run = ctx.pipe.block("run")
-    written = [key for key in RUN_LENGTHS if run.explicit(key)]
-    if len(written) < 2:
+    if not (run.explicit("epochs") and run.explicit("samples")):
         return []
-    return [Diagnostic("RLP309", ERROR, f"the run's length is written {len(written)} ways: "
-                       + ", ".join(f"{key} = {run.get(key)}" for key in written), run.span_of(written[1]),
-                       help=f"keep one of {', '.join(written)}")]
+    return [Diagnostic("RLP309", ERROR, f"the run's length is written in both epochs and samples: "
+                       f"epochs = {run.get('epochs')}, samples = {run.get('samples')}", run.span_of("samples"),
+                       notes=("`steps` may stand beside either as a cap: the run ends at whichever bound it "
+                              "reaches first",),
+                       help="keep one of epochs, samples")]
 
 
 def check_datasets(ctx: Context) -> list[Diagnostic]:
@@ -201,19 +202,29 @@ def check_warmup(ctx: Context) -> list[Diagnostic]:
     """RLP311: warmup longer than the run never reaches the learning rate."""
     sizing, train, run = ctx.sizing(), ctx.train_stage(), ctx.pipe.block("run")
     if sizing is None or train is None or not train.valid("warmup", "ppo_epochs") \
-            or not run.valid(*RUN_LENGTHS) or run.get("epochs"):
+            or not run.valid(*RUN_LENGTHS) or (run.get("epochs") and not run.explicit("steps")):
         return []
     rollout = sizing.prompts_per_step * sizing.samples_per_prompt
-    steps = -(-int(run["samples"]) // rollout) if run.get("samples") else run["steps"]
-    total = steps * rollout // sizing.global_batch * sizing.ppo_epochs
+    total = _most_steps(run, rollout) * rollout // sizing.global_batch * sizing.ppo_epochs
     if train["warmup"] < total:
         return []
-    return [Diagnostic("RLP311", WARNING, f"warmup = {train['warmup']} optimizer steps, but the run takes only "
+    takes = "at most" if run.get("epochs") else "only"  # an epoch may end the run before its `steps`
+    return [Diagnostic("RLP311", WARNING, f"warmup = {train['warmup']} optimizer steps, but the run takes {takes} "
                        f"{total}: the learning rate never reaches lr = {train.get('lr')}", train.span_of("warmup"),
                        notes=("warmup counts optimizer steps: rollout batches x (rollout batch / global_batch) x "
                               "ppo_epochs",),
                        help=f"set warmup below {total} (a few percent of the run is typical)",
                        edit=(train.span_of("warmup"), str(total // 20)))]
+
+
+def _most_steps(run: Decl, rollout: int) -> int:
+    """The steps the run takes at most, as written: `steps`, those of
+    `samples`, or the fewer of the two when both are written (a run in
+    `epochs` is bounded by its `steps` alone before the dataset is read)."""
+    bounds = [run["steps"]] if run.explicit("steps") or not (run.get("epochs") or run.get("samples")) else []
+    if run.get("samples"):
+        bounds.append(-(-int(run["samples"]) // rollout))
+    return min(bounds)
 
 
 def check_held_out(ctx: Context) -> list[Diagnostic]:
@@ -235,5 +246,5 @@ def check_held_out(ctx: Context) -> list[Diagnostic]:
     return out
 
 
-PASSES = (check_loss_arguments, check_decoupled_loss, check_dynamic_sampling, check_run_length, check_datasets,
+PASSES = (check_loss_arguments, check_dynamic_sampling, check_run_length, check_datasets,
           check_warmup, check_held_out)

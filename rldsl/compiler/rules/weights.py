@@ -7,7 +7,8 @@ from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, Diagnostic, Span
 from rldsl.compiler.rules.advice import free_name, frozen_edit, unfrozen_reference
-from rldsl.plan import WeightReceiver, collective_blocker, receives_weights
+from rldsl.collective_rule import WeightReceiver, collective_blocker
+from rldsl.plan import receives_weights
 
 
 def _model(stage: Decl) -> str | None:

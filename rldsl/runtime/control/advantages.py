@@ -15,12 +15,18 @@ Then ``normalize`` scales them:
 - ``batch``: whitened over every sample of the rollout batch (REINFORCE++);
 - ``group_batch``: ``group``, then whitened over the rollout batch (AReaL's
   ``reward_norm`` by group with ``adv_norm`` over the batch);
+- ``batch_tokens``: whitened over every trained token of the rollout batch:
+  each sample's value counts once per token it trains, so the mean and the
+  unbiased std weigh long responses more (ROLL's ``whiten_advantages``);
 - ``none``: left as they are (Dr. GRPO, RLOO).
 
-Around them, two optional clips (0: off): ``reward_clip`` bounds the rewards
-to [-c, c] before the baseline (OpenRLHF's ``--reward.clip_range``), and
-``advantage_clip`` bounds the advantages to [-c, c] after the scaling
-(ROLL's ``advantage_clip``).
+Before the baseline each reward becomes ``(reward + reward_bias) x
+reward_scale`` and is then bounded to [-c, c] by ``reward_clip`` (AReaL's
+order; 0: no clip; OpenRLHF's ``--reward.clip_range``); ``advantage_clip``
+bounds the advantages to [-c, c] after the scaling (ROLL's
+``advantage_clip``). ``difficulty_masked`` says which groups a difficulty
+mask keeps out of the loss (ROLL's ``difficulty_mask``): the controller
+leaves them out of the advantages and of every batch statistic.
 
 Pure Python (no torch at import): the controller computes them.
 """
@@ -45,30 +51,49 @@ def needs_whole_batch(normalize: str) -> bool:
     """Whether advantages depend on the whole rollout batch, not one group:
     the controller then computes them once every group of the batch is in."""
     _check(normalize, NORMALISATIONS, "normalisation")
-    return normalize in ("batch", "group_batch")
+    return normalize in ("batch", "group_batch", "batch_tokens")
+
+
+def difficulty_masked(rewards: Sequence[float], bounds: Sequence[float] | None) -> bool:
+    """Whether a difficulty mask ``(low, high)`` keeps this group out of the
+    loss: its mean reward is not strictly between the bounds (ROLL's test).
+    None: no mask."""
+    if bounds is None or not rewards:
+        return False
+    low, high = bounds
+    mean = math.fsum(rewards) / len(rewards)
+    return not low < mean < high
 
 
 def compute_advantages(groups: list[list[float]], estimator: str, normalize: str, eps: float = 1e-6,
-                       reward_clip: float = 0.0, advantage_clip: float = 0.0) -> list[list[float]]:
+                       reward_clip: float = 0.0, advantage_clip: float = 0.0, *, reward_scale: float = 1.0,
+                       reward_bias: float = 0.0, tokens: list[list[int]] | None = None) -> list[list[float]]:
     """The advantages of each prompt group's rewards, in the same shape.
 
-    With ``batch``, ``groups`` must be the whole rollout batch: the
-    whitening statistics are taken over every sample passed.
+    With ``batch``, ``group_batch`` or ``batch_tokens``, ``groups`` must be
+    the whole rollout batch: the whitening statistics are taken over every
+    sample passed. ``batch_tokens`` needs ``tokens``: each sample's trained
+    tokens, in the shape of ``groups``.
     """
     _check(estimator, ESTIMATORS, "advantage estimator")
     _check(normalize, NORMALISATIONS, "normalisation")
     if reward_clip < 0 or advantage_clip < 0:
         raise ValueError(f"reward_clip {reward_clip} and advantage_clip {advantage_clip} must be >= 0 (0: off)")
-    clipped = [_clip(list(rewards), reward_clip) for rewards in groups]
-    centred = [_subtract_baseline(rewards, estimator) for rewards in clipped]
+    if normalize == "batch_tokens" and [len(g) for g in tokens or []] != [len(g) for g in groups]:
+        raise ValueError("normalize = batch_tokens needs each sample's trained token count, in the shape of the "
+                         "rewards")
+    shaped = [_clip([(r + reward_bias) * reward_scale for r in rewards], reward_clip) for rewards in groups]
+    centred = [_subtract_baseline(rewards, estimator) for rewards in shaped]
     if normalize == "group":
         scaled = [_scale_by_std(values, eps) for values in centred]
     elif normalize == "leave_one_out":
-        scaled = [_scale_by_others_std(rewards, values, eps) for rewards, values in zip(clipped, centred)]
+        scaled = [_scale_by_others_std(rewards, values, eps) for rewards, values in zip(shaped, centred)]
     elif normalize == "batch":
         scaled = _whiten_batch(centred, eps)
     elif normalize == "group_batch":
         scaled = _whiten_batch([_scale_by_std(values, eps) for values in centred], eps)
+    elif normalize == "batch_tokens":
+        scaled = _whiten_tokens(centred, tokens, eps)
     else:
         scaled = centred
     return [_clip(values, advantage_clip) for values in scaled]
@@ -156,4 +181,17 @@ def _whiten_batch(groups: list[list[float]], eps: float) -> list[list[float]]:
     if _constant(flat):
         return [[0.0] * len(values) for values in groups]
     mean, std = math.fsum(flat) / len(flat), _unbiased_std(flat)
+    return [[(v - mean) / (std + eps) for v in values] for values in groups]
+
+
+def _whiten_tokens(groups: list[list[float]], tokens: list[list[int]], eps: float) -> list[list[float]]:
+    """Whitened with the mean and unbiased std of the batch's trained tokens,
+    each token carrying its sample's value (ROLL's ``masked_whiten`` over
+    per-token advantages that are constant along a response)."""
+    pairs = [(v, n) for values, counts in zip(groups, tokens) for v, n in zip(values, counts) if n > 0]
+    total = sum(n for _, n in pairs)
+    if total < 2 or _constant([v for v, _ in pairs]):
+        return [[0.0] * len(values) for values in groups]
+    mean = math.fsum(v * n for v, n in pairs) / total
+    std = math.sqrt(math.fsum(n * (v - mean) ** 2 for v, n in pairs) / (total - 1))
     return [[(v - mean) / (std + eps) for v in values] for values in groups]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 
@@ -41,6 +41,8 @@ class Group:
     rewards: tuple[float, ...] = ()
     reward_parts: tuple[dict[str, float], ...] = ()  # each sample's named reward components (if any)
     tokens: int = 0  # response tokens, for balancing data-parallel ranks
+    sample_tokens: dict[str, int] = field(default_factory=dict)  # each sample's trained tokens (batch_tokens)
+    masked: bool = False  # a difficulty mask keeps it out of the loss: in its step, never trained
     replica: int = -1  # the generator replica it was dispatched to
     refused: frozenset[str] = frozenset()  # keys the trainer fenced out (stale behaviour logprobs)
 

@@ -79,7 +79,8 @@ class Controller:
     async def run(self) -> dict:
         """Run to the end and return the summary; the journal records how it
         ended, whatever the way, and is flushed."""
-        self.journal.run_started(self.settings.pipeline, self.settings.max_lag, self.settings.steps)
+        self.journal.run_started(self.settings.pipeline, self.settings.max_lag, self.settings.steps,
+                                 self.settings.ahead_groups)
         try:
             await self._run()
             self._ended(STOPPED if self.state.stop_requested else FINISHED)

@@ -28,6 +28,7 @@ DISPATCHED = "dispatched"
 GENERATED = "generated"
 LOGPROB = "logprob"
 TRAINED = "trained"
+MASKED = "masked"  # in a step's batch, out of its loss (difficulty_mask)
 DROPPED = "dropped"
 END = "end"  # how the segment ended
 
@@ -53,8 +54,11 @@ class Journal:
         self.resume = resume
         self.step_offset = resume["steps_done"] if resume else 0
 
-    def run_started(self, pipeline: str, max_lag: int, steps: int) -> None:
-        self._record(RUN, pipeline=pipeline, max_lag=max_lag, steps=steps + self.step_offset,
+    def run_started(self, pipeline: str, max_lag: int, steps: int, ahead_groups: int | None = None) -> None:
+        """``ahead_groups``: how many groups generated before a version may
+        train at or after it (the sampler's bound, which the audit checks)."""
+        bound = {} if ahead_groups is None else {"ahead_groups": ahead_groups}
+        self._record(RUN, pipeline=pipeline, max_lag=max_lag, **bound, steps=steps + self.step_offset,
                      resume=self.resume, time=round(time.time(), 3))
 
     def dispatched(self, keys: Iterable[str], prompt: int | None, replica: int | None) -> None:
@@ -92,6 +96,10 @@ class Journal:
         """``step`` counts this segment's steps from 1 (as the train pump does)."""
         step = None if step is None else step + self.step_offset
         self._record(TRAINED, keys, step=step, version=version, lag=lag)
+
+    def masked(self, keys: Iterable[str], step: int | None) -> None:
+        step = None if step is None else step + self.step_offset
+        self._record(MASKED, keys, step=step)
 
     def dropped(self, keys: Iterable[str], reason: str) -> None:
         self._record(DROPPED, keys, reason=reason)

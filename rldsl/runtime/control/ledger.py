@@ -1,4 +1,8 @@
-"""Every sample ends exactly once: trained, or dropped with a reason.
+"""Every sample ends exactly once: trained, masked, or dropped with a reason.
+
+Masked samples were in a step's batch but out of its loss (a difficulty
+mask's groups): not trained, not dropped either, since no prompt replaced
+them.
 
 The controller registers a group's sample keys when it dispatches the group
 and records one outcome per key. Violations (an outcome for an unknown key,
@@ -16,6 +20,7 @@ from typing import Iterable
 from rldsl.runtime.control.journal import Journal
 
 TRAINED = "trained"
+MASKED = "masked"  # in its step with no weight in the loss (difficulty_mask)
 
 # Drop reasons the runtime uses; engines and layers may add their own.
 TOO_STALE = "too_stale"
@@ -44,6 +49,7 @@ class Ledger:
         self._outcome: dict[str, str | None] = {}  # key -> None while open
         self._lag_histogram: Counter[int] = Counter()
         self._dropped: Counter[str] = Counter()
+        self._masked = 0
         self._violations: list[str] = []
         self._open = 0
         self._trained_in_order: list[str] = []  # read incrementally by progress checkpoints
@@ -67,8 +73,14 @@ class Ledger:
                 self._lag_histogram[lag] += 1
                 self._trained_in_order.append(key)
 
+    def masked(self, keys: Iterable[str], step: int | None = None) -> None:
+        """Kept in ``step`` (from 1) but masked out of its loss."""
+        keys = list(keys)
+        self.journal.masked(keys, step)
+        self._masked += sum(self._close(key, MASKED) for key in keys)
+
     def dropped(self, keys: Iterable[str], reason: str) -> None:
-        if not reason or reason == TRAINED:
+        if not reason or reason in (TRAINED, MASKED):
             raise ValueError(f"invalid drop reason {reason!r}")
         keys = list(keys)
         self.journal.dropped(keys, reason)
@@ -115,6 +127,7 @@ class Ledger:
             "generated": self.generated,
             "trained": self.trained_count,
             "dropped": dict(sorted(self._dropped.items())),
+            **({"masked": self._masked} if self._masked else {}),
             "open": self._open,
             "max_lag": self.max_lag,
             "lag_histogram": self.lag_histogram,

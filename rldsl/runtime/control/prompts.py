@@ -16,8 +16,8 @@ import logging
 import random
 from typing import Iterator
 
-from rldsl.plan import PipelinePlan
-from rldsl.runtime.protocols import Prompt
+from rldsl.plan import PipelinePlan, truncates_long_prompts
+from rldsl.runtime.protocols import PROMPT_TRUNCATED, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -71,28 +71,60 @@ def load_source(pipe: PipelinePlan, source: str, split: str, seed: int) -> list[
     except DatasetError as error:
         detail = str(error) if source.split(":", 1)[-1] in str(error) else f"{source}: {error}"
         raise DatasetError(f"dataset {pipe.datasets[0].name!r}: {detail}") from error
-    kept = within_prompt_budget(pipe, rows)
+    kept, over = within_prompt_budget(pipe, rows)
+    options = pipe.datasets[0].options
     if rows and not kept:
         raise DatasetError(f"dataset {pipe.datasets[0].name!r}: every {split} prompt of {source} is longer than "
-                           f"max_prompt_tokens = {pipe.datasets[0].options['max_prompt_tokens']}; raise it")
-    if len(kept) < len(rows):
-        log.warning("dataset %r: %d of %d %s prompts of %s are longer than max_prompt_tokens = %d and dropped",
-                    pipe.datasets[0].name, len(rows) - len(kept), len(rows), split, source,
-                    pipe.datasets[0].options["max_prompt_tokens"])
+                           f"max_prompt_tokens = {options['max_prompt_tokens']}; raise it")
+    if over:
+        truncates = truncates_long_prompts(options)
+        fate = "truncated to it, their samples left out of the loss" if truncates else "dropped"
+        log.warning("dataset %r: %d of %d %s prompts of %s are longer than max_prompt_tokens = %d and %s",
+                    pipe.datasets[0].name, over, len(rows), split, source, options["max_prompt_tokens"], fate)
     return kept
 
 
-def within_prompt_budget(pipe: PipelinePlan, prompts: list[Prompt]) -> list[Prompt]:
+def within_prompt_budget(pipe: PipelinePlan, prompts: list[Prompt]) -> tuple[list[Prompt], int]:
     """The prompts of at most the dataset's ``max_prompt_tokens`` tokens of
     the policy's tokenizer (after its chat template, as the engines encode
-    them); all of them when it is 0 (verl's ``filter_overlong_prompts``)."""
+    them), and how many were longer: dropped (verl's
+    ``filter_overlong_prompts``), or with ``long_prompts = truncate`` cut to
+    the budget and marked so their samples train nothing (NeMo RL's
+    ``max_input_seq_length``). All of them when the budget is 0."""
     budget = pipe.datasets[0].options.get("max_prompt_tokens", 0)
     if not budget:
-        return prompts
+        return prompts, 0
     from rldsl.models import load_tokenizer
 
     tokenizer = load_tokenizer(_policy_model(pipe).source)
-    return [p for p in prompts if len(tokenizer.encode(p.text, add_bos=True)) <= budget]
+    truncates = truncates_long_prompts(pipe.datasets[0].options)
+
+    def tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_bos=True))
+
+    kept, over = [], 0
+    for prompt in prompts:
+        count = tokens(prompt.text)
+        if count > budget:
+            over += 1
+            prompt = truncated_prompt(prompt, count, budget, tokens) if truncates else None
+        if prompt is not None:
+            kept.append(prompt)
+    return kept, over
+
+
+def truncated_prompt(prompt: Prompt, count: int, budget: int, tokens) -> Prompt | None:
+    """The prompt cut to its longest start, in characters, of at most
+    ``budget`` tokens (``tokens(text)`` counts them as the engines encode
+    the text), its token count before in ``meta``; None when not even an
+    empty start fits (a BOS over the budget)."""
+    if tokens("") > budget:
+        return None
+    fits, too_long = 0, len(prompt.text)  # the start of `fits` characters fits, the whole text does not
+    while too_long - fits > 1:
+        middle = (fits + too_long) // 2
+        fits, too_long = (middle, too_long) if tokens(prompt.text[:middle]) <= budget else (fits, middle)
+    return dataclasses.replace(prompt, text=prompt.text[:fits], meta={**(prompt.meta or {}), PROMPT_TRUNCATED: count})
 
 
 def _policy_model(pipe: PipelinePlan):
@@ -101,19 +133,58 @@ def _policy_model(pipe: PipelinePlan):
 
 def _templated(pipe: PipelinePlan, prompts: list[Prompt]) -> list[Prompt]:
     """With the policy's `chat_template`, each prompt as the model's chat
-    template writes it (every engine then encodes the same text); the text
-    as written stays in ``meta["raw_prompt"]``."""
-    models = getattr(pipe, "models", None) or []  # a bare plan of datasets only (tests) has none
-    if not any(m.chat_template for m in models):
-        return prompts
-    model = next((m for m in models if m.name == pipe.stage(pipe.batch.train_stage).model), None)
-    if model is None or not model.chat_template:
+    template writes it (every engine then encodes the same text): a string
+    as one user turn, a row's chat messages (``meta["messages"]``) as they
+    are. The text as written stays in ``meta["raw_prompt"]`` (for messages,
+    the last user turn). Chat messages without a template are refused."""
+    model = _templating_model(pipe)
+    if model is None:
+        untemplated = next((p for p in prompts if (p.meta or {}).get("messages")), None)
+        if untemplated is not None:
+            from rldsl.tasks import DatasetError
+
+            where = f"{untemplated.meta.get('file', '?')}:{untemplated.meta.get('line', '?')}"
+            raise DatasetError(_chat_messages_need_template(pipe, where))
         return prompts
     from rldsl.models import chat_formatter
 
     formatted = chat_formatter(model.source)
-    return [dataclasses.replace(p, text=formatted(p.text), meta={**(p.meta or {}), "raw_prompt": p.text})
-            for p in prompts]
+    return [dataclasses.replace(p, text=formatted((p.meta or {}).get("messages") or p.text),
+                                meta={**(p.meta or {}), "raw_prompt": p.text}) for p in prompts]
+
+
+def _templating_model(pipe: PipelinePlan):
+    """The policy model when it has `chat_template`, else None (prompts stay as written)."""
+    models = getattr(pipe, "models", None) or []  # a bare plan of datasets only (tests) has none
+    if not any(m.chat_template for m in models):
+        return None
+    model = next((m for m in models if m.name == pipe.stage(pipe.batch.train_stage).model), None)
+    return model if model is not None and model.chat_template else None
+
+
+def _chat_messages_need_template(pipe: PipelinePlan, where: str) -> str:
+    field = pipe.datasets[0].options.get("prompt_field", "prompt")
+    models = getattr(pipe, "models", None) or []
+    policy = next((m.name for m in models if m.name == pipe.stage(pipe.batch.train_stage).model), "policy")
+    return (f"{where} holds a list of chat messages in `{field}`, which only a chat template turns into the "
+            f"prompt's text; set `chat_template = true` on model `{policy}` (an `hf:` model whose tokenizer has a "
+            "chat template), or point `prompt_field` at a string field")
+
+
+def check_chat_prompts(pipe: PipelinePlan) -> None:
+    """Before anything starts: a `jsonl:` source whose first row holds chat
+    messages needs the policy's chat template (reading the rows checks every
+    one later). Raises DatasetError naming the dataset, the row and the fix."""
+    if _templating_model(pipe) is not None:
+        return
+    from rldsl.tasks import DatasetError, holds_messages
+
+    dataset = pipe.datasets[0]
+    field = dataset.options.get("prompt_field", "prompt")
+    for source in [*(dataset.options.get("sources") or [dataset.source]), dataset.options.get("eval_source") or ""]:
+        where = holds_messages(source, field)
+        if where:
+            raise DatasetError(f"dataset `{dataset.name}`: {_chat_messages_need_template(pipe, where)}")
 
 
 def train_prompt_count(pipe: PipelinePlan, seed: int) -> int:

@@ -7,6 +7,7 @@ import math
 from typing import Any, Iterable
 
 from rldsl.runtime.control import ledger as outcomes
+from rldsl.runtime.control.advantages import difficulty_masked
 from rldsl.runtime.control.buffer import Group, GroupState
 from rldsl.runtime.control.coalesce import CoalescedStage
 from rldsl.runtime.control.errors import WorkerLost
@@ -150,6 +151,7 @@ class RolloutPump:
             state.drop(group, _failure_reason(error, outcomes.GENERATION_FAILED), error)
             return
         group.tokens = generated.tokens
+        group.sample_tokens = dict(zip(group.keys, generated.sample_tokens))
         state.journal.generated(group.keys, generated.version, FIELD_BEHAVIOUR_LOGPROBS,  # every engine records them
                                 getattr(generated, "token_versions", ()))
         rewards = await self._score(group)
@@ -161,7 +163,8 @@ class RolloutPump:
             state.last_error["rollout"] = (f"dynamic sampling dropped {self.zero_variance_drops} groups whose "
                                            f"rewards were all {rewards[0]}")
             return
-        if not await self._logprobs(group, generated.version):
+        group.masked = difficulty_masked(rewards, state.settings.difficulty_mask)
+        if not group.masked and not await self._logprobs(group, generated.version):  # a masked row has no loss
             return
         state.buffer.commit(group.group_id, group.keys, rewards, generated.version)
         state.progress()

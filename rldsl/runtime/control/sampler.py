@@ -10,6 +10,12 @@ Both sides of the staleness bound live here, so they agree on the arithmetic:
   ``trainer_version + k - generator_version``, and it waits if that exceeds
   ``max_lag``. With ``order = "in_order"`` the planned step is fixed at
   dispatch (strictly in prompt order) and the train pump honours it.
+  ``max_ahead`` refines the same arithmetic to whole groups: counted from
+  the open step, the generator's version ``g`` fills the steps up to the one
+  trained at ``g`` freshly, and at most ``ahead_groups`` more; so at most
+  that many groups generated before any version ``v`` train at or after it
+  (the proof is in docs/language.md#staleness; `rldsl audit` checks it).
+  Unset, ``ahead_groups`` is ``max_lag`` steps and the check is the lag's.
 - the train side (``select`` / ``evict``): one ready group at a time for the
   open step, eligible iff its lag is within bound, ordered by (lag, arrival),
   but never at the price of an older group's deadline (see ``select``).
@@ -49,6 +55,8 @@ class DispatchPlan:
 class StalenessSampler:
     def __init__(self, settings: RunSettings) -> None:
         self.max_lag = settings.max_lag
+        self.max_ahead = settings.max_ahead
+        self.ahead_groups = settings.ahead_groups
         self.in_order = settings.order == "in_order"
         self.wait_for_expiring = settings.too_stale == "wait"
         self.per_step = settings.prompts_per_step
@@ -62,11 +70,11 @@ class StalenessSampler:
         """Plan the next prompt group; ``groups_dispatched`` counts groups
         dispatched so far (only used for in-order targets)."""
         if self.in_order:
-            target = groups_dispatched // self.per_step
-            steps_ahead = target - progress.batch_index
+            position = groups_dispatched - progress.batch_index * self.per_step
         else:
-            steps_ahead = (progress.consumed_in_step + buffer.outstanding) // self.per_step
-            target = progress.batch_index + steps_ahead
+            position = progress.consumed_in_step + buffer.outstanding
+        steps_ahead = position // self.per_step
+        target = progress.batch_index + steps_ahead
         train_version = progress.trainer_version + steps_ahead
         blocked = None
         if progress.finished_steps + steps_ahead >= self.total_steps:
@@ -76,7 +84,21 @@ class StalenessSampler:
                 f"staleness bound: the next group would train at version {train_version} with generator "
                 f"version {generator_version} (lag {train_version - generator_version} > max_lag {self.max_lag})"
             )
+        elif self.max_ahead is not None:
+            blocked = self._ahead_blocked(position, progress.trainer_version, generator_version)
         return DispatchPlan(target, train_version, blocked)
+
+    def _ahead_blocked(self, position: int, trainer_version: int, generator_version: int) -> str | None:
+        """Counted from the open step's start (the new group's place is
+        ``position``), the steps up to the one trained at
+        ``generator_version`` take its groups freshly; the new group may lie
+        at most ``ahead_groups`` past them."""
+        ahead = position + 1 - (generator_version - trainer_version + 1) * self.per_step
+        if ahead <= self.ahead_groups:
+            return None
+        return (f"staleness bound: with the next group, {ahead} groups generated with weights version "
+                f"{generator_version} or older would train at a later version (max_ahead {self.max_ahead:g} x "
+                f"{self.per_step} prompts per step allows {self.ahead_groups})")
 
     # -- train side -------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rldsl.plan import PipelinePlan, StalenessPlan, receives_weights, recomputes_at_batch_start
+from rldsl.plan import PipelinePlan, StalenessPlan, ahead_groups, receives_weights, recomputes_at_batch_start
 from rldsl.runtime.control.advantages import ESTIMATORS, NORMALISATIONS
 from rldsl.runtime.protocols import MIB
 
@@ -40,6 +40,10 @@ class RunSettings:
       anyway (it arrived too late) is dropped (ledger reason ``too_stale``);
       with ``"wait"`` groups still in flight are protected as well, so the
       train pump waits for them and nothing goes stale.
+    - ``max_ahead``: prompt groups generated ahead of the trainer, in steps
+      (verl's ``staleness_threshold``): at most ``ahead_groups`` groups
+      generated before a version train at or after it. None: ``max_lag``
+      steps, which the lag bound allows anyway.
     - ``buffer_capacity`` counts prompt groups that are reserved (dispatched),
       ready, or consumed by the open step; ``max_inflight`` counts groups
       dispatched but not yet ready. Both default to one staleness window,
@@ -61,10 +65,16 @@ class RunSettings:
       first pass streams groups as they arrive. 0 = the whole step.
     - ``advantage`` / ``normalize``: the estimator and its scaling
       (``advantages.compute_advantages``); ``"batch"`` waits for the whole
-      rollout batch before its first microbatch. ``reward_clip`` /
-      ``advantage_clip`` bound rewards before and advantages after (0: off).
+      rollout batch before its first microbatch (as do ``"group_batch"`` and
+      ``"batch_tokens"``). Each reward becomes ``(reward + reward_bias) x
+      reward_scale``, then ``reward_clip`` bounds it, before the baseline;
+      ``advantage_clip`` bounds the advantages after the scaling (0: off).
     - ``dynamic_sampling``: a group whose rewards are all equal is dropped
       (``zero_variance``) and another prompt is sampled in its place.
+    - ``difficulty_mask``: ``(low, high)``, or None. A group whose mean reward
+      is not strictly between them stays in its step but out of its loss and
+      of the advantages' batch statistics (ledger outcome ``masked``); no
+      prompt replaces it.
     - ``sleeping_replicas``: the generator replicas that share GPUs with the
       trainer. They sleep while a step trains and are refreshed when they
       wake; the others keep generating (partial overlap). All of them:
@@ -83,6 +93,7 @@ class RunSettings:
     max_lag: int = _STALENESS.max_lag
     order: Order = _STALENESS.order
     too_stale: TooStale = _STALENESS.too_stale
+    max_ahead: float | None = _STALENESS.max_ahead
     buffer_capacity: int = 0  # 0 = one staleness window
     max_inflight: int = 0  # 0 = buffer_capacity
     reward_stages: tuple[str, ...] = ()
@@ -102,7 +113,10 @@ class RunSettings:
     normalize: str = "group"
     reward_clip: float = 0.0
     advantage_clip: float = 0.0
+    reward_scale: float = 1.0
+    reward_bias: float = 0.0
     dynamic_sampling: bool = False
+    difficulty_mask: tuple[float, float] | None = None
     replica_leases: tuple[tuple[str, ...], ...] = ()
     trainer_lease: tuple[str, ...] = ()
 
@@ -115,12 +129,17 @@ class RunSettings:
             _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         _require(self.order in ("any", "in_order"), f"order must be 'any' or 'in_order', got {self.order!r}")
         _require(self.too_stale in ("drop", "wait"), f"too_stale must be 'drop' or 'wait', got {self.too_stale!r}")
+        _require(self.max_ahead is None or 0 <= self.max_ahead <= self.max_lag,
+                 f"max_ahead must be between 0 and max_lag {self.max_lag}, got {self.max_ahead}")
         _require(self.sync_bucket_bytes >= 1, "sync_bucket_bytes must be >= 1")
         _require(self.watchdog_timeout_s > 0, "watchdog_timeout_s must be > 0")
         _require(self.advantage_eps >= 0, "advantage_eps must be >= 0")
         _require(self.reward_clip >= 0 and self.advantage_clip >= 0, "reward_clip and advantage_clip must be >= 0")
         _require(self.advantage in ESTIMATORS, f"advantage must be one of {', '.join(ESTIMATORS)}")
         _require(self.normalize in NORMALISATIONS, f"normalize must be one of {', '.join(NORMALISATIONS)}")
+        if self.difficulty_mask is not None:
+            _require(len(self.difficulty_mask) == 2, "difficulty_mask must be (low, high)")
+            object.__setattr__(self, "difficulty_mask", tuple(float(b) for b in self.difficulty_mask))
         if self.minibatch_groups == 0 or self.minibatch_groups > self.prompts_per_step:
             object.__setattr__(self, "minibatch_groups", self.prompts_per_step)
         object.__setattr__(self, "reward_stages", tuple(self.reward_stages))
@@ -140,6 +159,11 @@ class RunSettings:
         """Prompt groups in one staleness window: the most that can usefully
         be outstanding at once."""
         return (self.max_lag + 1) * self.prompts_per_step
+
+    @property
+    def ahead_groups(self) -> int:
+        """Groups generated before a version that may train at or after it."""
+        return ahead_groups(self.max_lag, self.max_ahead, self.prompts_per_step)
 
     @property
     def samples_per_step(self) -> int:
@@ -196,6 +220,7 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None,
         max_lag=pipe.staleness.max_lag,
         order=pipe.staleness.order,
         too_stale=pipe.staleness.too_stale,
+        max_ahead=pipe.staleness.max_ahead,
         buffer_capacity=pipe.batch.buffer_capacity,
         max_inflight=pipe.batch.max_inflight,
         reward_stages=tuple(n for n in flow_order if n in stages and stages[n].kind == "reward"),
@@ -214,7 +239,10 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None,
         normalize=train_settings.get("normalize", "group"),
         reward_clip=float(train_settings.get("reward_clip", 0.0)),
         advantage_clip=float(train_settings.get("advantage_clip", 0.0)),
+        reward_scale=float(train_settings.get("reward_scale", 1.0)),
+        reward_bias=float(train_settings.get("reward_bias", 0.0)),
         dynamic_sampling=bool(train_settings.get("dynamic_sampling", False)),
+        difficulty_mask=train_settings.get("difficulty_mask"),
         replica_leases=tuple(replica_leases(pipe, shared_gpus)),
         trainer_lease=_gpu_ids(train.ranks, shared_gpus),
     )

@@ -137,7 +137,7 @@ class TrainPump(GpuTurns):
                 await self._optimizer_step(step)
             chunk = groups[start:start + size]
             self.lanes.open_step(len(chunk))
-            for group in chunk:
+            for group in (g for g in chunk if not g.masked):  # a masked group is in the step, not the loss
                 replica = self.lanes.assign(group.tokens)
                 own = None if advantages is None else advantages[group.group_id]
                 self.lanes.submit(replica, lambda g=group, r=replica, a=own: self._microbatch(step, g, r, a))
@@ -149,15 +149,16 @@ class TrainPump(GpuTurns):
         return order
 
     def _batch_advantages(self, groups: list[Group]) -> dict[int, list[float]]:
-        settings = self.state.settings
-        values = compute_advantages([list(g.rewards) for g in groups], settings.advantage, settings.normalize,
-                                    settings.advantage_eps, settings.reward_clip, settings.advantage_clip)
-        return {group.group_id: advantage for group, advantage in zip(groups, values)}
+        """Masked groups are left out: they weigh in no batch statistic."""
+        trained = [group for group in groups if not group.masked]
+        return {group.group_id: advantage for group, advantage in zip(trained, self._advantages(trained))}
 
-    def _group_advantages(self, group: Group) -> list[float]:
+    def _advantages(self, groups: list[Group]) -> list[list[float]]:
         settings = self.state.settings
-        return compute_advantages([list(group.rewards)], settings.advantage, settings.normalize,
-                                  settings.advantage_eps, settings.reward_clip, settings.advantage_clip)[0]
+        return compute_advantages([list(g.rewards) for g in groups], settings.advantage, settings.normalize,
+                                  settings.advantage_eps, settings.reward_clip, settings.advantage_clip,
+                                  reward_scale=settings.reward_scale, reward_bias=settings.reward_bias,
+                                  tokens=_sample_tokens(groups) if settings.normalize == "batch_tokens" else None)
 
     async def _drain(self) -> None:
         self.activity = f"waiting for the step's last microbatches: {self.lanes.describe()}"
@@ -203,9 +204,9 @@ class TrainPump(GpuTurns):
         if not step.begun:
             step.begun = True
             await self._call("begin_train_step", state.stages.begin_train_step, step.batch_index)
-        if stream:
+        if stream and not group.masked:
             replica = self.lanes.assign(group.tokens)
-            advantages = self._group_advantages(group)
+            (advantages,) = self._advantages([group])
             self.lanes.submit(replica, lambda: self._microbatch(step, group, replica, advantages))
 
     async def _microbatch(self, step: StepBuild, group: Group, replica: int, advantages: list[float] | None) -> None:
@@ -265,6 +266,9 @@ class TrainPump(GpuTurns):
         lags: Counter[int] = Counter()
         skipped = bool((result.metrics or {}).get("skipped"))  # the weights did not change: nothing was trained
         for group in step.groups:
+            if group.masked:
+                state.ledger.masked(group.keys, step=state.finished_steps + 1)
+                continue
             lag = group.lag_at(step.version)
             trained = [key for key in group.keys if key not in group.refused]
             if skipped:
@@ -351,6 +355,8 @@ class TrainPump(GpuTurns):
                 "samples_per_s": state.ledger.trained_count / elapsed,
                 "busy": state.busy_fractions(),
                 "dropped": state.ledger.summary()["dropped"],
+                **({"masked": sum(len(g.keys) for g in step.groups if g.masked)}
+                   if state.settings.difficulty_mask else {}),
                 "trainer": dict(result.metrics),
                 **_component_means(step.groups),
             }
@@ -360,6 +366,15 @@ class TrainPump(GpuTurns):
 def _trainer_lost(lost: WorkerLost, call: str) -> TrainerLost:
     return TrainerLost(f"trainer rank {lost.rank} of `{lost.stage}` died during {call} ({lost.detail}); "
                        "its optimizer state is gone: resume from the run's last checkpoint")
+
+
+def _sample_tokens(groups: list[Group]) -> list[list[int]]:
+    """Each sample's trained tokens, as its generator reported them (`normalize = batch_tokens`)."""
+    missing = [group.group_id for group in groups if any(key not in group.sample_tokens for key in group.keys)]
+    if missing:
+        raise RuntimeError(f"normalize = batch_tokens: the generate stage reported no per-sample token counts for "
+                           f"prompt groups {missing[:5]}; its engine must fill Generated.sample_tokens")
+    return [[group.sample_tokens[key] for key in group.keys] for group in groups]
 
 
 def _mean(values) -> float | None:

@@ -74,7 +74,18 @@ def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int):
     raise _unavailable(stage)
 
 
-def build_logprob(stage: StagePlan, pipe: PipelinePlan, seed: int):
+def logprob_copy_ranks(stage: StagePlan) -> int:
+    """How many ranks of a logprob stage hold one copy of its model between
+    them and serve each call together: an fsdp stage's `shard` (0: all its
+    ranks); 1 for every other stage (each rank serves alone)."""
+    if stage.kind != "logprob" or stage.engine is None or stage.engine.name != "fsdp":
+        return 1
+    shard = stage.engine.args.get("shard", 1)
+    return len(stage.ranks) if shard == 0 else shard
+
+
+def build_logprob(stage: StagePlan, pipe: PipelinePlan, seed: int, process_group=None):
+    """``process_group``: the stage's group, for an fsdp stage that shards."""
     name = stage.engine.name
     if name == "sim":
         from rldsl.runtime.engines.sim import SimLogprob
@@ -85,7 +96,8 @@ def build_logprob(stage: StagePlan, pipe: PipelinePlan, seed: int):
 
         model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
         return TorchLogprob(model, rows_per_forward=stage.settings.get("micro_batch"),
-                            tokens_per_forward=stage.settings.get("micro_batch_tokens", 0))
+                            tokens_per_forward=stage.settings.get("micro_batch_tokens", 0),
+                            offload=offloads_between_calls(stage))
     if name == "vllm":
         from rldsl.runtime.engines.vllm import VLLMLogprob
 
@@ -97,17 +109,32 @@ def build_logprob(stage: StagePlan, pipe: PipelinePlan, seed: int):
     if name == "fsdp":
         from rldsl.runtime.engines.fsdp.logprob import FsdpLogprob
 
-        model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
-        return FsdpLogprob(model, dtype=stage.engine.args["dtype"], rows_per_forward=stage.settings.get("micro_batch"),
-                           tokens_per_forward=stage.settings.get("micro_batch_tokens", 0))
+        plan = _model(pipe, stage)
+        if logprob_copy_ranks(stage) > 1 and plan.source.startswith("hf:"):  # each rank reads only its shards
+            from rldsl.runtime.engines.fsdp.loading import meta_hf_model
+
+            model = meta_hf_model(plan.source)
+        else:
+            model = load_policy(plan, pipe, pipe.run.seed)
+        return FsdpLogprob(model, dtype=stage.engine.args["dtype"], shard=stage.engine.args.get("shard", 1),
+                           process_group=process_group, rows_per_forward=stage.settings.get("micro_batch"),
+                           tokens_per_forward=stage.settings.get("micro_batch_tokens", 0),
+                           offload=offloads_between_calls(stage))
     if name == "megatron":
         from rldsl.runtime.engines.megatron.logprob import MegatronLogprob
 
         return MegatronLogprob.from_pretrained(_hf_path(pipe, stage), **_megatron_parallelism(stage),
                                                rows_per_forward=stage.settings.get("micro_batch"),
                                                tokens_per_forward=stage.settings.get("micro_batch_tokens", 0),
-                                               seed=pipe.run.seed)
+                                               seed=pipe.run.seed, offload=offloads_between_calls(stage))
     raise _unavailable(stage)
+
+
+def offloads_between_calls(stage: StagePlan) -> bool:
+    """A logprob stage with `offload = true` that shares its GPUs keeps its
+    weights in host memory between scoring calls (torch/offload.py); alone on
+    its GPUs it keeps them on the device."""
+    return bool(stage.engine.args.get("offload")) and bool(stage.colocated_with)
 
 
 def build_judge(stage: StagePlan, pipe: PipelinePlan, seed: int):
@@ -138,7 +165,8 @@ def build_trainer(stage: StagePlan, pipe: PipelinePlan, seed: int, process_group
         from rldsl.runtime.engines.torch.train import TorchTrainer
 
         model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
-        return TorchTrainer(model, **training_options(stage, pipe), process_group=process_group)
+        return TorchTrainer(model, **training_options(stage, pipe), process_group=process_group,
+                            offload=stage.engine.args.get("offload", True))
     if name == "fsdp":
         from rldsl.runtime.engines.fsdp.trainer import FsdpTrainer
 

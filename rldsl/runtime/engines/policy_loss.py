@@ -7,8 +7,9 @@ in the loss or as a per-token reward penalty (REINFORCE++), GSPO's
 sequence-level ratio (``ratio = "sequence"``), AReaL's decoupled
 objective with a capped behaviour importance weight (``behaviour_cap``) and
 the rollout corrections of the generator/trainer mismatch (``correction``:
-truncated or masked importance sampling, per token or per sequence, as
-verl's ``rollout_correction`` and slime's TIS).
+importance sampling untruncated, truncated or masked, per token or per
+sequence, as NeMo RL's importance sampling correction, verl's
+``rollout_correction`` and slime's TIS).
 
 With ``behaviour_cap`` or a correction, the clipped ratio is taken against
 the proximal policy (the weights the rollout batch started with) and every
@@ -26,6 +27,7 @@ data-parallel ranks add up.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -34,10 +36,11 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_PLACEMENTS = ("loss", "reward")
 RATIO_LEVELS = ("token", "sequence")
-CORRECTIONS = ("none", "tis", "mis", "icepop")
+CORRECTIONS = ("none", "is", "tis", "mis", "icepop")
 CORRECTION_LEVELS = ("token", "sequence")
-# (low, high) bounds of the weight when left out: verl's and slime's 2.0; IcePop's two-sided [0.5, 5].
-DEFAULT_CORRECTION_BOUNDS = {"tis": (0.0, 2.0), "mis": (0.0, 2.0), "icepop": (0.5, 5.0)}
+# (low, high) bounds of the weight when left out: verl's and slime's 2.0; IcePop's two-sided [0.5, 5];
+# ``is`` has none (NeMo RL's importance sampling correction with no truncation ratio).
+DEFAULT_CORRECTION_BOUNDS = {"is": (0.0, math.inf), "tis": (0.0, 2.0), "mis": (0.0, 2.0), "icepop": (0.5, 5.0)}
 # Summable statistics of one microbatch, besides the loss sum. ``capped_tokens``: tokens whose weight a
 # correction (or behaviour_cap) truncated or masked; ``mismatch_*``: generator vs proximal logprobs.
 STAT_NAMES = ("tokens", "sequences", "kl_sum", "clipped_tokens", "dual_clipped_tokens", "capped_tokens", "ratio_sum",
@@ -59,7 +62,7 @@ class PolicyLossConfig:
     behaviour_cap: float = 0.0  # 0: off; else the decoupled objective, weights above the cap masked
     kl_input_clamp: float = 0.0  # 0: off; else d = logp - ref is clamped to [-c, c] before the estimator
     kl_output_clamp: float = 0.0  # 0: off; else each token's KL estimate is clamped to [-c, c]
-    correction: str = "none"  # tis: weight clamped to [low, high]; mis / icepop: weight 0 outside [low, high]
+    correction: str = "none"  # is: weight as is; tis: clamped to [low, high]; mis / icepop: 0 outside [low, high]
     correction_level: str = "token"  # "sequence": w is the product of the response's token weights
     correction_low: float | None = None  # None: DEFAULT_CORRECTION_BOUNDS
     correction_high: float | None = None
@@ -91,6 +94,9 @@ class PolicyLossConfig:
             return
         if self.behaviour_cap:
             raise ValueError(f"behaviour_cap and correction {self.correction!r} both weight the tokens: use one")
+        if self.correction == "is" and (self.correction_low, self.correction_high) != (None, None):
+            raise ValueError("correction 'is' leaves the weight untruncated: correction_low and correction_high "
+                             "bound tis, mis and icepop only")
         if self.correction == "icepop" and self.correction_level != "token":
             raise ValueError("correction 'icepop' masks tokens: correction_level must be 'token' (or use 'mis')")
         low, high = self.correction_bounds
@@ -190,7 +196,9 @@ def correction_weights(proximal, behaviour, mask, config: PolicyLossConfig):
     broadcast over its tokens. ``tis`` clamps w to [low, high] (truncated
     IS); ``mis`` and ``icepop`` (token level) keep w inside [low, high] and
     drop the token or sequence outside; ``behaviour_cap`` drops tokens above
-    the cap (AReaL). Dropped tokens still count in N, as in AReaL.
+    the cap (AReaL); ``is`` keeps w whole, dropping only a weight that
+    overflowed to infinity (as NeMo RL zeroes it). Dropped tokens still
+    count in N, as in AReaL.
     """
     if not config.needs_proximal:
         return torch.ones_like(mask), mask, torch.zeros_like(mask)
@@ -199,7 +207,7 @@ def correction_weights(proximal, behaviour, mask, config: PolicyLossConfig):
         log_weight = log_weight.sum(dim=1, keepdim=True).expand_as(mask)
     weight = torch.exp(log_weight)
     low, high = config.correction_bounds
-    inside = (weight >= low) & (weight <= high)
+    inside = (weight >= low) & (weight <= high) & torch.isfinite(weight)
     outside = mask * (~inside).to(mask.dtype)
     if config.correction == "tis":
         return weight.clamp(min=low, max=high) * mask, mask, outside

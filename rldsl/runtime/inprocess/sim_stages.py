@@ -111,7 +111,8 @@ class SimStages:
     ) -> p.Generated:
         batch = await self.replicas[replica].submit(list(prompts), samples_per_prompt, seed)
         await self._put(keys, batch)
-        return p.Generated(int(batch[p.FIELD_VERSION][0]), int(batch[p.FIELD_RESPONSE_MASK].sum()))
+        return p.Generated(int(batch[p.FIELD_VERSION][0]), int(batch[p.FIELD_RESPONSE_MASK].sum()),
+                           sample_tokens=p.sample_token_counts(batch))
 
     async def reward(self, stage: str, keys: Sequence[str]) -> list[float | None]:
         requested_at = asyncio.get_running_loop().time()

@@ -229,10 +229,14 @@ def _collective_sync(pipe: PipelinePlan, transport: dict):
 
 
 def _replicas(stage) -> list[list[int]]:
-    """Rank indices per data-parallel replica: the ranks that see the same rows."""
+    """Rank indices per data-parallel replica: the ranks that see the same
+    rows (a sharded fsdp logprob stage: each shard group)."""
+    from rldsl.runtime.engines.factory import logprob_copy_ranks
+
+    copy_ranks = logprob_copy_ranks(stage)
     groups: dict[int, list[int]] = {}
     for rank in stage.ranks:
-        groups.setdefault(rank.dp_rank, []).append(rank.index)
+        groups.setdefault(rank.index // copy_ranks if copy_ranks > 1 else rank.dp_rank, []).append(rank.index)
     return list(groups.values())
 
 

@@ -195,14 +195,18 @@ def eval_seed(run_seed: int, version: int, start: int) -> int:
 class EvaluationSchedule:
     """The driver's side: which steps to evaluate, the requests in flight
     (answered in order), the results so far and the evaluations that timed
-    out. ``timeout_s`` (``run { eval_timeout }``, 0: none) bounds each
-    evaluation from its request: one not answered by then is reported as
-    timed out and no longer waited for, so the end of a run never hangs on
-    it (the evaluator goes on; a later request waits behind it)."""
+    out. ``at_start`` / ``at_end`` (``run { eval_at_start  eval_at_end }``):
+    whether the starting weights and the last step's are evaluated besides
+    the ``every`` grid. ``timeout_s`` (``run { eval_timeout }``, 0: none)
+    bounds each evaluation from its request: one not answered by then is
+    reported as timed out and no longer waited for, so the end of a run
+    never hangs on it (the evaluator goes on; a later request waits behind
+    it)."""
 
     def __init__(self, actor, every: int, total_steps: int, previous: list[dict] | None = None,
-                 timeout_s: float = 0.0, clock=time.monotonic):
+                 timeout_s: float = 0.0, clock=time.monotonic, at_start: bool = True, at_end: bool = True):
         self.actor, self.every, self.total_steps = actor, every, total_steps
+        self.at_start, self.at_end = at_start, at_end
         self.timeout_s, self.clock = timeout_s, clock
         self.pending: list[tuple[int, int, object, float]] = []  # (step, min version, ObjectRef, asked at)
         self.done: list[dict] = list(previous or [])
@@ -212,8 +216,12 @@ class EvaluationSchedule:
         self._unanswered: list[tuple[int, int]] = []  # requests its death left, for a replacement
 
     def due(self, step: int) -> bool:
-        """Every ``eval_every`` steps; the first and the last are asked for separately."""
+        """Every ``eval_every`` steps; the start and the last step are asked for separately."""
         return bool(self.every) and step % self.every == 0 and step < self.total_steps
+
+    def due_at_end(self, step: int) -> bool:
+        """The last step: with ``at_end``, or where the ``every`` grid falls on it anyway."""
+        return self.at_end or (bool(self.every) and step % self.every == 0)
 
     def request(self, step: int, version: int) -> None:
         if self.lost is None:
@@ -298,3 +306,31 @@ def describe_timeout(entry: dict) -> str:
         return f"eval @ step {entry['step']}: failed ({entry['error']}); no score for these weights"
     return (f"eval @ step {entry['step']}: timed out after {entry['timeout_s']:g}s (run {{ eval_timeout }}); "
             "no score for these weights")
+
+
+def evaluation_summary(evals: list[dict], last_step: int) -> dict:
+    """summary.json's evaluations: every one, and ``eval_start`` / ``eval_end``
+    only where the starting weights and the last step's were evaluated, so
+    a run that skipped either reports no change it did not measure."""
+    if not evals:
+        return {}
+    summary = {"evals": evals}
+    if evals[0]["step"] == 0:
+        summary["eval_start"] = evals[0]["accuracy"]
+    if evals[-1]["step"] == last_step:
+        summary["eval_end"] = evals[-1]["accuracy"]
+    return summary
+
+
+def accuracy_change(evals: list[dict], last_step: int) -> str | None:
+    """The final table's held-out accuracy: start -> end when both were
+    evaluated, else each number with the step it was measured at."""
+    if not evals:
+        return None
+    first, last = evals[0], evals[-1]
+    if len(evals) == 1:
+        return f"{first['accuracy']:.3f} at step {first['step']} (the only evaluation)"
+    change = f"{last['accuracy'] - first['accuracy']:+.3f}"
+    if first["step"] == 0 and last["step"] == last_step:
+        return f"{first['accuracy']:.3f} -> {last['accuracy']:.3f} ({change})"
+    return f"{first['accuracy']:.3f} (step {first['step']}) -> {last['accuracy']:.3f} (step {last['step']}), {change}"

@@ -93,8 +93,8 @@ class GeneratorEvaluations(EvaluationSchedule):
     under another handle); its evaluation is reported as failed."""
 
     def __init__(self, replicas: list, every: int, total_steps: int, previous: list[dict] | None = None,
-                 timeout_s: float = 0.0, clock=time.monotonic):
-        super().__init__(None, every, total_steps, previous, timeout_s, clock)
+                 timeout_s: float = 0.0, clock=time.monotonic, at_start: bool = True, at_end: bool = True):
+        super().__init__(None, every, total_steps, previous, timeout_s, clock, at_start, at_end)
         self.replicas = list(replicas)
         self.running: dict[int, object] = {}  # replica -> its evaluate call not yet ended
         self.waiting: list[tuple[int, int, float]] = []  # (step, version, asked at): every replica was busy
@@ -182,4 +182,5 @@ def generator_schedule(pipe: PipelinePlan, handles: dict[str, list], total_steps
                        previous: list[dict] | None = None) -> GeneratorEvaluations:
     """The schedule over every generator replica of the pipeline, in stage order."""
     replicas = [actor for stage in pipe.stages if stage.kind == "generate" for actor in handles[stage.name]]
-    return GeneratorEvaluations(replicas, pipe.run.eval_every, total_steps, previous, pipe.run.eval_timeout_s)
+    return GeneratorEvaluations(replicas, pipe.run.eval_every, total_steps, previous, pipe.run.eval_timeout_s,
+                                at_start=pipe.run.eval_at_start, at_end=pipe.run.eval_at_end)

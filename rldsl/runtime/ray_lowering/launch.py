@@ -64,6 +64,20 @@ def preflight(pipe: PipelinePlan) -> None:
             path = source.removeprefix("jsonl:")
             if source.startswith("jsonl:") and "{split}" not in path and not Path(path).exists():
                 raise PreflightError(f"dataset `{dataset.name}`: no such file {path}")
+    _check_chat_prompts(pipe)
+
+
+def _check_chat_prompts(pipe: PipelinePlan) -> None:
+    """Chat messages in a dataset need the policy's chat template: said now,
+    not when the controller first reads the rows."""
+    from rldsl.runtime.control.prompts import check_chat_prompts
+    from rldsl.tasks import DatasetError
+
+    if pipe.datasets:
+        try:
+            check_chat_prompts(pipe)
+        except DatasetError as err:
+            raise PreflightError(str(err)) from None
 
 
 def _check_libraries(pipe: PipelinePlan) -> None:
@@ -87,10 +101,11 @@ def _check_libraries(pipe: PipelinePlan) -> None:
             raise PreflightError(f"model `{model.name}`: {err}") from None
 
 
-def with_run_lengths(plan: ExecutionPlan, steps: int | None) -> ExecutionPlan:
+def with_run_lengths(plan: ExecutionPlan, steps: int | None, say=None) -> ExecutionPlan:
     """Every pipeline's steps known before an actor starts (the learning-rate
     schedule spans them): `--steps` wins, a run in epochs is counted from its
-    training prompts."""
+    training prompts (and capped by a `steps` written beside them, which
+    bound ends the run told to ``say``)."""
     from rldsl.runtime.control.prompts import train_prompt_count
     from rldsl.tasks import DatasetError
 
@@ -98,14 +113,29 @@ def with_run_lengths(plan: ExecutionPlan, steps: int | None) -> ExecutionPlan:
     for pipe in plan.pipelines:
         run = pipe.run
         if steps is not None:
-            run = replace(run, steps=steps, epochs=0, samples=0)
+            run = replace(run, steps=steps, epochs=0, samples=0, max_steps=0)
         elif run.epochs:
             try:
-                run = run.resolved(train_prompt_count(pipe, run.seed), pipe.batch.prompts_per_step)
+                prompts = train_prompt_count(pipe, run.seed)
             except DatasetError as err:
                 raise PreflightError(f"dataset of pipeline `{pipe.name}`: {err}") from None
+            run = run.resolved(prompts, pipe.batch.prompts_per_step)
+            if pipe.run.max_steps and say is not None:
+                say(f"{pipe.name}: {_binding_bound(pipe, prompts, run.steps)}")
         pipes.append(replace(pipe, run=run))
     return replace(plan, pipelines=pipes)
+
+
+def _binding_bound(pipe: PipelinePlan, prompts: int, steps: int) -> str:
+    """Which of `epochs` and the `steps` beside them ends the run, in words."""
+    cap, epochs = pipe.run.max_steps, pipe.run.epochs
+    by_epochs = replace(pipe.run, max_steps=0).resolved(prompts, pipe.batch.prompts_per_step).steps
+    data = f"{epochs} epoch{'s' * (epochs != 1)} of {prompts} training prompts"
+    if by_epochs == cap:
+        return f"the run takes {steps} steps: steps = {cap} and {data} end it together"
+    if by_epochs < cap:
+        return f"the run takes {steps} steps: {data} end it before steps = {cap}"
+    return f"the run takes {steps} steps: steps = {cap} ends it before {data} ({by_epochs} steps)"
 
 
 def _recorded_steps(run_dir: Path) -> int | None:
@@ -160,7 +190,8 @@ def run_plan(plan: ExecutionPlan, args) -> int:
             preflight(pipe)
         check_shared_gpus(plan)
         check_transports(plan)
-        written, plan = plan, with_run_lengths(plan, steps)  # the run directory keeps the plan as given
+        # the run directory keeps the plan as given
+        written, plan = plan, with_run_lengths(plan, steps, say=lambda text: print(text, file=sys.stderr))
     except PreflightError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -14,6 +14,7 @@ from pathlib import Path
 from rldsl.plan import PipelinePlan
 from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.ray_lowering.cluster import ACTOR_NUM_CPUS
+from rldsl.runtime.ray_lowering.evaluation import evaluation_summary
 from rldsl.runtime.ray_lowering.pipeline_evaluations import PipelineEvaluations, previous_evals
 from rldsl.runtime.ray_lowering.progress import Progress, rewind_metrics
 from rldsl.runtime.ray_lowering.stage_handles import reward_calls_per_worker
@@ -199,7 +200,7 @@ class PipelineDriver(PipelineEvaluations):
         self.progress = Progress(self.settings, self.run_dir, prefix=self.prefix, live=live, log=self.pipe.run.log,
                                  name=self.pipe.name, config=_logged_config(self.pipe),
                                  first_step=self.resume["steps_done"] + 1 if self.resume else None)
-        if self.evaluations and not self.resume:
+        if self.evaluations and self.evaluations.at_start and not self.resume:
             self.evaluations.request(step=0, version=0)
         self.result_ref = self.controller.run.remote()
         self.traces = TraceCollector(self.run_dir, self._traced_actors(), self.pipe.name)
@@ -275,13 +276,10 @@ class PipelineDriver(PipelineEvaluations):
 
         summary = ray.get(self.result_ref)
         if self.evaluations:
-            self.evaluations.request(step=summary["steps"], version=summary["version"])
+            if self.evaluations.due_at_end(summary["steps"]):
+                self.evaluations.request(step=summary["steps"], version=summary["version"])
             self._show_evaluations(wait=True)
-        evals = self.evaluations.done if self.evaluations else []
-        if evals:
-            summary["eval_start"] = evals[0]["accuracy"]
-            summary["eval_end"] = evals[-1]["accuracy"]
-            summary["evals"] = evals
+        summary.update(evaluation_summary(self.evaluations.done if self.evaluations else [], summary["steps"]))
         if self.evaluations and self.evaluations.timed_out:
             summary["eval_timeouts"] = self.evaluations.timed_out
         if self.evaluations and self.evaluations.failed:

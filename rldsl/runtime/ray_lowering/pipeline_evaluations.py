@@ -32,8 +32,10 @@ class PipelineEvaluations:
 
             self.evaluations = generator_schedule(self.pipe, self.handles, self.settings.steps, self.previous_evals)
             return
-        self.evaluations = EvaluationSchedule(self._evaluator_actor(), self.pipe.run.eval_every, self.settings.steps,
-                                              self.previous_evals, timeout_s=self.pipe.run.eval_timeout_s)
+        run = self.pipe.run
+        self.evaluations = EvaluationSchedule(self._evaluator_actor(), run.eval_every, self.settings.steps,
+                                              self.previous_evals, timeout_s=run.eval_timeout_s,
+                                              at_start=run.eval_at_start, at_end=run.eval_at_end)
 
     def _evaluator_actor(self, suffix: str = ""):
         import ray

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from rldsl.runtime.control.settings import RunSettings
+from rldsl.runtime.ray_lowering.evaluation import accuracy_change
 
 
 class Progress:
@@ -107,8 +108,9 @@ class Progress:
         leases = (f" replicas {r['replicas_awake']} lease waits {r['lease_wait_s']:.1f}s"
                   if "replicas_awake" in r else "")
         mismatch = _mismatch(r.get("trainer") or {})
+        masked = f" masked {r['masked']}" if r.get("masked") else ""  # difficulty_mask: in the step, not the loss
         return (f"step {r['step']}/{self.settings.steps} v{r['version']} lag {_hist(r['lag_histogram'])} "
-                f"{r['samples_per_s']:.1f} samples/s{reward_text} busy {_busy(r['busy'])}{leases}"
+                f"{r['samples_per_s']:.1f} samples/s{reward_text}{masked} busy {_busy(r['busy'])}{leases}"
                 f"{' mismatch ' + mismatch if mismatch else ''}")
 
     def _render(self):
@@ -148,11 +150,12 @@ class Progress:
         rows = [("steps", f"{summary['steps']}"), ("generated", f"{ledger['generated']}"),
                 ("trained", f"{ledger['trained']}"),
                 ("dropped", ", ".join(f"{k} {v}" for k, v in ledger["dropped"].items()) or "0"),
+                *([("masked", f"{ledger['masked']}")] if ledger.get("masked") else []),
                 ("max lag", f"{summary['max_lag']}"), ("samples/s", f"{summary['samples_per_s']:.1f}"),
                 ("wall clock", f"{summary['wall_clock_s']:.0f}s (training loop {summary['train_loop_s']:.0f}s)")]
-        if "eval_start" in summary:
-            rows.append(("held-out accuracy", f"{summary['eval_start']:.3f} -> {summary['eval_end']:.3f} "
-                                              f"({summary['eval_end'] - summary['eval_start']:+.3f})"))
+        held_out = accuracy_change(summary.get("evals", []), summary["steps"])
+        if held_out:
+            rows.append(("held-out accuracy", held_out))
         for name, value in rows:
             table.add_row(name, value)
         self.console.print(table)

@@ -35,7 +35,7 @@ def write_summary(run_dir: Path, segment: dict | None, pipeline: str, error: str
     summary["segment_ledger"] = summary.pop("ledger", None)
     totals = journal_totals(Path(run_dir) / JOURNAL_FILE)
     if totals is not None:
-        summary["ledger"] = {key: totals[key] for key in _RUN_LEDGER}
+        summary["ledger"] = {key: totals[key] for key in (*_RUN_LEDGER, "masked") if key in totals}
         summary["max_lag"] = totals["max_lag"]
         summary["resumes"] = totals["resumes"]
         summary.setdefault("steps", totals["steps"])

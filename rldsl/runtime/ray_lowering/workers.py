@@ -11,7 +11,7 @@ import contextlib
 import logging
 from typing import Sequence
 
-from rldsl.plan import PipelinePlan, StagePlan, recomputes_at_batch_start
+from rldsl.plan import PipelinePlan, StagePlan, recomputes_at_batch_start, truncates_long_prompts
 from rldsl.runtime import protocols as p
 from rldsl.runtime.dataplane.base import align_to_responses
 from rldsl.runtime.engines.batch_requests import token_version_runs
@@ -79,6 +79,7 @@ class GeneratorWorker(StageWorker, WeightGroupMember):
         tokenizer = getattr(self.engine, "tokenizer", None)  # the sim engine has none: nothing to mask
         self.engine_end_ids = (tokenizer.eos_id, *stage.settings.get("stop_token_ids", ())) if tokenizer else ()
         self._evaluation = None  # ReplicaEvaluation, built on the first `evaluate`
+        self.masks_prompts = bool(pipe.datasets) and truncates_long_prompts(pipe.datasets[0].options)
 
     def generate(self, prompts: list[p.Prompt], keys: Sequence[str], samples_per_prompt: int, seed: int):
         with self.tracer.span("generate", groups=prompt_groups(keys)) as args:
@@ -89,6 +90,8 @@ class GeneratorWorker(StageWorker, WeightGroupMember):
                 batch = self.batcher.submit(prompts, samples_per_prompt, seed)
                 if self.stage.settings.get("truncated") == "mask" and self.engine_end_ids:
                     p.mask_truncated(batch, self.stage.settings["max_new_tokens"], self.engine_end_ids)
+            if self.masks_prompts:  # `long_prompts = truncate`: every batch carries the loss mask
+                p.mask_truncated_prompts(batch, prompts, samples_per_prompt)
             runs = token_version_runs(batch.pop(p.FIELD_TOKEN_VERSIONS, None))  # journaled, not stored
             version = int(batch[p.FIELD_VERSION][0]) if len(keys) else self.batcher.version
             args["version"] = version
@@ -96,7 +99,7 @@ class GeneratorWorker(StageWorker, WeightGroupMember):
             self._put(keys, batch)
         tokens = int(batch[p.FIELD_RESPONSE_MASK].sum())
         self._tokens_answered += tokens
-        return p.Generated(version, tokens, runs)
+        return p.Generated(version, tokens, runs, p.sample_token_counts(batch))
 
     def evaluate(self, timeout_s: float = 0.0) -> dict:
         """Held-out evaluation with the weights this replica holds
@@ -242,19 +245,24 @@ class LogprobWorker(StageWorker):
     """One rank of a logprob stage. The ranks of a model-parallel replica
     (megatron tp x pp > 1) form a process group and all take part in every
     batch; only the last pipeline stage has the result, and its first
-    tensor-parallel rank writes and reports it, once per replica."""
+    tensor-parallel rank writes and reports it, once per replica. The ranks
+    of a sharded fsdp stage's shard group are one replica too: each scores
+    a share of the rows, all end with the whole batch, the first writes."""
 
     def __init__(self, pipe, stage, rank, dataplane_spec, dist: dict | None = None):
-        from rldsl.runtime.engines.factory import build_logprob
+        from rldsl.runtime.engines.factory import build_logprob, logprob_copy_ranks
 
         super().__init__(pipe, stage, rank, dataplane_spec)
-        if dist and dist["world_size"] > 1 and stage.engine.name == "megatron":
-            join_dist_group(dist)  # megatron builds its tp / dp groups from the default group
-        self.engine = build_logprob(stage, pipe, seed=pipe.run.seed + 2000 + rank)
+        copy_ranks = logprob_copy_ranks(stage)
+        group = None
+        if dist and dist["world_size"] > 1 and (stage.engine.name == "megatron" or copy_ranks > 1):
+            group = join_dist_group(dist)  # megatron builds its tp / dp groups from the default group
+        self.engine = build_logprob(stage, pipe, seed=pipe.run.seed + 2000 + rank,
+                                    process_group=group if copy_ranks > 1 else None)
         self.frozen = bool(stage.settings.get("frozen"))
         self.field = p.logprob_field(self.frozen)
         placed = stage.ranks[rank]
-        self.writes = placed.tp_rank == 0 and placed.pp_rank == stage.pp - 1
+        self.writes = placed.tp_rank == 0 and placed.pp_rank == stage.pp - 1 and rank % copy_ranks == 0
         self.version = 0  # the newest weights pushed to it
         # batch_start: only the trainer's newest version is ever asked for
         window = 0 if recomputes_at_batch_start(stage) else pipe.staleness.max_lag

@@ -1,4 +1,4 @@
-"""Sharded construction for the fsdp trainer: no rank ever holds the full model.
+"""Sharded construction for the fsdp engines: no rank ever holds the full model.
 
 The module's parameters live on the meta device (no storage) when it is
 ``fully_shard``ed; ``to_empty`` then allocates only this rank's shards, and
@@ -61,16 +61,18 @@ def meta_hf_model(source: str):
     return HFCausalLM(module, HFTokenizer(tokenizer), source, config.to_dict())
 
 
-def build_sharded(model, mesh, dtype: str, device: torch.device) -> None:
+def build_sharded(model, mesh, dtype: str, device: torch.device, frozen: bool = False) -> None:
     """Shard ``model.module`` in place on ``mesh`` with fp32 shards on
-    ``device``, filled from the checkpoint files of an ``hf:`` model whose
-    parameters are on meta, else from the weights the module holds."""
-    from rldsl.runtime.engines.fsdp.sharding import shard_module
+    ``device`` (``frozen``, a forward-only copy: shards in ``dtype``), filled
+    from the checkpoint files of an ``hf:`` model whose parameters are on
+    meta, else from the weights the module holds."""
+    from rldsl.runtime.engines.fsdp.sharding import DTYPES, shard_module
 
     module = model.module
     params, buffers = detach_to_meta(module)
-    module.to(dtype=torch.float32)  # fp32 master shards whatever the compute or checkpoint dtype
-    shard_module(module, mesh, dtype)
+    # fp32 master shards for training whatever the compute or checkpoint dtype
+    module.to(dtype=DTYPES[dtype] if frozen else torch.float32)
+    shard_module(module, mesh, dtype, frozen=frozen)
     materialize(module, device, buffers)
     if params:
         fill_shards(module, HFTensors(params))

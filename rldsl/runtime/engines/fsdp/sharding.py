@@ -61,14 +61,16 @@ def build_mesh(process_group, shard: int, device_type: str) -> DeviceMesh:
     if shard in (0, size):
         return DeviceMesh.from_group(group, device_type)
     if shard < 0 or size % shard:
-        raise ValueError(f"fsdp: shard={shard} must divide the trainer's {size} data-parallel ranks")
+        raise ValueError(f"fsdp: shard={shard} must divide the stage's {size} data-parallel ranks")
     if size != dist.get_world_size():
-        raise ValueError("fsdp: hybrid sharding (shard < ranks) needs the trainer's group to be the default group")
+        raise ValueError("fsdp: hybrid sharding (shard < ranks) needs the stage's group to be the default group")
     return init_device_mesh(device_type, (size // shard, shard), mesh_dim_names=MESH_DIMS)
 
 
-def shard_module(module: nn.Module, mesh: DeviceMesh, dtype: str) -> None:
-    """``fully_shard`` every layer, then the root. bf16 computes in bf16 but
+def shard_module(module: nn.Module, mesh: DeviceMesh, dtype: str, frozen: bool = False) -> None:
+    """``fully_shard`` every layer, then the root. ``frozen`` (a logprob
+    stage's forward-only copy): the shards are already in the compute dtype,
+    nothing is cast, checkpointed or reduced. Otherwise bf16 computes in bf16 but
     keeps fp32 sharded parameters (the optimizer's master copy) and reduces
     gradients in fp32. Each unit's full parameters are gathered for its
     forward and again for its backward, and freed after each (FSDP keeps the
@@ -76,6 +78,10 @@ def shard_module(module: nn.Module, mesh: DeviceMesh, dtype: str) -> None:
     flight, never the model; the trainer keeps every rank's forwards in
     lockstep so those per-layer all-gathers line up. Every layer checkpoints
     its activations, which the compiler's memory model assumes."""
+    if frozen:
+        for unit in [*repeated_layers(module), module]:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+        return
     policy = mixed_precision(dtype)
     layers = repeated_layers(module)
     for layer in outermost(layers):  # a layer's nested lists (MoE experts) are recomputed with it

@@ -1,4 +1,5 @@
-"""The fsdp trainer's state outside a step: weight export, checkpoints, offload.
+"""The fsdp trainer's state outside a step: weight export and checkpoints
+(offload: rldsl.runtime.engines.torch.offload).
 
 Checkpoints are one file, ``fsdp.pt``, holding the full (unsharded) model
 and optimizer state dicts under the parameters' names plus the version and
@@ -66,38 +67,3 @@ def load_full_checkpoint(directory, module, optimizer) -> dict:
     set_state_dict(module, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"],
                    options=StateDictOptions(full_state_dict=True))
     return {key: value for key, value in saved.items() if key not in ("model", "optimizer")}
-
-
-class Offloaded:
-    """Sharded parameters and optimizer state moved to host memory and back.
-
-    Parameters move with ``module.to`` (FSDP re-points its shards);
-    optimizer-state tensors are replaced by host copies. Copies are exact,
-    so ``wake`` restores every value bit for bit.
-    """
-
-    def __init__(self):
-        self.home: torch.device | None = None
-        self.asleep = False
-
-    def sleep(self, module: torch.nn.Module, optimizer) -> None:
-        self.home = next(module.parameters()).device
-        if self.home.type != "cpu":
-            self._move(module, optimizer, torch.device("cpu"))
-            torch.cuda.empty_cache()
-        self.asleep = True
-
-    def wake(self, module: torch.nn.Module, optimizer) -> None:
-        if not self.asleep:
-            return
-        if self.home.type != "cpu":
-            self._move(module, optimizer, self.home)
-        self.asleep = False
-
-    @staticmethod
-    def _move(module, optimizer, device: torch.device) -> None:
-        module.to(device)
-        for param_state in optimizer.state.values():
-            for key, value in param_state.items():
-                if torch.is_tensor(value) and value.dim() > 0:  # AdamW's `step` stays where it is
-                    param_state[key] = value.to(device)

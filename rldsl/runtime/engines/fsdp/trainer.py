@@ -48,12 +48,8 @@ from torch.distributed.tensor import DTensor
 
 from rldsl.runtime.engines.fsdp.loading import build_sharded
 from rldsl.runtime.engines.fsdp.sharding import build_mesh, ensure_process_group, reshard_all, training_device
-from rldsl.runtime.engines.fsdp.state import (
-    Offloaded,
-    full_state_buckets,
-    load_full_checkpoint,
-    save_full_checkpoint,
-)
+from rldsl.runtime.engines.fsdp.state import full_state_buckets, load_full_checkpoint, save_full_checkpoint
+from rldsl.runtime.engines.torch.offload import Offloaded
 from rldsl.runtime.engines.policy_loss import merge_stats
 from rldsl.runtime.engines.torch.packing import forward_rows, take_rows
 from rldsl.runtime.engines.torch.train import TorchTrainer

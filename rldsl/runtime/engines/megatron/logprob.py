@@ -18,6 +18,7 @@ import torch
 
 from rldsl.runtime.engines.megatron import model as mm
 from rldsl.runtime.engines.megatron.hf_weights import HFToMegatronAssembler, LlamaShape
+from rldsl.runtime.engines.torch.offload import on_device_for_call
 from rldsl.runtime.engines.torch.packing import forward_rows, scatter_rows, take_rows, trim_padding
 from rldsl.runtime.protocols import FIELD_RESPONSE_IDS, Batch
 
@@ -29,12 +30,13 @@ class MegatronLogprob:
     stage receives Hugging Face-named buckets through ``update_weights``
     (a fused tensor whose parts span two buckets is assembled across them).
     With ``tokens_per_forward`` the rows of a forward are chosen by token
-    budget and their padding trimmed, as in the trainer.
+    budget and their padding trimmed, as in the trainer. With ``offload``
+    the weights stay in host memory between calls.
     """
 
     def __init__(self, shape: LlamaShape, hf_weights: Mapping[str, torch.Tensor] | None = None, *, tp: int = 1,
                  pp: int = 1, dtype: str = "bf16", rows_per_forward: int | None = None, tokens_per_forward: int = 0,
-                 seed: int = 0):
+                 seed: int = 0, offload: bool = False):
         mm.ensure_model_parallel(tp, pp, seed)
         self.pipeline_parallel = pp
         self.shape = shape
@@ -48,6 +50,9 @@ class MegatronLogprob:
         self.version = 0
         self._pending_version: int | None = None
         self._assembler = HFToMegatronAssembler(shape, fused_norms=mm.uses_fused_norms())
+        self.offload = offload  # weights in host memory between calls (torch/offload.py)
+        if offload:
+            self.sleep()
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs) -> "MegatronLogprob":
@@ -60,6 +65,10 @@ class MegatronLogprob:
         other than the last (it only relays activations)."""
         if self._pending_version is not None:
             raise RuntimeError(f"weight sync to version {self._pending_version} is in progress")
+        with on_device_for_call(self):
+            return self._logprobs(batch)
+
+    def _logprobs(self, batch: Batch) -> torch.Tensor | None:
         groups = forward_rows(batch, self.rows_per_forward, self.tokens_per_forward)
         trim = trim_padding if self.tokens_per_forward else dict
         chunks = [trim(take_rows(batch, rows)) for rows in groups]
@@ -88,7 +97,7 @@ class MegatronLogprob:
         rows = max(len(chunk[FIELD_RESPONSE_IDS]) for chunk in chunks)
         packed = [mm.pack_rows(chunk, self.device, length, rows) for chunk in chunks]
         outputs = get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iter(packed), model=[self.model],
+            forward_step_func=logprob_forward_step, data_iterator=iter(packed), model=[self.model],
             num_microbatches=len(packed), seq_length=length, micro_batch_size=rows, forward_only=True)
         if not parallel_state.is_pipeline_last_stage():
             return None
@@ -109,7 +118,7 @@ class MegatronLogprob:
             self.version = version
 
     def sleep(self) -> None:
-        """Weights to host memory (colocated placement); a no-op on CPU."""
+        """Weights to host memory (between calls with ``offload``); a no-op on CPU."""
         if self.device.type != "cpu":
             self.model.to("cpu")
             torch.cuda.empty_cache()
@@ -118,7 +127,7 @@ class MegatronLogprob:
         self.model.to(self.device)
 
 
-def _forward_step(data_iterator, model):
+def logprob_forward_step(data_iterator, model):
     """The schedule's step: logits (hidden states before the last stage) and
     the function the last stage applies to them."""
     packed = next(data_iterator)

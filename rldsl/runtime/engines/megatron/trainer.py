@@ -28,6 +28,10 @@ more optimizer steps:
 - ``abort_train_step`` restores the hooks and zeroes the gradients; it is
   idempotent.
 
+With ``behaviour_cap`` or a ``correction`` and several optimizer steps, the
+optimizer steps wait for finish and later microbatches get their proximal
+logprobs from a forward-only pass first (``proximal.py``).
+
 If a microbatch, an optimizer step or finish raises, the hooks are restored
 before the exception propagates and the step is marked failed: the caller
 must abort it (later calls on it raise).
@@ -49,17 +53,17 @@ While asleep the trainer refuses steps, weight export and checkpoints.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 
 from rldsl.runtime.engines.megatron import components as mc
 from rldsl.runtime.engines.megatron import model as mm
 from rldsl.runtime.engines.megatron import state as ms
 from rldsl.runtime.engines.megatron.hf_weights import LlamaShape
+from rldsl.runtime.engines.megatron.open_step import LOSS_STATS, OpenStep, counted, global_sums, no_sums
+from rldsl.runtime.engines.megatron.proximal import PROXIMAL, ProximalPass
 from rldsl.runtime.engines.policy_loss import PolicyLossConfig, policy_loss, rollout_metrics, step_metrics
 from rldsl.runtime.engines.schedule import LRSchedule
 from rldsl.runtime.engines.torch.packing import forward_rows, take_rows, trim_padding
@@ -74,26 +78,10 @@ from rldsl.runtime.protocols import (
 )
 
 log = logging.getLogger(__name__)
-COUNTS = ("tokens", "sequences")
-LOSS_STATS = ("loss_sum", "kl_sum", "clipped_tokens", "dual_clipped_tokens", "capped_tokens", "ratio_sum",
-              "mismatch_kl_sum", "mismatch_k3_sum", "mismatch_ratio_sum")  # extremes: not reduced here
 SKIPPED = {"skipped": 1.0}
 
 
-def _no_sums() -> dict[str, float]:
-    return dict.fromkeys(COUNTS + LOSS_STATS, 0.0)
-
-
-@dataclass
-class _OpenStep:
-    step: int
-    sums: dict[str, float] = field(default_factory=_no_sums)  # since the last optimizer step
-    pipeline_microbatches: int = 0  # since the last optimizer step
-    taken: list[dict[str, float]] = field(default_factory=list)  # metrics of its optimizer steps
-    failed: bool = False
-
-
-class MegatronTrainer:
+class MegatronTrainer(ProximalPass):
     """``protocols.Trainer`` on megatron-core (GPTModel + DDP + Megatron optimizer)."""
 
     def __init__(
@@ -141,7 +129,7 @@ class MegatronTrainer:
         self.scheduler = mc.build_scheduler(self.optimizer, lr, weight_decay, schedule)
         self.hooks = mc.SyncHooks(self.config, self.model, self.ddp_config)
         self.version = 0
-        self._open: _OpenStep | None = None
+        self._open: OpenStep | None = None
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs) -> "MegatronTrainer":
@@ -157,13 +145,18 @@ class MegatronTrainer:
         self._require_awake(f"begin_train_step({step})")
         self._zero_grads()
         self.hooks.null()
-        self._open = _OpenStep(step)
+        self._open = OpenStep(step)
 
     def train_microbatch(self, step: int, batch: Batch) -> dict[str, float]:
-        """Forward + backward of the un-normalised loss sum; returns local sums."""
+        """Forward + backward of the un-normalised loss sum; returns local sums
+        (after a held optimizer step only the counts: training waits for finish)."""
         self._require_open(step, "train_microbatch")
         try:
-            return self._train_microbatch_body(batch)
+            chunks = self._forward_chunks(batch)
+            if self._open.held is not None:  # after a held optimizer step: proximal pass now, training at finish
+                self._keep_with_proximal(chunks)
+                return counted(chunks)
+            return self._train_chunks(chunks)
         except BaseException:
             self._fail_open_step("train_microbatch")
             raise
@@ -172,10 +165,9 @@ class MegatronTrainer:
         """One optimizer step on the mini-batch trained since the last one; the
         step stays open and the version is unchanged. A collective."""
         self._require_open(step, "optimizer_step")
-        if self.loss.needs_proximal:  # the check refuses it (RLP307); a plan written by hand is refused here
-            raise RuntimeError("behaviour_cap or a correction with several optimizer steps per rollout batch needs "
-                               "a proximal pass, which the megatron engine does not run: use torch or fsdp")
         try:
+            if self.loss.needs_proximal:
+                return self._hold_optimizer_step()
             metrics = self._take_optimizer_step()
             self._zero_grads()
             return metrics or dict(SKIPPED)
@@ -281,16 +273,12 @@ class MegatronTrainer:
             return [mm.pack_rows(chunk, self.device) for chunk in chunks], length, rows
         return [mm.pack_rows(chunk, self.device, length, rows) for chunk in chunks], length, rows
 
-    def _train_microbatch_body(self, batch: Batch) -> dict[str, float]:
-        chunks = self._forward_chunks(batch)
+    def _train_chunks(self, chunks: list[Batch]) -> dict[str, float]:
+        """One schedule over a call's pipeline microbatches; adds their sums to the open step's."""
         if not chunks:
-            return _no_sums()  # no rows: nothing to add
+            return no_sums()  # no rows: nothing to add
         packed, length, rows = self._pack(chunks)
-        sums = _no_sums()
-        for chunk in chunks:
-            trained = trained_tokens(chunk)  # an environment's tokens are context, not trained
-            sums["tokens"] += float(trained.sum())
-            sums["sequences"] += float((trained.sum(dim=1) > 0).sum())
+        sums = counted(chunks)
         with self.model.no_sync():
             self._forward_backward()(
                 forward_step_func=partial(self._forward_step, sums=sums),
@@ -301,9 +289,7 @@ class MegatronTrainer:
                 micro_batch_size=rows,
                 forward_only=False,
             )
-        for name, value in sums.items():
-            self._open.sums[name] += value
-        self._open.pipeline_microbatches += len(packed)
+        self._open.add(sums, len(packed))
         return sums
 
     def _forward_step(self, data_iterator, model, sums: dict[str, float]):
@@ -315,7 +301,7 @@ class MegatronTrainer:
         fields = packed.batch
         ref = fields.get(FIELD_REF_LOGPROBS)
         result = policy_loss(mm.response_logprobs_from_logits(logits, packed), fields[FIELD_BEHAVIOUR_LOGPROBS],
-                             fields[FIELD_ADVANTAGE], trained_tokens(fields), self.loss, ref)
+                             fields[FIELD_ADVANTAGE], trained_tokens(fields), self.loss, ref, fields.get(PROXIMAL))
         sums["loss_sum"] += float(result.loss_sum.detach())
         for name in LOSS_STATS[1:]:
             sums[name] += result.stats[name]
@@ -323,7 +309,7 @@ class MegatronTrainer:
         return result.loss_sum, count, {}
 
     def _finish_train_step_body(self) -> StepResult:
-        attempt = self._take_optimizer_step()
+        attempt = self._take_optimizer_step() if self._open.held is None else self._take_held_optimizer_steps()
         self.hooks.restore()
         taken, self._open = self._open.taken, None
         if not taken:
@@ -336,8 +322,8 @@ class MegatronTrainer:
     def _take_optimizer_step(self) -> dict[str, float] | None:
         """Scale, reduce and step on the sums since the last optimizer step:
         its metrics (``skipped`` on an fp16 overflow), None without tokens."""
-        totals, microbatches = self._global_sums(), self._open.pipeline_microbatches
-        self._open.sums, self._open.pipeline_microbatches = _no_sums(), 0
+        sums, microbatches = self._open.restart_sums()
+        totals = global_sums(sums, self.device)
         count = totals[self.loss.count_name]
         if count == 0:
             return None
@@ -389,21 +375,6 @@ class MegatronTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return get_forward_backward_func()
-
-    def _global_sums(self) -> dict[str, float]:
-        """Counts summed over data-parallel ranks; loss statistics also over
-        pipeline stages (only the last stage computes the loss)."""
-        from megatron.core import parallel_state
-
-        sums = self._open.sums
-        counts = torch.tensor([sums[name] for name in COUNTS], dtype=torch.float64, device=self.device)
-        stats = torch.tensor([sums[name] for name in LOSS_STATS], dtype=torch.float64, device=self.device)
-        if dist.get_world_size() > 1:
-            data_parallel = parallel_state.get_data_parallel_group()
-            dist.all_reduce(counts, group=data_parallel)
-            dist.all_reduce(stats, group=data_parallel)
-            dist.all_reduce(stats, group=parallel_state.get_pipeline_model_parallel_group())
-        return dict(zip(COUNTS + LOSS_STATS, counts.tolist() + stats.tolist()))
 
     def _step_metrics(self, totals: dict[str, float], count: float, grad_norm, microbatches: int) -> dict[str, float]:
         metrics = step_metrics(totals, count, grad_norm, self.optimizer.param_groups[0]["lr"])

@@ -3,6 +3,12 @@
 Every engine computes response log-probabilities with ``response_logprobs``
 (one full forward over prompt + response), so the generator's behaviour
 logprobs, a logprob stage and the trainer agree for the same weights.
+
+The log-softmax runs over slices of ``LOGPROB_SLICE_TOKENS`` positions
+(``token_logprobs``): the model's logits stay in its dtype and only one
+slice at a time is upcast to fp32, which for a 150k vocabulary saves more
+GPU memory than any other part of a forward. Each position's log-softmax
+is independent of the others, so the values equal the unsliced ones.
 """
 
 from __future__ import annotations
@@ -12,6 +18,10 @@ from typing import Iterable, Iterator, Mapping
 import torch
 
 from rldsl.runtime.protocols import FIELD_PROMPT_IDS, FIELD_PROMPT_MASK, FIELD_RESPONSE_IDS, FIELD_RESPONSE_MASK
+
+# Positions log-softmaxed in fp32 at once (rldsl.compiler.memory_model counts
+# the same slice).
+LOGPROB_SLICE_TOKENS = 1024
 
 
 def encode_prompts(tokenizer, texts: list[str], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,9 +66,27 @@ def response_logprobs(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     mask = torch.cat([prompt_mask, response_mask], dim=1)
     logits, _ = model.forward(ids, mask, positions_from_mask(mask), use_cache=False)
     prompt_length = prompt_ids.shape[1]
-    predicting = logits[:, prompt_length - 1 : -1].float()
-    token_logprobs = torch.log_softmax(predicting, dim=-1).gather(-1, response_ids[..., None]).squeeze(-1)
-    return token_logprobs * response_mask.to(token_logprobs.dtype)
+    picked = token_logprobs(logits[:, prompt_length - 1 : -1], response_ids)
+    return picked * response_mask.to(picked.dtype)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                   slice_tokens: int = LOGPROB_SLICE_TOKENS) -> torch.Tensor:
+    """log_softmax(logits)[target] in fp32, for logits [rows, positions,
+    vocab] or [positions, vocab] and targets of the leading shape. Slices are
+    views of the logits, upcast one at a time. Differentiable."""
+    if logits.dim() == 2:
+        return _row_token_logprobs(logits, targets, slice_tokens)
+    rows = [_row_token_logprobs(row, row_targets, slice_tokens) for row, row_targets in zip(logits, targets)]
+    return torch.stack(rows) if rows else logits.new_zeros(targets.shape, dtype=torch.float32)
+
+
+def _row_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, slice_tokens: int) -> torch.Tensor:
+    """One row [positions, vocab], ``slice_tokens`` positions at a time."""
+    slices = [torch.log_softmax(logits[start:start + slice_tokens].float(), dim=-1)
+              .gather(-1, targets[start:start + slice_tokens, None]).squeeze(-1)
+              for start in range(0, len(targets), slice_tokens)]
+    return torch.cat(slices) if slices else logits.new_zeros(0, dtype=torch.float32)
 
 
 def packed_response_logprobs(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -76,7 +104,7 @@ def packed_response_logprobs(model, batch: Mapping[str, torch.Tensor]) -> torch.
     device = model.device
     ids = ids.to(device)
     logits, _ = model.forward(ids[None], None, positions.to(device)[None], use_cache=False)
-    next_logprobs = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, ids[1:, None]).squeeze(-1)
+    next_logprobs = token_logprobs(logits[0, :-1], ids[1:])
     # Response token j of a row sits at start + prompt + j and is predicted one position earlier.
     first = (starts + prompt_lengths - 1).to(device)
     index = first[:, None] + torch.arange(response_mask.shape[1], device=device)[None]

@@ -47,6 +47,10 @@ and is kept (host memory: token ids and per-token floats); at
 mini-batch trained against its kept proximal logprobs. A later pass
 (``ppo_epochs``) sends the same rows again, and they get the same proximal
 logprobs, the weights being still those of the batch start.
+
+With ``offload`` (the default), ``sleep`` moves the weights and AdamW state
+to host memory while colocated generators run and ``wake`` brings them back
+bit for bit; a step, an export or a checkpoint is refused while asleep.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from rldsl.runtime.engines.torch.common import (
     response_logprobs,
     state_buckets,
 )
+from rldsl.runtime.engines.torch.offload import Offloaded
 from rldsl.runtime.engines.torch.packing import forward_rows, take_rows, trim_padding
 from rldsl.runtime.protocols import (
     FIELD_ADVANTAGE,
@@ -103,8 +108,11 @@ class TorchTrainer:
         tokens_per_forward: int = 0,
         lr_schedule: LRSchedule | None = None,
         process_group=None,
+        offload: bool = True,
     ):
         self.model = model
+        self.offload = offload
+        self.offloaded = Offloaded()
         self.loss = loss if isinstance(loss, PolicyLossConfig) else PolicyLossConfig(**(loss or {}))
         self.max_grad_norm = max_grad_norm
         self.rows_per_forward = rows_per_forward  # bounds activation memory per backward
@@ -131,6 +139,7 @@ class TorchTrainer:
     # -- the split-step protocol -------------------------------------------------
 
     def begin_train_step(self, step: int) -> None:
+        self._require_awake(f"begin_train_step({step})")
         if self._open_step is not None:
             raise RuntimeError(f"begin_train_step({step}) while step {self._open_step} is open; finish or abort it")
         self._zero_grads()
@@ -188,7 +197,27 @@ class TorchTrainer:
         self._held_sums, self._deferred = None, None
 
     def weight_buckets(self, bucket_bytes: int):
+        self._require_awake("weight_buckets")
         return state_buckets(self.model.module, bucket_bytes)
+
+    # -- offload -------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """With offload: weights and AdamW state to host memory, the last
+        step's gradients dropped. Idempotent; a no-op without offload."""
+        if self._open_step is not None:
+            raise RuntimeError(f"sleep while step {self._open_step} is open; finish or abort it first")
+        if self.offload and not self.offloaded.asleep:
+            self._zero_grads()
+            self.offloaded.sleep(self.model.module, self.optimizer)
+
+    def wake(self) -> None:
+        """Undo ``sleep``, bit for bit; idempotent."""
+        self.offloaded.wake(self.model.module, self.optimizer)
+
+    @property
+    def asleep(self) -> bool:
+        return self.offloaded.asleep
 
     # -- checkpoints -------------------------------------------------------------
 
@@ -199,6 +228,7 @@ class TorchTrainer:
 
         if self._open_step is not None:
             raise RuntimeError(f"save_checkpoint while step {self._open_step} is open; finish or abort it")
+        self._require_awake("save_checkpoint")
         if self.process_group is None or dist.get_rank(self.process_group) == 0:
             state = {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                      "version": self.version, "optimizer_steps": self.optimizer_steps}
@@ -216,6 +246,10 @@ class TorchTrainer:
         return self.version
 
     # -- helpers -----------------------------------------------------------------
+
+    def _require_awake(self, call: str) -> None:
+        if self.offloaded.asleep:
+            raise RuntimeError(f"{call} while the trainer is asleep (offloaded); call wake first")
 
     def _require_open(self, step: int, call: str) -> None:
         if self._open_step is None:

@@ -117,32 +117,7 @@ class FsdpTrainer(TorchTrainer):
         self.optimizer_steps = counters.get("optimizer_steps", 0)
         return self.version
 
-    def sleep(self) -> None:
-        """With offload: sharded parameters and optimizer state to host
-        memory; the last step's gradients are dropped (the next begin would
-        drop them anyway). Idempotent; a no-op without offload."""
-        self._require_idle("sleep")
-        if self.offload and not self.offloaded.asleep:
-            self._zero_grads()
-            self.offloaded.sleep(self.model.module, self.optimizer)
-
-    def wake(self) -> None:
-        """Undo ``sleep``, bit for bit; idempotent."""
-        self.offloaded.wake(self.model.module, self.optimizer)
-
-    @property
-    def asleep(self) -> bool:
-        return self.offloaded.asleep
-
     # -- helpers -----------------------------------------------------------------
-
-    def _require_idle(self, call: str) -> None:
-        if self._open_step is not None:
-            raise RuntimeError(f"{call} while step {self._open_step} is open; finish or abort it first")
-
-    def _require_awake(self, call: str) -> None:
-        if self.offloaded.asleep:
-            raise RuntimeError(f"{call} while the trainer is asleep (offloaded); call wake first")
 
     def _take_optimizer_step(self) -> dict[str, float] | None:
         self._train_pending_in_lockstep()

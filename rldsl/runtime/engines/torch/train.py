@@ -204,9 +204,9 @@ class TorchTrainer:
 
     def sleep(self) -> None:
         """With offload: weights and AdamW state to host memory, the last
-        step's gradients dropped. Idempotent; a no-op without offload."""
-        if self._open_step is not None:
-            raise RuntimeError(f"sleep while step {self._open_step} is open; finish or abort it first")
+        step's gradients dropped (fsdp: the rank's shards). Idempotent; a
+        no-op without offload."""
+        self._require_idle("sleep")
         if self.offload and not self.offloaded.asleep:
             self._zero_grads()
             self.offloaded.sleep(self.model.module, self.optimizer)
@@ -226,8 +226,7 @@ class TorchTrainer:
         rank 0 only: data-parallel replicas hold the same state."""
         from rldsl.runtime.atomic import save_torch_state
 
-        if self._open_step is not None:
-            raise RuntimeError(f"save_checkpoint while step {self._open_step} is open; finish or abort it")
+        self._require_idle("save_checkpoint")
         self._require_awake("save_checkpoint")
         if self.process_group is None or dist.get_rank(self.process_group) == 0:
             state = {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -246,6 +245,10 @@ class TorchTrainer:
         return self.version
 
     # -- helpers -----------------------------------------------------------------
+
+    def _require_idle(self, call: str) -> None:
+        if self._open_step is not None:
+            raise RuntimeError(f"{call} while step {self._open_step} is open; finish or abort it first")
 
     def _require_awake(self, call: str) -> None:
         if self.offloaded.asleep:

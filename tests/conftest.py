@@ -1,3 +1,11 @@
+"""The suite's shared pieces: the repository root, one Ray for the session's
+runs (tests/runs.py), and a time budget every test keeps.
+
+A test that takes over ``BUDGET_S`` fails unless it is marked
+``@pytest.mark.slow(reason="what it needs the time for")``; the time of the
+`slow` tests is totalled at the end of every run, so that the suite's cost
+stays visible where it is spent (`-m "not slow"` runs the rest)."""
+
 import os
 from pathlib import Path
 
@@ -6,7 +14,54 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+BUDGET_S = 60.0
+_slow_seconds: dict[str, float] = {}
+
 
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `own_ray` (they start or join a Ray of their own in this
+    process, after ``tests.runs.release_shared_ray()``) run first: the shared
+    Ray then starts once, not once per switch."""
+    items.sort(key=lambda item: item.get_closest_marker("own_ray") is None)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.runs import release_shared_ray
+
+    release_shared_ray()
+
+
+def _slow_reason(item) -> str | None:
+    mark = item.get_closest_marker("slow")
+    if mark is None:
+        return None
+    return mark.kwargs.get("reason") or (mark.args[0] if mark.args else None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if item.get_closest_marker("slow") is not None:
+        _slow_seconds[item.nodeid] = _slow_seconds.get(item.nodeid, 0.0) + report.duration
+        if not _slow_reason(item) and report.when == "setup":
+            report.outcome, report.longrepr = "failed", "marked `slow` without a reason: slow(reason=...)"
+    elif report.when == "call" and report.passed and report.duration > BUDGET_S:
+        report.outcome = "failed"
+        report.longrepr = (f"took {report.duration:.0f} s, over the suite's {BUDGET_S:.0f} s budget per test: make it "
+                           "faster, or mark it @pytest.mark.slow(reason=...) saying what it needs the time for")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _slow_seconds:
+        total = sum(_slow_seconds.values())
+        terminalreporter.write_line(f"slow tests: {len(_slow_seconds)}, {total:.0f} s in all "
+                                    f"(`-m \"not slow\"` leaves them out)")
+
+
+from tests.shared_runs import rloo_tis_run, sim_run_with_overrides, torch_run  # noqa: E402,F401  (session fixtures)

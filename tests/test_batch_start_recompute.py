@@ -17,7 +17,7 @@ from rldsl.runtime.engines.torch import TorchGenerator, TorchLogprob, TorchTrain
 from rldsl.runtime.engines.torch.common import state_buckets
 from rldsl.runtime.ray_lowering.logprob_versions import VersionedScorer
 
-from tests.runs import rldsl, run_text
+from tests.runs import rldsl_here, run_text
 from tests.test_controller import make_settings, run_controller
 from tests.test_fence import POLICY_LOGPROB
 from tests.test_torch_engines import small_model, trained_batch
@@ -88,7 +88,6 @@ def test_the_train_pump_scores_each_group_at_the_trainers_version_before_its_mic
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_a_max_lag_1_run_that_recomputes_at_batch_start_drops_no_row(tmp_path):
     text = POLICY_LOGPROB.replace("engine = sim(latency = 30ms)  colocate = actor",
                                   "engine = sim(latency = 30ms)  colocate = actor  recompute = batch_start")
@@ -99,5 +98,5 @@ def test_a_max_lag_1_run_that_recomputes_at_batch_start_drops_no_row(tmp_path):
     assert set(ledger["dropped"]) <= {"run_finished"}  # 0 rows dropped for a version mismatch
     events = [json.loads(line) for line in (run_dir / "journal.jsonl").read_text().splitlines()]
     assert any(e.get("batch_start") for e in events)
-    audit = rldsl("audit", str(run_dir))
+    audit = rldsl_here("audit", str(run_dir))
     assert audit.returncode == 0, audit.stdout + audit.stderr  # behaviour logprobs: the trained version

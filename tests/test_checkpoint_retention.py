@@ -18,7 +18,8 @@ from rldsl.runtime.ray_lowering.checkpoint import (
     prune_checkpoints,
 )
 
-from tests.runs import rldsl
+from tests.runs import rldsl_here
+from tests.shared_runs import SIM_OVERRIDES, copy_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,21 +64,17 @@ def test_the_setting_reaches_the_plan_and_defaults_to_keeping_all():
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-def test_a_run_keeps_its_last_two_checkpoints_and_resumes_from_the_newest(tmp_path):
-    run_dir = tmp_path / "run"
-    first = rldsl("run", "pipelines/sim_async.rlp", "--set", "run.steps=5", "--set", "run.checkpoint_every=1",
-                  "--set", "run.keep_checkpoints=2", "--run-dir", str(run_dir))
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_a_run_keeps_its_last_two_checkpoints_and_resumes_from_the_newest(sim_run_with_overrides, tmp_path):
+    assert "run.keep_checkpoints=2" in SIM_OVERRIDES and "run.steps=5" in SIM_OVERRIDES
+    run_dir = copy_run(sim_run_with_overrides, tmp_path / "run")
     assert names(run_dir) == ["v000004", "v000005"]
     assert json.loads((run_dir / "checkpoints" / "v000005" / PROGRESS_FILE).read_text())["steps_done"] == 5
-    longer = rldsl("run", "--resume", str(run_dir), "--steps", "7")
+    longer = rldsl_here("run", "--resume", str(run_dir), "--steps", "7")
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert names(run_dir) == ["v000006", "v000007"]
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_a_resume_keeps_the_steps_a_run_in_epochs_was_started_with(tmp_path):
     """A file sized in epochs (2 steps here), started with `--steps 4`: a
     plain `--resume` keeps the 4 instead of recomputing 2 and going negative."""
@@ -89,11 +86,11 @@ def test_a_resume_keeps_the_steps_a_run_in_epochs_was_started_with(tmp_path):
     pipeline = tmp_path / "epochs.rlp"
     pipeline.write_text(text.replace("run { steps = 5", "run { epochs = 1  checkpoint_every = 1"))
     run_dir = tmp_path / "run"
-    first = rldsl("run", str(pipeline), "--steps", "4", "--run-dir", str(run_dir))
+    first = rldsl_here("run", str(pipeline), "--steps", "4", "--run-dir", str(run_dir))
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = rldsl("run", "--resume", str(run_dir))
+    resumed = rldsl_here("run", "--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "nothing to do: 4 of 4 steps are done" in resumed.stderr
-    shorter = rldsl("run", "--resume", str(run_dir), "--steps", "3")
+    shorter = rldsl_here("run", "--resume", str(run_dir), "--steps", "3")
     assert shorter.returncode == 0 and "Traceback" not in shorter.stderr, shorter.stderr[-3000:]
     assert "nothing to do: 4 of 3 steps are done (to train more" in shorter.stderr

@@ -25,13 +25,15 @@ from rldsl.runtime.ray_lowering.cluster import (  # noqa: E402
     ray_session,
 )
 from rldsl.runtime.ray_lowering.placement import create_placement_group  # noqa: E402
+from tests.runs import release_shared_ray  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray]
 
 
 @pytest.fixture(scope="module")
 def session():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    release_shared_ray()
     with ray_session(num_gpus=2, namespace="rldsl-test-cluster") as ray_cluster:
         yield ray_cluster
 

@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 from rldsl.compiler.driver import compile_source  # noqa: E402
 from tests.test_multinode import GPUS_PER_NODE, gpu_cluster, rldsl, write  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ each test writes to its own partition so tests cannot see each other's rows.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -29,12 +28,11 @@ BACKENDS = [
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    """The session's Ray and its TransferQueue (tests/runs.py)."""
     pytest.importorskip("ray")
-    from rldsl.runtime.ray_lowering.cluster import ray_session
+    from tests.runs import shared_ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    with ray_session(num_gpus=0, namespace="rldsl-test-dataplane") as session:
-        yield session
+    return shared_ray()
 
 
 @pytest.fixture(scope="module")

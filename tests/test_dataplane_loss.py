@@ -16,15 +16,37 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from tests.test_supervision import CHAOS, ROOT, _wait_for_steps, one_node_cluster  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from tests.runs import release_shared_ray  # noqa: E402
+from tests.test_supervision import CHAOS, ROOT  # noqa: E402
 
 NAMED_WITHIN_S = 10.0
 STORAGE_UNIT = "TransferQueueStorageUnit#0"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cluster():
-    yield from one_node_cluster(12, 3, "rldsl-chaos")
+    """A one-node Ray cluster of its own (its TransferQueue is killed), this
+    process connected to it in the run's namespace to find the storage unit."""
+    release_shared_ray()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 12, "num_gpus": 3})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="rldsl-chaos")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _wait_for_steps(metrics, steps: int, process: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended before the kill: {process.stderr.read()[-3000:]}")
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the run did not reach its step")
 
 
 class StderrLines:
@@ -48,7 +70,7 @@ class StderrLines:
 
 
 @pytest.mark.ray
-@pytest.mark.slow
+@pytest.mark.own_ray
 def test_a_killed_storage_unit_is_named_within_seconds(cluster, tmp_path):
     source, run_dir = tmp_path / "chaos.rlp", tmp_path / "run"
     source.write_text(CHAOS.replace("steps = 600", "steps = 400").replace("checkpoint_every = 25",

@@ -26,7 +26,6 @@ run { steps = 3  epochs = 50  eval_every = 2  eval_at_start = false  eval_at_end
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_a_run_without_start_and_end_evaluations_and_with_a_steps_cap(tmp_path):
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(6)]
     (tmp_path / "add.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))

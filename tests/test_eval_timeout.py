@@ -8,7 +8,7 @@ import pytest
 
 from rldsl.runtime.ray_lowering.evaluation import EvaluationSchedule, describe_timeout
 
-from tests.runs import run_text
+from tests.runs import run_text, shared_ray
 
 SLOW_EVAL = """
 pipeline slow_eval
@@ -27,16 +27,18 @@ run { steps = 2  watchdog = 120s  eval_timeout = 1s }
 
 def test_the_schedule_reports_an_evaluation_past_its_deadline_and_stops_waiting():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        @ray.remote
-        class Slow:
-            def evaluate(self, min_version):
-                import time
-                time.sleep(30)
-                return {"accuracy": 1.0}
+    shared_ray()
 
-        schedule = EvaluationSchedule(Slow.remote(), every=0, total_steps=1, timeout_s=0.5)
+    @ray.remote(num_cpus=0)
+    class Slow:
+        def evaluate(self, min_version):
+            import time
+            time.sleep(30)
+            return {"accuracy": 1.0}
+
+    slow = Slow.remote()
+    try:
+        schedule = EvaluationSchedule(slow, every=0, total_steps=1, timeout_s=0.5)
         schedule.request(step=1, version=1)
         assert schedule.collect() == ([], [])  # polling: not due yet, still pending
         finished, expired = schedule.collect(wait=True)  # returns at the deadline, not after 30 s
@@ -44,11 +46,10 @@ def test_the_schedule_reports_an_evaluation_past_its_deadline_and_stops_waiting(
         assert schedule.pending == [] and schedule.timed_out == expired
         assert "timed out after 0.5s" in describe_timeout(expired[0])
     finally:
-        ray.shutdown()
+        ray.kill(slow)
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_an_evaluation_past_its_timeout_ends_the_run_cleanly_and_says_so(tmp_path):
     run, _, summary = run_text(tmp_path, SLOW_EVAL, name="slow_eval.rlp")
     assert summary["exit"] == "finished" and summary["steps"] == 2

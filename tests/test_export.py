@@ -17,10 +17,7 @@ atol 1e-5) and the run's tokenization:
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,6 +28,8 @@ from rldsl.cli import main
 from rldsl.models.tiny import build_tiny_lm
 from rldsl.runtime.engines.torch.train import TorchTrainer
 from tests.test_split_step_gradient import make_batch
+from tests.runs import rldsl_here
+from tests.shared_runs import TORCH_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -402,23 +401,13 @@ def test_a_damaged_checkpoint_a_sim_trainer_and_a_missing_model_directory(tiny_r
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-def test_a_real_run_exports_its_last_checkpoint(tmp_path):
+def test_a_real_run_exports_its_last_checkpoint(torch_run, tmp_path):
     from rldsl.runtime.engines.torch.train import CHECKPOINT_FILE
 
-    pipeline = tmp_path / "grpo_async.rlp"
-    text = (ROOT / "pipelines" / "grpo_async.rlp").read_text()
-    pipeline.write_text(text.replace("checkpoint_every = 20", "checkpoint_every = 1"))
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    run_dir, out = tmp_path / "run", tmp_path / "hf"
-    rldsl = [sys.executable, "-m", "rldsl"]
-    ran = subprocess.run([*rldsl, "run", str(pipeline), "--steps", "2", "--run-dir", str(run_dir)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert ran.returncode == 0, ran.stderr[-4000:]
-    exported = subprocess.run([*rldsl, "export", str(run_dir), "--out", str(out)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
+    run_dir, out = torch_run.run_dir, tmp_path / "hf"
+    exported = rldsl_here("export", str(run_dir), "--out", str(out))
     assert exported.returncode == 0, exported.stderr[-4000:]
-    assert "exported v000002" in exported.stdout
+    assert TORCH_STEPS == 2 and "exported v000002" in exported.stdout
     model = build_tiny_lm(seed=0)
     saved = torch.load(trainer_dir(run_dir, 2) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
     model.module.load_state_dict(saved["model"])

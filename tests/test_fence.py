@@ -66,14 +66,13 @@ run { steps = 8  watchdog = 60s  eval_every = 0 }
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_a_max_lag_1_run_with_a_policy_logprob_stage_drops_no_row_for_version_mismatch(tmp_path):
-    from tests.runs import rldsl, run_text
+    from tests.runs import rldsl_here, run_text
 
     _, run_dir, summary = run_text(tmp_path, POLICY_LOGPROB, name="fenced.rlp")
     ledger = summary["ledger"]
     assert ledger["open"] == 0 and ledger["trained"] > 0
     assert set(ledger["dropped"]) <= {"run_finished"}  # 0 rows dropped for a version mismatch
     assert "stale_logprobs" not in ledger["dropped"]
-    audit = rldsl("audit", str(run_dir))
+    audit = rldsl_here("audit", str(run_dir))
     assert audit.returncode == 0, audit.stdout + audit.stderr  # every trained row's logprobs: the generating version

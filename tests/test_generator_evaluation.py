@@ -59,7 +59,6 @@ ON_GENERATORS = SLOW_EVAL.replace('eval_metric = "tests.reward_fns:slow_echo"', 
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_a_run_evaluates_on_its_generators_and_records_the_version_used(tmp_path):
     assert ON_GENERATORS != SLOW_EVAL
     run, run_dir, summary = run_text(tmp_path, ON_GENERATORS)
@@ -79,7 +78,6 @@ def test_a_run_evaluates_on_its_generators_and_records_the_version_used(tmp_path
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_an_evaluation_on_the_generators_past_its_timeout_ends_the_run_cleanly(tmp_path):
     text = SLOW_EVAL.replace('eval_metric = "tests.reward_fns:slow_echo"',
                              'eval_metric = "tests.reward_fns:slow_echo"  eval_on = generators')

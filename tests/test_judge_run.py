@@ -6,14 +6,13 @@ import json
 
 import pytest
 
-from tests.runs import rldsl
+from tests.runs import rldsl_here
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_a_pipeline_with_a_reward_model_stage_trains_and_logs_its_component(tmp_path):
     run_dir = tmp_path / "run"
-    run = rldsl("run", "pipelines/judge_cpu.rlp", "--run-dir", str(run_dir), "--set", "run.steps=3")
+    run = rldsl_here("run", "pipelines/judge_cpu.rlp", "--run-dir", str(run_dir), "--set", "run.steps=3")
     assert run.returncode == 0, run.stderr[-3000:]
     placement = json.loads((run_dir / "plan.json").read_text())
     judge = next(s for s in placement["pipelines"][0]["stages"] if s["name"] == "judge")

@@ -4,14 +4,12 @@ through their own libraries, under the report's names."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rldsl.runtime.ray_lowering.loggers import MetricLoggers, missing_libraries, step_scalars
+from tests.shared_runs import SIM_OVERRIDES
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = {"step": 3, "trainer": {"loss": 0.5, "grad_norm": 1.25, "skipped": False}, "samples_per_s": 40.0,
@@ -90,15 +88,9 @@ def test_the_language_takes_the_backends():
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-def test_a_run_logs_to_mlflow(tmp_path):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "rldsl", "run", "pipelines/sim_async.rlp", "--set", "run.steps=3",
-                           "--set", "run.log=[mlflow]", "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [step for step, _ in _mlflow_history(run_dir, "run/samples_per_s")] == [1, 2, 3]
+def test_a_run_logs_to_mlflow(sim_run_with_overrides):
+    assert "run.log=[mlflow]" in SIM_OVERRIDES and "run.steps=5" in SIM_OVERRIDES
+    run_dir = sim_run_with_overrides.run_dir
+    assert [step for step, _ in _mlflow_history(run_dir, "run/samples_per_s")] == [1, 2, 3, 4, 5]
     assert not (run_dir / "tensorboard").exists()  # only what `log` names
     assert len([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]) >= 3

@@ -209,7 +209,6 @@ def _parallel_worker(rank: int, port: int, results: dict):
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
 def test_tensor_pipeline_and_data_parallel_proximal_pass_gives_the_one_process_weights(megatron):
     import torch.multiprocessing as mp
 

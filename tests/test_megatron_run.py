@@ -4,8 +4,7 @@ The megatron trainer (dp = 2 over gloo) and a frozen megatron reference
 with tp = 2 (its own gloo group) run in Ray actors next to a torch
 generator, all on one tiny local Hugging Face Llama. Every worker applies
 the test-only CPU shim through ``RLDSL_WORKER_SETUP``; the preflight, which
-rightly refuses megatron on a machine without CUDA, is bypassed by the
-runner below. This covers what the megatron engines' unit tests cannot: the
+rightly refuses megatron on a machine without CUDA, is bypassed. This covers what the megatron engines' unit tests cannot: the
 process groups the runtime builds, every tensor-parallel rank of a logprob
 replica seeing the same rows, HF-named weight pushes from megatron to the
 torch generator and to the evaluator, checkpoints and resume.
@@ -14,15 +13,14 @@ torch generator and to the evaluator, checkpoints and resume.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.runs import rldsl_here
+
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.megatron,
+pytestmark = [pytest.mark.ray, pytest.mark.megatron,
               pytest.mark.filterwarnings("ignore::UserWarning")]
 
 RUNNER = """
@@ -58,25 +56,27 @@ run {{ steps = 3  checkpoint_every = 2 }}
 """
 
 
-def run(args, tmp_path, timeout=600):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled",
-           "RLDSL_WORKER_SETUP": "rldsl.runtime.engines.megatron.cpu_compat:install"}
-    return subprocess.run([sys.executable, str(tmp_path / "runner.py"), "run", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+def run(args, monkeypatch):
+    """`rldsl run ARGS` in this process, past the preflight, every actor under the CPU shim."""
+    from rldsl.runtime.ray_lowering import launch
+
+    monkeypatch.setenv("RLDSL_WORKER_SETUP", "rldsl.runtime.engines.megatron.cpu_compat:install")
+    monkeypatch.setattr(launch, "preflight", lambda pipe: None)
+    return rldsl_here("run", *args)
 
 
-def test_megatron_trainer_and_tp2_reference_run_checkpoint_and_resume_on_ray(tmp_path):
+@pytest.mark.slow(reason="two runs (train, resume) whose five actors each import megatron-core and build its model")
+def test_megatron_trainer_and_tp2_reference_run_checkpoint_and_resume_on_ray(tmp_path, monkeypatch):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     pytest.importorskip("transformers", reason="transformers is not installed")
     from tests.hf_tiny import save_char_llama
 
     model = save_char_llama(tmp_path / "model", vocab_multiple=2)
-    (tmp_path / "runner.py").write_text(RUNNER)
     pipeline = tmp_path / "megatron_cpu.rlp"
     pipeline.write_text(PIPELINE.format(model=model))
     run_dir = tmp_path / "run"
 
-    first = run([str(pipeline), "--run-dir", str(run_dir)], tmp_path)
+    first = run([str(pipeline), "--run-dir", str(run_dir)], monkeypatch)
     assert first.returncode == 0, first.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == summary["version"] == 3
@@ -91,7 +91,7 @@ def test_megatron_trainer_and_tp2_reference_run_checkpoint_and_resume_on_ray(tmp
     marker = json.loads((checkpoint / "trainer.json").read_text())
     assert marker == {"engine": "megatron", "ranks": 2, "version": 2}
 
-    resumed = run(["--resume", str(run_dir), "--steps", "4"], tmp_path)
+    resumed = run(["--resume", str(run_dir), "--steps", "4"], monkeypatch)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from v000002: version 2" in resumed.stderr
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -2,16 +2,15 @@
 of placement groups, a controller each, followed together."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.runs import rldsl_here
+
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray]
 
 # Two sim pipelines sharing logical GPU 1 (declared by `share`); `slow` stalls (its trainer
 # outlasts the watchdog) when asked.
@@ -46,9 +45,7 @@ pipeline slow {{
 def run(tmp_path, train_latency="20ms", watchdog="60s"):
     pipeline = tmp_path / "two.rlp"
     pipeline.write_text(PIPELINES.format(train_latency=train_latency, watchdog=watchdog))
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "rldsl", "run", str(pipeline), "--run-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    proc = rldsl_here("run", str(pipeline), "--run-dir", str(tmp_path / "run"))
     return proc, tmp_path / "run"
 
 
@@ -75,7 +72,7 @@ def test_two_pipelines_run_together_each_with_its_own_run_directory(tmp_path):
 
 
 def test_a_stalled_pipeline_fails_the_run_after_the_other_finishes(tmp_path):
-    proc, run_dir = run(tmp_path, train_latency="30s", watchdog="3s")
+    proc, run_dir = run(tmp_path, train_latency="8s", watchdog="3s")
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "error: the run stopped" in proc.stderr and "no progress" in proc.stderr
     assert summary(run_dir, "fast")["steps"] == 4  # the healthy pipeline ran to its end

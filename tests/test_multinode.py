@@ -22,8 +22,10 @@ torch = pytest.importorskip("torch")
 
 from ray.cluster_utils import Cluster
 
+from tests.runs import release_shared_ray  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray]
 
 GPUS_PER_NODE = 3
 
@@ -56,6 +58,7 @@ def gpu_cluster():
     """A head without GPUs and two nodes of GPUS_PER_NODE logical GPUs; yields
     (the cluster, the GPU nodes' ids), shut down after."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    release_shared_ray()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0})
     gpu_nodes = [cluster.add_node(num_cpus=6, num_gpus=GPUS_PER_NODE) for _ in range(2)]
     cluster.wait_for_nodes()

@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from tests.runs import rldsl
+from tests.runs import rldsl_here
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray]
 
 
 def test_multiturn_arith_learns_and_needs_fewer_turns(tmp_path):
-    proc = rldsl("run", "pipelines/multiturn_arith.rlp", "--run-dir", str(tmp_path / "run"), timeout=900)
+    proc = rldsl_here("run", "pipelines/multiturn_arith.rlp", "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "run"
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -4,12 +4,12 @@ checked like the file; `plan` shows it; a run keeps it in its plan.json."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.runs import rldsl, rldsl_here
+from tests.shared_runs import SIM_OVERRIDES
 
 from rldsl.compiler.driver import compile_source
 from rldsl.compiler.overrides import OverrideError, apply_overrides
@@ -65,11 +65,6 @@ def test_several_pipelines_need_the_pipeline_named():
     assert plan.pipelines[0].stage("actor").settings["lr"] != 1e-4
 
 
-def rldsl(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run([sys.executable, "-m", "rldsl", *args], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=600)
-
 
 def test_plan_shows_and_saves_the_overrides(tmp_path):
     out = tmp_path / "plan.json"
@@ -94,14 +89,10 @@ def test_a_saved_plan_takes_no_overrides(tmp_path):
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-def test_a_run_keeps_its_overrides_and_a_resume_reuses_them(tmp_path):
-    run_dir = tmp_path / "run"
-    first = rldsl("run", "pipelines/sim_async.rlp", "--set", "run.steps=2", "--set", "run.checkpoint_every=1",
-                  "--run-dir", str(run_dir))
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
-    assert json.loads((run_dir / "plan.json").read_text())["overrides"] == ["run.steps=2", "run.checkpoint_every=1"]
-    resumed = rldsl("run", "--resume", str(run_dir))
+def test_a_run_keeps_its_overrides_and_a_resume_reuses_them(sim_run_with_overrides):
+    run_dir = sim_run_with_overrides.run_dir
+    assert "run.steps=5" in SIM_OVERRIDES and sim_run_with_overrides.summary["steps"] == 5
+    assert json.loads((run_dir / "plan.json").read_text())["overrides"] == SIM_OVERRIDES
+    resumed = rldsl_here("run", "--resume", str(run_dir))  # its newest checkpoint holds every step: nothing starts
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "nothing to do: 2 of 2 steps are done" in resumed.stderr  # the resumed run kept steps = 2
+    assert "nothing to do: 5 of 5 steps are done" in resumed.stderr  # the resumed run kept steps = 5

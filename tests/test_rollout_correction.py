@@ -15,8 +15,6 @@ The sequence weights are the products: 0.75 and 2.8.
 import copy
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ from rldsl.runtime.engines.policy_loss import PolicyLossConfig, policy_loss, rol
 from rldsl.runtime.engines.torch.common import response_logprobs
 from rldsl.runtime.engines.torch.train import TorchTrainer
 from tests.test_policy_loss import ADVANTAGES, BEHAVIOUR, LOGPROBS, MASK, loss
+from tests.shared_runs import RLOO_STEPS
 from tests.test_split_step_gradient import make_batch, make_model
 
 
@@ -323,25 +322,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-def test_a_torch_run_with_tis_over_two_optimizer_steps_reports_the_mismatch(tmp_path):
-    text = (ROOT / "pipelines" / "rloo_minibatch.rlp").read_text()
-    text = text.replace("agg = seq_mean_token_mean)", "agg = seq_mean_token_mean, correction = tis)")
-    text = text.replace("eval_size = 128", "eval_size = 0").replace("checkpoint_every = 20", "checkpoint_every = 0")
-    assert "correction = tis" in text
-    pipeline = tmp_path / "tis.rlp"
-    pipeline.write_text(text)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "rldsl", "run", str(pipeline), "--steps", "2", "--run-dir",
-                           str(tmp_path / "run")], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+def test_a_torch_run_with_tis_over_two_optimizer_steps_reports_the_mismatch(rloo_tis_run):
+    records = [json.loads(line) for line in (rloo_tis_run.run_dir / "metrics.jsonl").read_text().splitlines()]
     trainer = [r["trainer"] for r in records if "trainer" in r]
-    assert len(trainer) == 2 and all(t["optimizer_steps"] == 2 for t in trainer)
+    assert len(trainer) == RLOO_STEPS and all(t["optimizer_steps"] == 2 for t in trainer)
     for metrics in trainer:
         assert metrics["mismatch_ratio_min"] <= metrics["mismatch_ratio_mean"] <= metrics["mismatch_ratio_max"]
         assert metrics["mismatch_k3"] >= 0 and 0 <= metrics["capped_fraction"] <= 1
-    assert "mismatch kl" in proc.stderr  # the step line
+    assert "mismatch kl" in rloo_tis_run.stderr  # the step line
 
 
 # -- the fsdp trainer: the same proximal pass at its mini-batch boundaries ------------------------

@@ -2,27 +2,28 @@
 TransferQueue data plane, one actor per planned rank."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.runs import rldsl_here, signalled_here
+from tests.shared_runs import RLOO_STEPS, TORCH_STEPS
+
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray]
 
 
-def run(args, tmp_path, timeout=400):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "rldsl", "run", *args, "--run-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    return proc, tmp_path / "run"
+def run(args, tmp_path):
+    """`rldsl run ARGS` in this process, on the session's Ray (tests/runs.py)."""
+    return rldsl_here("run", *args, "--run-dir", str(tmp_path / "run")), tmp_path / "run"
 
 
-def test_sim_pipeline_runs_and_the_ledger_balances(tmp_path):
-    proc, run_dir = run(["pipelines/sim_async.rlp", "--steps", "4"], tmp_path)
+def test_a_saved_plan_runs_exactly_and_the_ledger_balances(tmp_path):
+    plan = tmp_path / "plan.json"
+    assert rldsl_here("plan", "pipelines/sim_async.rlp", "--out", str(plan)).returncode == 0
+    proc, run_dir = run(["--plan", str(plan), "--steps", "4"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "plan.json").read_text().strip() == plan.read_text().strip()
     summary = json.loads((run_dir / "summary.json").read_text())
     ledger = summary["ledger"]
     assert summary["steps"] == 4
@@ -63,21 +64,18 @@ def test_partial_overlap_trains_only_while_the_replica_on_its_gpu_sleeps(tmp_pat
     assert of("rollout-0", "weight refresh"), "replica 0 was never refreshed when it woke"
 
 
-def test_torch_pipeline_trains_and_evaluates(tmp_path):
-    proc, run_dir = run(["pipelines/grpo_async.rlp", "--steps", "3"], tmp_path, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["version"] == 3
+def test_torch_pipeline_trains_and_evaluates(torch_run):
+    summary = torch_run.summary
+    assert summary["steps"] == TORCH_STEPS and summary["version"] == TORCH_STEPS
     assert 0.0 <= summary["eval_start"] <= 1.0 and 0.0 <= summary["eval_end"] <= 1.0
-    assert summary["ledger"]["trained"] == 3 * 16 * 8
-    assert "held-out accuracy" in proc.stderr
+    assert summary["ledger"]["trained"] == TORCH_STEPS * 16 * 8
+    assert "held-out accuracy" in torch_run.stderr
 
 
-def test_mini_batches_rloo_packing_and_warmup_learn(tmp_path):
-    proc, run_dir = run(["pipelines/rloo_minibatch.rlp", "--steps", "5"], tmp_path, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 5 and summary["version"] == 5  # one weight version per rollout batch
+def test_mini_batches_rloo_packing_and_warmup_learn(rloo_tis_run):
+    """(With the TIS correction on: test_rollout_correction reads the same run.)"""
+    run_dir, summary = rloo_tis_run.run_dir, rloo_tis_run.summary
+    assert RLOO_STEPS == 5 and summary["steps"] == 5 and summary["version"] == 5  # one version per rollout batch
     assert summary["ledger"]["trained"] == 5 * 16 * 8
     trainer = [json.loads(line)["trainer"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                if "trainer" in json.loads(line)]
@@ -87,34 +85,23 @@ def test_mini_batches_rloo_packing_and_warmup_learn(tmp_path):
     assert summary["eval_end"] > summary["eval_start"]
 
 
-def test_a_saved_plan_runs_exactly(tmp_path):
-    plan = tmp_path / "plan.json"
-    subprocess.run([sys.executable, "-m", "rldsl", "plan", "pipelines/sim_async.rlp", "--out", str(plan)],
-                   check=True, cwd=ROOT, capture_output=True)
-    proc, run_dir = run(["--plan", str(plan), "--steps", "2"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (run_dir / "plan.json").read_text().strip() == plan.read_text().strip()
-
-
 def test_ctrl_c_checkpoints_and_resume_continues_without_retraining(tmp_path):
+    """Ctrl-C to this process, which runs the driver as `rldsl run` does (a
+    SIGTERM to a real process: test_stops.py)."""
+    import io
     import signal
-    import time
 
     run_dir = tmp_path / "run"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen([sys.executable, "-m", "rldsl", "run", "pipelines/grpo_async.rlp", "--steps", "40",
-                             "--run-dir", str(run_dir)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        steps = [l for l in metrics.read_text().splitlines() if '"lag_histogram"' in l] if metrics.exists() else []
-        if len(steps) >= 3:
-            break
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err[-3000:]
+
+    def three_steps() -> bool:
+        return metrics.exists() and len([l for l in metrics.read_text().splitlines() if '"lag_histogram"' in l]) >= 3
+
+    err_text = io.StringIO()
+    proc, sent = signalled_here(["run", "pipelines/grpo_async.rlp", "--steps", "40", "--run-dir", str(run_dir)],
+                                [(three_steps, signal.SIGINT)], err_text)
+    err = err_text.getvalue()
+    assert sent == [signal.SIGINT] and proc.returncode == 130, err[-3000:]
     assert "checkpoint saved at version" in err
     (checkpoint,) = sorted((run_dir / "checkpoints").iterdir())[-1:]
     progress = json.loads((checkpoint / "progress.json").read_text())
@@ -124,8 +111,7 @@ def test_ctrl_c_checkpoints_and_resume_continues_without_retraining(tmp_path):
     stopped = json.loads((run_dir / "summary.json").read_text())  # written on Ctrl-C too
     assert stopped["exit"] == "stopped" and stopped["ledger"]["trained"] == version * 16 * 8
 
-    resumed = subprocess.run([sys.executable, "-m", "rldsl", "run", "--resume", str(run_dir), "--steps",
-                              str(version + 2)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    resumed = rldsl_here("run", "--resume", str(run_dir), "--steps", str(version + 2))  # no signal: in this process
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {checkpoint.name}" in resumed.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -133,8 +119,7 @@ def test_ctrl_c_checkpoints_and_resume_continues_without_retraining(tmp_path):
     assert summary["exit"] == "finished" and summary["resumes"] == 1
     assert summary["segment_ledger"]["trained"] == 2 * 16 * 8  # the resumed part
     assert summary["ledger"]["trained"] == (version + 2) * 16 * 8  # the whole run, from the journal
-    audit = subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], cwd=ROOT, capture_output=True,
-                           text=True, timeout=60)
+    audit = rldsl_here("audit", str(run_dir))
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert f"started, stopped; resumed after step {version}, finished" in audit.stdout
 
@@ -145,8 +130,7 @@ def test_watchdog_stops_a_plan_that_stalls(tmp_path):
     run must stop with the watchdog's words and exit 3, not hang. (An
     impossible buffer is refused before anything starts: test_plan_check.)"""
     plan_path = tmp_path / "plan.json"
-    subprocess.run([sys.executable, "-m", "rldsl", "plan", "pipelines/sim_async.rlp", "--out", str(plan_path)],
-                   check=True, cwd=ROOT, capture_output=True)
+    assert rldsl_here("plan", "pipelines/sim_async.rlp", "--out", str(plan_path)).returncode == 0
     plan = json.loads(plan_path.read_text())
     trainer = next(s for s in plan["pipelines"][0]["stages"] if s["kind"] == "train")
     trainer["engine"]["args"]["latency"] = 60.0

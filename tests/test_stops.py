@@ -6,12 +6,15 @@ with the shell's code; a second signal still gets summary.json written.
 metrics.jsonl keeps one record per step across a resume and a restart, and
 `rldsl report` reads a run that died at any point.
 
-The runs are driven in a subprocess, as a user runs them; every wait polls
-files with generous timeouts, so a loaded 2-core machine only makes it slower.
+The stopped runs are driven in a subprocess, as a user runs them (the signal
+is the subject); every wait polls files with generous timeouts, so a loaded
+2-core machine only makes it slower. A restart after a lost trainer is in
+test_supervision.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -21,6 +24,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.runs import rldsl_here, signalled_here
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAOS = (ROOT / "pipelines" / "sim_chaos.rlp").read_text()
@@ -78,14 +83,14 @@ def step_records(run_dir: Path) -> list[int]:
 
 
 def audit(run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return rldsl_here("audit", str(run_dir))
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
-def test_a_signal_stops_checkpoints_and_the_resumed_run_finishes_with_one_record_per_step(tmp_path, signum, code):
+def test_a_signal_stops_checkpoints_and_the_resumed_run_finishes_with_one_record_per_step(tmp_path):
+    """SIGTERM, as a scheduler sends it, to the process; SIGHUP takes the same path
+    (test_every_stop_signal_raises_its_own_interrupt)."""
+    signum, code = signal.SIGTERM, 143
     run_dir = tmp_path / "run"
     run = Run([str(pipeline(tmp_path)), "--run-dir", str(run_dir)], tmp_path / "run.log")
     run.wait_for(lambda: len(step_records(run_dir)) >= 2, "step 2")
@@ -106,8 +111,8 @@ def test_a_signal_stops_checkpoints_and_the_resumed_run_finishes_with_one_record
     assert summary["ledger"]["trained"] == version * SAMPLES_PER_STEP
     assert f"continue with `rldsl run --resume {run_dir}`" in stderr
 
-    resumed = Run(["--resume", str(run_dir)], tmp_path / "resume.log")
-    assert resumed.finish() == 0, resumed.stderr()[-3000:]
+    resumed = rldsl_here("run", "--resume", str(run_dir))  # the resume is no signal's business: in this process
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert step_records(run_dir) == list(range(1, STEPS + 1))  # exactly one record per step
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit"] == "finished" and summary["steps"] == STEPS
@@ -116,18 +121,19 @@ def test_a_signal_stops_checkpoints_and_the_resumed_run_finishes_with_one_record
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_a_second_ctrl_c_during_the_stop_still_writes_the_summary(tmp_path):
     """A 3 s trainer call is in flight when the stop begins; the second
-    Ctrl-C comes while the stop waits for it."""
+    Ctrl-C comes while the stop waits for it (both to this process, which
+    runs the driver as `rldsl run` does: its handlers in the main thread)."""
     run_dir = tmp_path / "run"
-    run = Run([str(pipeline(tmp_path, train_latency="3s")), "--run-dir", str(run_dir)], tmp_path / "run.log")
-    run.wait_for(lambda: len(step_records(run_dir)) >= 1, "step 1", timeout_s=400)
-    run.process.send_signal(signal.SIGINT)
-    run.wait_for(lambda: "stopping after the trainer call in flight" in run.stderr(), "the stop to begin")
-    run.process.send_signal(signal.SIGINT)
-    assert run.finish() == 130, run.stderr()[-3000:]
-    stderr = run.stderr()
+    err = io.StringIO()
+    interrupts = [(lambda: len(step_records(run_dir)) >= 1, signal.SIGINT),
+                  (lambda: "stopping after the trainer call in flight" in err.getvalue(), signal.SIGINT)]
+    result, sent = signalled_here(["run", str(pipeline(tmp_path, train_latency="3s")), "--run-dir", str(run_dir)],
+                                  interrupts, err)
+    assert sent == [signal.SIGINT, signal.SIGINT], err.getvalue()[-3000:]
+    assert result.returncode == 130, err.getvalue()[-3000:]
+    stderr = err.getvalue()
     assert "Ctrl-C again" in stderr and "Traceback" not in stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit"] == "stopped" and summary["signal"] == "Ctrl-C"
@@ -173,6 +179,24 @@ def test_a_resume_rewinds_metrics_to_its_checkpoint(tmp_path):
     assert kept == [{"eval": True, "step": 0, "accuracy": 0.25}, {"step": 1}, {"step": 2}]
 
 
+@pytest.mark.parametrize(("signum", "name", "code"), [(signal.SIGTERM, "SIGTERM", 143), (signal.SIGHUP, "SIGHUP", 129),
+                                                      (signal.SIGINT, "Ctrl-C", 130)])
+def test_every_stop_signal_raises_its_own_interrupt(signum, name, code):
+    """What the driver's handlers do with each signal they take (the whole
+    stop after it is the same for all: test_a_signal_stops_checkpoints...)."""
+    from rldsl.runtime.ray_lowering.stopping import RunInterrupted, StopSignals
+
+    signals = StopSignals(grace_s=60)
+    signals.install()
+    try:
+        with pytest.raises(RunInterrupted) as raised:
+            os.kill(os.getpid(), signum)
+            time.sleep(1)  # the handler runs in this thread, between two bytecodes
+        assert str(raised.value) == name and raised.value.exit_code == code == signals.exit_code
+    finally:
+        signals.restore()
+
+
 def test_exit_codes_and_the_resume_command_repeat_what_the_plan_does_not_keep():
     from rldsl.runtime.ray_lowering.stopping import RunInterrupted, resume_command
 
@@ -196,34 +220,3 @@ def test_the_help_after_a_failure_says_why_there_is_no_checkpoint(tmp_path):
     (checkpoint / "trainer.json").write_text("{}")
     (checkpoint / "progress.json").write_text("{}")
     assert how_to_resume(tmp_path, plan, "rldsl run --resume R") == "`rldsl run --resume R` continues from v000003"
-
-
-# ------------------------------------------------------------- restarts
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    from tests.test_supervision import one_node_cluster
-
-    yield from one_node_cluster(12, 3, "rldsl-chaos")
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_a_restart_from_a_checkpoint_replaces_the_rolled_back_step_records(cluster, tmp_path):
-    """A trainer lost after step 4 with a checkpoint at step 3: the run
-    restarts from it and trains step 4 (and any after) again; metrics.jsonl
-    keeps one record for each."""
-    import ray
-
-    run_dir = tmp_path / "run"
-    run = Run([str(pipeline(tmp_path, checkpoint_every=3, train_latency="200ms")), "--address", cluster.address,
-               "--run-dir",
-               str(run_dir)], tmp_path / "run.log")
-    run.wait_for(lambda: len(step_records(run_dir)) >= 4, "step 4")
-    ray.kill(ray.get_actor("actor-0"))
-    assert run.finish() == 0, run.stderr()[-3000:]
-    assert "restarting every actor from v" in run.stderr()
-    assert step_records(run_dir) == list(range(1, STEPS + 1))
-    checked = audit(run_dir)
-    assert checked.returncode == 0, checked.stdout + checked.stderr

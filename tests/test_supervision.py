@@ -6,9 +6,7 @@ run with a named error and exit code 3."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,106 +14,121 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from ray.cluster_utils import Cluster  # noqa: E402
+from tests.runs import rldsl_here, shared_ray  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
 STEPS = 10
+RESTART_STEPS = 6  # killed after step 4, restarted from the checkpoint at 3: steps 4 to 6 again
 CHAOS = (ROOT / "pipelines" / "sim_chaos.rlp").read_text()
 
 
-def one_node_cluster(num_cpus: int, num_gpus: int, namespace: str):
-    """A one-node Ray cluster with logical GPUs, this process connected to it
-    in the run's namespace (to find its actors by name); shut down after."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "num_gpus": num_gpus})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=namespace)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    yield from one_node_cluster(12, 3, "rldsl-chaos")
-
-
-def run_and_kill(cluster, tmp_path: Path, victim: str, checkpoint_every: int = 0, text: str | None = None
-                 ) -> tuple[subprocess.CompletedProcess, Path]:
-    """`rldsl run` on the cluster; ``victim`` (an actor name) killed once two steps are done."""
+def run_and_kill(tmp_path: Path, victims: str | list[str], checkpoint_every: int = 0, text: str | None = None,
+                 steps: int = STEPS, kill_after: int = 2, args: tuple[str, ...] = (), metrics: str = "metrics.jsonl"):
+    """`rldsl run ARGS` on the session's Ray; each of ``victims`` (actor names) killed in turn, the first once
+    ``kill_after`` steps are in ``metrics`` (of the run directory), each next one that many steps after the
+    one before was replaced."""
+    victims = [victims] if isinstance(victims, str) else victims
     source, run_dir = tmp_path / "chaos.rlp", tmp_path / "run"
-    source.write_text(text or CHAOS.replace("steps = 600", f"steps = {STEPS}")
+    source.write_text(text or CHAOS.replace("steps = 600", f"steps = {steps}")
                       .replace("checkpoint_every = 25", f"checkpoint_every = {checkpoint_every}"))
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    process = subprocess.Popen([sys.executable, "-m", "rldsl", "run", str(source), "--address", cluster.address,
-                                "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, cwd=ROOT, env=env)
-    try:
-        _wait_for_steps(run_dir / "metrics.jsonl", 2, process)
-        ray.kill(ray.get_actor(victim))
-        stdout, stderr = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), run_dir
+    killed = []
+    shared_ray()  # up before the killer looks for its victims
+    killer = threading.Thread(target=_kill_in_turn, args=(run_dir / metrics, victims, killed, kill_after),
+                              daemon=True)
+    killer.start()
+    result = rldsl_here("run", str(source), "--run-dir", str(run_dir), *args)
+    killer.join(timeout=5)
+    assert killed == victims, f"the run ended before every kill ({killed}): {result.stderr[-3000:]}"
+    return result, run_dir
 
 
-def _wait_for_steps(metrics: Path, steps: int, process: subprocess.Popen, timeout_s: float = 180) -> None:
+def _kill_in_turn(metrics: Path, victims: list[str], killed: list, every: int, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"the run ended before the kill: {process.stderr.read()[-3000:]}")
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
-            return
-        time.sleep(0.2)
-    raise AssertionError("the run did not reach its second step")
+    after = 0  # steps done when the last victim's replacement was up
+    for victim in victims:
+        _wait(lambda: _steps(metrics) >= after + every, deadline)
+        ray.kill(ray.get_actor(victim))
+        killed.append(victim)
+        if victim != victims[-1]:  # the supervisor names a replacement NAME~1
+            _wait(lambda: _exists(f"{victim}~1"), deadline)
+            after = _steps(metrics)
+
+
+def _steps(metrics: Path) -> int:
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def _exists(name: str) -> bool:
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _wait(condition, deadline: float):
+    while time.monotonic() < deadline and ray.is_initialized():  # not past the session's Ray
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    return condition()
+
+
+def audit(run_dir: Path):
+    return rldsl_here("audit", str(run_dir))
+
+
+VICTIMS = ["rollout-1", "score-0", "reference-0"]
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.parametrize("victim", ["rollout-1", "score-0", "reference-0"])
-def test_a_killed_stateless_actor_is_replaced_and_the_run_finishes(cluster, tmp_path, victim):
-    result, run_dir = run_and_kill(cluster, tmp_path, victim)
+def test_killed_stateless_actors_are_replaced_and_the_run_finishes(tmp_path):
+    """A generator replica, a reward worker and a logprob rank killed in turn, each replaced."""
+    result, run_dir = run_and_kill(tmp_path, VICTIMS, steps=3 * STEPS)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"recovered: {victim} died" in result.stderr
+    for victim in VICTIMS:
+        assert f"recovered: {victim} died" in result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == STEPS
-    assert [r["stage"] + "-" + str(r["rank"]) for r in summary["recoveries"]] == [victim]
+    assert summary["steps"] == 3 * STEPS
+    assert [r["stage"] + "-" + str(r["rank"]) for r in summary["recoveries"]] == VICTIMS
     ledger = summary["ledger"]
     assert ledger["open"] == 0
     assert ledger["trained"] + sum(ledger["dropped"].values()) == ledger["generated"]
-    assert ledger["trained"] >= STEPS * 4 * 4 - 4 * 4  # at most the groups in flight were lost
-    audit = subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], capture_output=True, text=True,
-                           cwd=ROOT)
-    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert ledger["trained"] >= 3 * STEPS * 4 * 4 - len(VICTIMS) * 4 * 4  # at most the groups in flight were lost
+    audited = audit(run_dir)
+    assert audited.returncode == 0, audited.stdout + audited.stderr
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-def test_a_killed_trainer_rank_without_a_checkpoint_ends_the_run_with_a_named_error(cluster, tmp_path):
-    result, run_dir = run_and_kill(cluster, tmp_path, "actor-0")
+def test_a_killed_trainer_rank_without_a_checkpoint_ends_the_run_with_a_named_error(tmp_path):
+    result, run_dir = run_and_kill(tmp_path, "actor-0")
     assert result.returncode == 3, result.stderr[-3000:]
     assert "trainer rank 0 of `actor` died" in result.stderr
     assert "Traceback" not in result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit"] == "failed" and "trainer rank 0" in summary["error"]
-    audit = subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], capture_output=True, text=True,
-                           cwd=ROOT)
-    assert audit.returncode == 0, audit.stdout + audit.stderr  # what did happen is consistent, if unfinished
+    audited = audit(run_dir)
+    assert audited.returncode == 0, audited.stdout + audited.stderr  # what did happen is consistent, if unfinished
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-def test_a_killed_trainer_rank_restarts_the_run_from_its_last_checkpoint(cluster, tmp_path):
-    result, run_dir = run_and_kill(cluster, tmp_path, "actor-0", checkpoint_every=1)
+def test_a_killed_trainer_rank_restarts_the_run_from_its_last_checkpoint(tmp_path):
+    """Lost after step 4 with a checkpoint at step 3: the run restarts from it and
+    trains step 4 (and any after) again; metrics.jsonl keeps one record for each."""
+    slow_trainer = CHAOS.replace("steps = 600", f"steps = {RESTART_STEPS}").replace("checkpoint_every = 25",
+                                                                                     "checkpoint_every = 3")
+    slow_trainer = slow_trainer.replace("engine = sim(latency = 20ms)", "engine = sim(latency = 200ms)")
+    result, run_dir = run_and_kill(tmp_path, "actor-0", text=slow_trainer, kill_after=4)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "restarting every actor from v" in result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == STEPS and summary["exit"] == "finished"
-    audit = subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], capture_output=True, text=True,
-                           cwd=ROOT)
-    assert audit.returncode == 0, audit.stdout + audit.stderr  # nothing trained twice across the restart
+    assert summary["steps"] == RESTART_STEPS and summary["exit"] == "finished"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if not r.get("eval")] == list(range(1, RESTART_STEPS + 1))
+    audited = audit(run_dir)
+    assert audited.returncode == 0, audited.stdout + audited.stderr  # nothing trained twice across the restart
 
 
 # ---------------------------------------------------------------- the control plane's side, in process
@@ -165,9 +178,8 @@ run { steps = 8  eval_every = 2  watchdog = 120s }
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-def test_a_killed_evaluator_is_replaced_and_evaluation_goes_on(cluster, tmp_path):
-    result, run_dir = run_and_kill(cluster, tmp_path, "evaluator", text=TORCH_WITH_EVALUATION)
+def test_a_killed_evaluator_is_replaced_and_evaluation_goes_on(tmp_path):
+    result, run_dir = run_and_kill(tmp_path, "evaluator", text=TORCH_WITH_EVALUATION)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "recovered: the evaluator died" in result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -34,7 +34,7 @@ import pytest
 from tests.test_megatron_run import RUNNER
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.vllm, pytest.mark.megatron,
+pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.megatron,
               pytest.mark.filterwarnings("ignore::UserWarning")]
 
 PIPELINE = """

@@ -4,17 +4,15 @@ gloo group of the trainer and the generator replicas, on a real local Ray."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_supervision import one_node_cluster, run_and_kill
+from tests.runs import rldsl_here, shared_ray
+from tests.test_supervision import run_and_kill
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray]
 
 STEPS = 4
 BUCKET = 65536  # 64KiB: the tiny model (~430 KB in fp32) travels in several buckets
@@ -34,17 +32,14 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _audit(run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rldsl", "audit", str(run_dir)], capture_output=True, text=True,
-                          cwd=ROOT)
+def _audit(run_dir: Path):
+    return rldsl_here("audit", str(run_dir))
 
 
 def test_a_run_streams_every_version_rank_to_rank(tmp_path):
     source = tmp_path / "collective.rlp"
     source.write_text(collective_pipeline(eval_size=0))
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-m", "rldsl", "run", str(source), "--run-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    proc = rldsl_here("run", str(source), "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "weights: collective (asked for, rank to rank over gloo)" in proc.stderr
     summary = _summary(tmp_path / "run")
@@ -63,17 +58,14 @@ def test_a_run_streams_every_version_rank_to_rank(tmp_path):
     assert audit.returncode == 0, audit.stdout + audit.stderr  # every sample's lag in bound
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    yield from one_node_cluster(12, 3, "rldsl-grpo_async")  # the run's namespace, to find its actors
-
-
-def test_a_killed_generator_is_replaced_and_the_group_forms_anew(cluster, tmp_path):
-    """On a cluster (the group meets through a TCP store): a generator killed
-    mid-run is replaced from the evaluator's object-store copy, the push it
-    broke goes through the object store, and the last version streams to
-    the group formed anew, the replacement included."""
-    result, run_dir = run_and_kill(cluster, tmp_path, "rollout-1", text=collective_pipeline(eval_size=16))
+def test_a_killed_generator_is_replaced_and_the_group_forms_anew(tmp_path):
+    """Joined as a cluster (`--address`: the group meets through a TCP store):
+    a generator killed mid-run is replaced from the evaluator's object-store
+    copy, the push it broke goes through the object store, and the last
+    version streams to the group formed anew, the replacement included."""
+    address = shared_ray().address
+    result, run_dir = run_and_kill(tmp_path, "rollout-1", text=collective_pipeline(eval_size=16),
+                                   args=("--address", address))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "recovered: rollout-1 died" in result.stderr
     summary = _summary(run_dir)

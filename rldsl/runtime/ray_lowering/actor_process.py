@@ -8,6 +8,22 @@ import os
 # generation and training truly concurrent on a small CPU.
 _THREADS = int(os.environ.get("RLDSL_TORCH_THREADS", "1"))
 WORKER_SETUP_ENV = "RLDSL_WORKER_SETUP"
+# A concurrency group of its own in every actor of a run: the driver's trace
+# drains are answered while the actor is busy in a long call (a trainer step,
+# a stalled engine), so a stop never waits on one.
+OBSERVE = "observe"
+
+
+def run_actor(cls):
+    """``cls`` as a Ray actor class of the run, with the ``OBSERVE`` group;
+    the driver's ``RLDSL_WORKER_SETUP`` reaches it on any Ray (one this run
+    joined, or one started before this process set it)."""
+    import ray
+
+    options = {"concurrency_groups": {OBSERVE: 1}}
+    if os.environ.get(WORKER_SETUP_ENV):
+        options["runtime_env"] = {"env_vars": {WORKER_SETUP_ENV: os.environ[WORKER_SETUP_ENV]}}
+    return ray.remote(**options)(cls)
 
 
 def setup_worker_process() -> None:

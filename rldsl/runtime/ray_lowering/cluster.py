@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 DEFAULT_LOGICAL_CPUS = 8
 ACTOR_NUM_CPUS = 0.25  # what our engine and controller actors request
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
+_local_gcs: str | None = None  # the GCS of the local Ray start_ray started in this process, while it runs
 
 
 class ClusterError(RuntimeError):
@@ -109,6 +110,7 @@ class RaySession:
     namespace: str
     started_here: bool
     connected_here: bool
+    local: bool = False  # a Ray of this machine alone, started by rldsl: every plan node folds onto it
     _cleanups: list[Callable[[], Any]] = field(default_factory=list, repr=False)
 
     def add_cleanup(self, cleanup: Callable[[], Any]) -> None:
@@ -127,6 +129,8 @@ class RaySession:
                 log.exception("cleanup %r failed during Ray shutdown", cleanup)
         if self.connected_here and ray.is_initialized():
             ray.shutdown()
+            if self.started_here:
+                _remember_local(None)
         self.connected_here = False
 
 
@@ -156,9 +160,10 @@ def start_ray(
     from rldsl.runtime.dataplane import transferqueue_env
     from rldsl.runtime.ray_lowering.actor_process import WORKER_SETUP_ENV
 
-    if ray.is_initialized():
+    if ray.is_initialized():  # e.g. a test session's Ray, shared by its runs: theirs to use, not to stop
         context = ray.get_runtime_context()
-        return RaySession(context.gcs_address, context.namespace, False, False)
+        local = address in (None, "", "local") and context.gcs_address == _local_gcs  # an address: a cluster's ways
+        return RaySession(context.gcs_address, context.namespace, False, False, local=local)
     env = transferqueue_env()  # worker processes inherit it (see dataplane)
     if os.environ.get(WORKER_SETUP_ENV):
         env[WORKER_SETUP_ENV] = os.environ[WORKER_SETUP_ENV]
@@ -180,7 +185,8 @@ def start_ray(
             restore_ray()
             restore()
             raise
-        session = RaySession(ray.get_runtime_context().gcs_address, namespace, True, True)
+        _remember_local(ray.get_runtime_context().gcs_address)
+        session = RaySession(_local_gcs, namespace, True, True, local=True)
         session.add_cleanup(restore)
         session.add_cleanup(restore_ray)
         return session
@@ -192,6 +198,11 @@ def start_ray(
     except (ConnectionError, RuntimeError, SystemExit) as error:  # Ray exits the process if GCS never answers
         raise ClusterError(f"could not join the Ray cluster at {address!r}: {error}. {_ADDRESS_HINT}") from None
     return RaySession(address, namespace, False, True)
+
+
+def _remember_local(gcs_address: str | None) -> None:
+    global _local_gcs
+    _local_gcs = gcs_address
 
 
 @contextlib.contextmanager

@@ -51,6 +51,10 @@ class Driver:
     def run(self) -> int:
         from rldsl.runtime.dataplane.transferqueue import import_in_background
 
+        if all(p.done_by_checkpoint() for p in self.pipelines):  # a finished run resumed: no Ray, no actors
+            for pipeline in self.pipelines:
+                pipeline.say_nothing_left()
+            return 0
         import_in_background()
         try:
             with self._session() as session:
@@ -66,7 +70,7 @@ class Driver:
         try:
             for pipeline in self.pipelines:
                 pipeline.prepare_models()
-            dataplane = _dataplane(session)
+            dataplane = _dataplane(session, [p.pipe.name for p in self.pipelines])
             reservation = self._reserve(session)
             self._start_gpu_scheduler(session)
             for pipeline in self.pipelines:
@@ -158,14 +162,18 @@ class Driver:
     def _reserve(self, session):
         """The plan's placement groups, each pinned to its Ray node (a local
         Ray holds every plan node), and the board process groups meet on."""
+        import ray
+
         from rldsl.runtime.ray_lowering.placement import reserve
         from rldsl.runtime.ray_lowering.rendezvous import create_board
 
-        fold = session.started_here  # a local Ray: every plan node on it, each with all its GPUs
+        fold = session.local  # a local Ray: every plan node on it, each with all its GPUs
         gpus_per_node = self.plan.cluster.gpus_per_node
         layout = layout_bundles(actor_slots(self.plan), ACTOR_NUM_CPUS, gpus_per_node if fold else None)
         reservation = reserve(layout, gpus_per_node, fold=fold, name=self.plan.pipelines[0].name)
+        session.add_cleanup(reservation.release)  # a Ray that outlives the run (a cluster's, a test session's)
         self.board = create_board()  # held: a named actor lives as long as a handle to it
+        session.add_cleanup(functools.partial(ray.kill, self.board))
         if fold:  # process groups meet in files: no store socket on any interface
             reservation.store_dir = tempfile.mkdtemp(prefix="rldsl-rendezvous-")
             session.add_cleanup(functools.partial(shutil.rmtree, reservation.store_dir, ignore_errors=True))
@@ -242,12 +250,21 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _dataplane(session):
+def _dataplane(session, partitions: list[str]):
+    """The run's data plane: TransferQueue, started here or (on a Ray that
+    outlives the run) attached to; the run's rows leave it with the run."""
     from rldsl.runtime.dataplane import connect_dataplane
 
     plane = connect_dataplane({"backend": "transferqueue", "storage_units": 1})
     session.add_cleanup(plane.close)
+    if not plane.owner:
+        session.add_cleanup(functools.partial(_clear_partitions, plane, partitions))
     return plane
+
+
+def _clear_partitions(plane, partitions: list[str]) -> None:
+    for partition in partitions:
+        plane.clear(plane.list(partition), partition)
 
 
 def _wait_ready(pending: dict) -> None:

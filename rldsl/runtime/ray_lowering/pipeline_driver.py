@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rldsl.plan import PipelinePlan
 from rldsl.runtime.control.settings import RunSettings
+from rldsl.runtime.ray_lowering.actor_process import run_actor
 from rldsl.runtime.ray_lowering.cluster import ACTOR_NUM_CPUS
 from rldsl.runtime.ray_lowering.evaluation import evaluation_summary
 from rldsl.runtime.ray_lowering.pipeline_evaluations import PipelineEvaluations, previous_evals
@@ -77,7 +78,6 @@ class PipelineDriver(PipelineEvaluations):
     def create_actors(self, spec: dict, reservation) -> None:
         """One actor per stage rank, GPU ranks in their bundle of ``reservation``
         (placement.Reservation), and the evaluator; not yet waited for."""
-        import ray
 
         from rldsl.runtime.ray_lowering import workers as w
         from rldsl.runtime.ray_lowering.trainer_worker import TrainerWorker
@@ -90,7 +90,7 @@ class PipelineDriver(PipelineEvaluations):
             if stage.kind == "sync":
                 continue
             worker = JudgeWorker if stage.kind == "reward" and stage.model else classes[stage.kind]
-            actor_class = ray.remote(worker)
+            actor_class = run_actor(worker)
             self.handles[stage.name], self.specs[stage.name] = [], []
             for rank in stage.ranks:
                 args = [self.pipe, stage, rank.index, spec]
@@ -177,24 +177,30 @@ class PipelineDriver(PipelineEvaluations):
     def _create_controller(self, dataplane_spec: dict, transport: dict | None = None) -> None:
         """The controller actor, started with the stage actors so that its
         process comes up (imports, data-plane client) in parallel with theirs."""
-        import ray
 
         from rldsl.runtime.ray_lowering.controller_actor import ControllerActor
 
         if self._remaining_settings().steps <= 0:
             return
-        self.controller = ray.remote(ControllerActor).options(
+        self.controller = run_actor(ControllerActor).options(
             num_cpus=ACTOR_NUM_CPUS, name=f"{self.prefix}controller").remote(
             self._remaining_settings(), self.pipe, self.handles, self.specs, dataplane_spec, self.checkpoint,
             self.resume_info(), self._observers(), self.scheduler, transport)
 
+    def done_by_checkpoint(self) -> bool:
+        """A resumed run whose checkpoint already holds every step (nothing needs to start for it)."""
+        return self._remaining_settings().steps <= 0
+
+    def say_nothing_left(self) -> None:
+        done_before = self.resume["steps_done"] if self.resume else 0
+        self.say(f"nothing to do: {done_before} of {self.settings.steps} steps are done"
+                 + (f" (to train more: `--resume DIR --steps N` with N > {done_before})"
+                    if done_before > self.settings.steps else ""))
+
     def begin(self, live: bool = True) -> bool:
         """Start the controller's loop; False when the resumed run has nothing left to do."""
         if self.controller is None:
-            done_before = self.resume["steps_done"] if self.resume else 0
-            self.say(f"nothing to do: {done_before} of {self.settings.steps} steps are done"
-                     + (f" (to train more: `--resume DIR --steps N` with N > {done_before})"
-                        if done_before > self.settings.steps else ""))
+            self.say_nothing_left()
             return False
         self._say_transport()
         self.progress = Progress(self.settings, self.run_dir, prefix=self.prefix, live=live, log=self.pipe.run.log,

@@ -38,12 +38,11 @@ class PipelineEvaluations:
                                               at_start=run.eval_at_start, at_end=run.eval_at_end)
 
     def _evaluator_actor(self, suffix: str = ""):
-        import ray
-
+        from rldsl.runtime.ray_lowering.actor_process import run_actor
         from rldsl.runtime.ray_lowering.evaluation import Evaluator
 
         # threads to spare: evaluations waiting for a version must never starve the push that brings it
-        return ray.remote(Evaluator).options(num_cpus=ACTOR_NUM_CPUS, max_concurrency=4,
+        return run_actor(Evaluator).options(num_cpus=ACTOR_NUM_CPUS, max_concurrency=4,
                                              name=f"{self.prefix}evaluator{suffix}").remote(self.pipe)
 
     def _replace_evaluator(self) -> None:

@@ -115,9 +115,9 @@ class Supervisor:
         name = f"{options.get('name', spec.stage)}~{spec.replacements}"
         options["name"] = name  # the dead actor's name may not be free yet
         try:
-            import ray
+            from rldsl.runtime.ray_lowering.actor_process import run_actor
 
-            actor = ray.remote(spec.actor_class).options(**options).remote(*spec.args)
+            actor = run_actor(spec.actor_class).options(**options).remote(*spec.args)
             await asyncio.wait_for(_ready(actor), REPLACE_TIMEOUT_S)
             if self.on_replaced is not None:
                 await self.on_replaced(spec, actor)

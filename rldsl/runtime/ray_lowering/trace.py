@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from rldsl.runtime.ray_lowering.actor_process import OBSERVE
+
 TRACE_ENV = "RLDSL_TRACE"
 EVENTS_FILE = "trace-events.jsonl"
 TRACE_FILE = "trace.json"
@@ -128,7 +130,7 @@ class TraceCollector:
         busy = set(self._pending.values())
         for name, actor in self.actors.items():
             if name not in busy:
-                self._pending[actor.trace.remote()] = name
+                self._pending[actor.trace.options(concurrency_group=OBSERVE).remote()] = name
 
     def _collect(self, ready: list) -> None:
         import ray

@@ -1,7 +1,9 @@
 """`rldsl check` start-up against a bare import of the CLI's own libraries,
-measured side by side (interleaved) in one run, and a 200-stage pipeline.
+measured side by side (interleaved) in one run, a 200-stage pipeline, and
+clusters of 128, 512 and 1024 nodes x 8 GPUs (check must stay linear in the
+cluster's size: 1024 x 8 under 2 s).
 
-    python bench/check_speed.py [--repeat 15]
+    python bench/check_speed.py [--repeat 15] [--nodes 128,512,1024] [--clusters-only]
 """
 
 from __future__ import annotations
@@ -50,14 +52,61 @@ def big_pipeline(n_stages: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cluster_pipeline(nodes: int, gpus_per_node: int = 8) -> str:
+    """A 7B pipeline over the whole cluster, as gpu_cluster.rlp on more nodes: vLLM (tp = 2) generates on
+    half the GPUs, megatron (tp = 2) trains on the other half with the frozen reference colocated, and the
+    memory check (`gpu_memory`) runs on every GPU."""
+    half = nodes * gpus_per_node // 2
+    return "\n".join([
+        "pipeline cluster_scale",
+        f"cluster {{ nodes = {nodes}  gpus_per_node = {gpus_per_node}  gpu_memory = 80GiB }}",
+        'model policy { source = "hf:/models/Qwen2.5-7B-Instruct"  params = 7B }',
+        'dataset prompts { source = "builtin:arith" }',
+        f"stage generate rollout {{ model = policy  engine = vllm(tp = 2, gpu_memory = 85%)  gpus = {half}  "
+        "samples_per_prompt = 8  max_new_tokens = 1024 }",
+        'stage reward score { fn = "rldsl.rewards:exact_match" }',
+        "stage logprob reference { model = policy  frozen  engine = megatron(tp = 2)  colocate = actor  "
+        "micro_batch = 2 }",
+        f"stage train actor {{ model = policy  engine = megatron(tp = 2)  gpus = {half}  "
+        f"prompts_per_step = {half // 8}  micro_batch = 1 }}",
+        "stage sync weights { from = actor  to = rollout }",
+        "flow prompts -> rollout -> score -> reference -> actor",
+        "staleness { max_lag = 1 }", ""])
+
+
+def cluster_figures(entry: list[str], sizes: list[int]) -> None:
+    """`check` on clusters of growing size: in process (as `check` compiles, without a plan to save), best
+    of 3, and the whole `rldsl check` process once."""
+    from rldsl.compiler.driver import compile_source
+
+    print(f"{'check on a cluster (goal: 1024 x 8 < 2 s)':<46} {'in process s':>12} {'process s':>10}")
+    for nodes in sizes:
+        text = cluster_pipeline(nodes)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            result = compile_source(text, "cluster.rlp", want_plan=False)
+            times.append(time.perf_counter() - start)
+        assert result.ok, [(d.code, d.message) for d in result.diagnostics[:3]]
+        with tempfile.NamedTemporaryFile("w", suffix=".rlp", delete=False) as f:
+            f.write(text)
+        proc = wall([*entry, "check", f.name])
+        print(f"{f'{nodes} nodes x 8 GPUs':<46} {min(times):>12.3f} {proc:>10.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--nodes", default="128,512,1024", help="cluster sizes to check, in nodes of 8 GPUs")
+    parser.add_argument("--clusters-only", action="store_true", help="only the cluster figures")
     args = parser.parse_args()
     # the console script installed beside this interpreter, as users run it
     # (not a version-manager shim on PATH, which would time the shim)
     script = Path(sys.executable).parent / "rldsl"
     entry = [str(script)] if script.exists() else [sys.executable, "-m", "rldsl"]
+    if args.clusters_only:
+        cluster_figures(entry, [int(n) for n in args.nodes.split(",")])
+        return
     check = [*entry, "check", str(ROOT / "pipelines" / "grpo_async.rlp")]
     base = [sys.executable, "-c", BASELINE]
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "rldsl")], check=True, env=ENV)
@@ -89,6 +138,7 @@ def main() -> None:
         f.write(text)
     proc = statistics.median(wall([*entry, "check", f.name]) for _ in range(5))
     print(f"{'rldsl check on it, whole process (goal < 1 s)':<46} {proc:>9.3f}")
+    cluster_figures(entry, [int(n) for n in args.nodes.split(",")])
 
 
 if __name__ == "__main__":

@@ -118,11 +118,11 @@ def cmd_check(args) -> int:
 
 
 def cmd_fmt(args) -> int:
-    """Rewrite files to the current language (renamed settings, regular layout);
+    """Rewrite files to the current language (renamed settings, old meanings, regular layout);
     without --fix, show what would change and exit 1 if anything would."""
     import difflib
 
-    from rldsl.compiler.fmt import format_source
+    from rldsl.compiler.fmt import format_source_by_code
 
     changed = 0
     for path in args.files:
@@ -130,13 +130,13 @@ def cmd_fmt(args) -> int:
         if result.program is None:  # a syntax error: nothing can be rewritten safely
             _print_diagnostics(result, args)
             return EXIT_FINDINGS
-        text, renamed = format_source(result.source, result.diagnostics)
+        text, applied = format_source_by_code(result.source, result.diagnostics)
         if text == result.source:
             continue
         changed += 1
         if args.fix:
             Path(path).write_text(text)
-            print(f"formatted: {path}" + (f" ({renamed} renamed setting{'s' * (renamed != 1)})" if renamed else ""))
+            print(f"formatted: {path}{_rewritten(applied)}")
         else:
             sys.stdout.writelines(difflib.unified_diff(result.source.splitlines(keepends=True),
                                                        text.splitlines(keepends=True), path, f"{path} (formatted)"))
@@ -144,6 +144,14 @@ def cmd_fmt(args) -> int:
         print(f"{changed} file(s) would change; `rldsl fmt --fix` rewrites them", file=sys.stderr)
         return EXIT_FINDINGS
     return EXIT_OK
+
+
+def _rewritten(applied) -> str:
+    """` (1 renamed setting, 2 old meanings written out)`: what `fmt --fix` changed besides the layout."""
+    renamed, kept = applied.get("RLP109", 0), sum(applied.values()) - applied.get("RLP109", 0)
+    parts = ([f"{renamed} renamed setting{'s' * (renamed != 1)}"] if renamed else []) + \
+        ([f"{kept} old meaning{'s' * (kept != 1)} written out"] if kept else [])
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def cmd_plan(args) -> int:
@@ -309,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("fmt", parents=[common], help="rewrite files to the current language (renamed settings, "
-                                                     "regular layout), comments kept")
+                                                     "old meanings, regular layout), comments kept")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--fix", action="store_true", help="write the files (default: show the diff, exit 1 if any)")
     p.set_defaults(func=cmd_fmt)

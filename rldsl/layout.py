@@ -148,8 +148,11 @@ def layout_bundles(slots: list[ActorSlot], actor_cpus: float, gpus_per_node: int
     _require_own_gpus(spanning, slots)
     taken = {gpu for s in spanning for gpu in s.all_gpus()}
     nodes: dict[int, list[Bundle]] = {}
-    for node in sorted({s.node for s in slots if not s.remote}):
-        on_node = [s for s in slots if s.node == node and not s.remote]
+    by_node: dict[int, list[ActorSlot]] = {}  # one pass: a scan per node made `check` quadratic in the cluster
+    for slot in slots:
+        if not slot.remote:
+            by_node.setdefault(slot.node, []).append(slot)
+    for node, on_node in sorted(by_node.items()):
         graph = nx.Graph()
         for gpus in [s.gpus for s in on_node]:
             graph.add_nodes_from(gpus)
@@ -175,16 +178,20 @@ def _spanning_group(slot: ActorSlot) -> SpanningGroup:
 def _require_own_gpus(spanning: list[ActorSlot], slots: list[ActorSlot]) -> None:
     """A replica across nodes has its GPUs to itself: its engine's Ray
     workers each take a whole GPU of its group."""
+    users: dict[tuple[int, int], list[int]] = {}  # (node, gpu) -> indexes of the slots on it, built once
+    for index, slot in enumerate(slots):
+        for gpu in slot.all_gpus():
+            users.setdefault(gpu, []).append(index)
     for replica in spanning:
         mine = set(replica.all_gpus())
-        for other in slots:
-            shared = sorted(mine & set(other.all_gpus())) if other is not replica else []
-            if shared:
-                where = ", ".join(f"{node}:{gpu}" for node, gpu in shared)
-                raise LayoutError(
-                    f"`{replica.name}` spans nodes and shares GPU(s) {where} with {other.name}: a replica across "
-                    "nodes needs its GPUs to itself (vLLM's Ray executor gives each of its workers a whole GPU). "
-                    "Give the other stage GPUs of its own", replica.stage)
+        others = sorted({i for gpu in mine for i in users.get(gpu, ()) if slots[i] is not replica})
+        if others:  # named: the first other slot in plan order
+            other = slots[others[0]]
+            where = ", ".join(f"{node}:{gpu}" for node, gpu in sorted(mine & set(other.all_gpus())))
+            raise LayoutError(
+                f"`{replica.name}` spans nodes and shares GPU(s) {where} with {other.name}: a replica across "
+                "nodes needs its GPUs to itself (vLLM's Ray executor gives each of its workers a whole GPU). "
+                "Give the other stage GPUs of its own", replica.stage)
 
 
 def _require_expressible(bundle: Bundle) -> None:

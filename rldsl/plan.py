@@ -132,9 +132,13 @@ class StalenessPlan:
 ADVANTAGE_NORMALISATION = {"grpo": "group", "dr_grpo": "none", "rloo": "none", "reinforce_pp": "batch",
                            "reinforce_pp_baseline": "batch"}
 # Every `normalize`: the group's std, each sample's leave-one-out std, the batch's, the group's std then
-# whitened over the batch, none, whitened over the batch's trained tokens (a sample weighs its token count).
-NORMALISATIONS = ("group", "leave_one_out", "batch", "group_batch", "none", "batch_tokens")
-GROUP_SCALED = ("group", "group_batch")  # normalisations that divide by a group's spread
+# whitened over the batch, none, whitened over the batch's trained tokens (a sample weighs its token count),
+# the group's std then whitened over the batch's tokens (AReaL), the batch's reward std without whitening (TRL).
+NORMALISATIONS = ("group", "leave_one_out", "batch", "group_batch", "none", "batch_tokens", "group_batch_tokens",
+                  "batch_std")
+GROUP_SCALED = ("group", "group_batch", "group_batch_tokens")  # normalisations that divide by a group's spread
+ADVANTAGE_STDS = ("unbiased", "biased")  # a train stage's `advantage_std`; the first is the default
+REWARD_CLIP_PLACES = ("before_baseline", "after_baseline")  # a train stage's `reward_clip_at`; likewise
 
 
 @dataclass(frozen=True)
@@ -295,8 +299,8 @@ class PipelinePlan:
         policy has real weights, the dataset a held-out split and the run
         asks for at least one evaluation."""
         train = self.stage(self.batch.train_stage)
-        has_weights = train.engine.name in ("torch", "megatron", "fsdp")
-        return has_weights and bool(self.stages_of("generate")) and self.eval_size > 0 and self.run.asks_evaluation
+        return evaluates_held_out(train.engine.name, bool(self.stages_of("generate")), self.eval_size,
+                                  self.run.asks_evaluation)
 
     @property
     def eval_on(self) -> str:
@@ -309,6 +313,14 @@ class PipelinePlan:
     def has_evaluator(self) -> bool:
         """An evaluator actor runs (evaluation on, and not on the generators)."""
         return self.evaluates and self.eval_on == "evaluator"
+
+
+WEIGHT_ENGINES = ("torch", "megatron", "fsdp")  # trainers with real weights to evaluate
+
+
+def evaluates_held_out(train_engine: str, has_generator: bool, eval_size: int, asks_evaluation: bool) -> bool:
+    """The one rule for whether a pipeline runs held-out evaluation (the plan's ``evaluates``, and `check`)."""
+    return train_engine in WEIGHT_ENGINES and has_generator and eval_size > 0 and asks_evaluation
 
 
 def _gpus_of(stage: StagePlan) -> set[tuple[int, int]]:

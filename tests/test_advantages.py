@@ -17,6 +17,7 @@ from rldsl.runtime.control.advantages import (
     default_normalisation,
     difficulty_masked,
     group_advantages,
+    needs_tokens,
     needs_whole_batch,
 )
 
@@ -69,16 +70,18 @@ def test_every_estimator_and_normalisation_by_hand(estimator, normalize):
 def test_the_defaults_of_each_estimator():
     assert {e: default_normalisation(e) for e in ESTIMATORS} == {
         "grpo": "group", "dr_grpo": "none", "rloo": "none", "reinforce_pp": "batch", "reinforce_pp_baseline": "batch"}
-    assert [n for n in NORMALISATIONS if needs_whole_batch(n)] == ["batch", "group_batch", "batch_tokens"]
+    assert [n for n in NORMALISATIONS if needs_whole_batch(n)] == \
+        ["batch", "group_batch", "batch_tokens", "group_batch_tokens", "batch_std"]
+    assert [n for n in NORMALISATIONS if needs_tokens(n)] == ["batch_tokens", "group_batch_tokens"]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
 @pytest.mark.parametrize("normalize", NORMALISATIONS)
 def test_group_baselines_give_exact_zeros_without_signal(estimator, normalize):
-    tokens = [[3, 1, 2], [5, 4]] if normalize == "batch_tokens" else None
+    tokens = [[3, 1, 2], [5, 4]] if needs_tokens(normalize) else None
     assert compute_advantages([[1.0, 1.0, 1.0], [0.0, 0.0]], estimator, normalize, tokens=tokens) == \
         [[0.0] * 3, [0.0] * 2]
-    one = [[7]] if normalize == "batch_tokens" else None
+    one = [[7]] if needs_tokens(normalize) else None
     assert compute_advantages([[0.7]], estimator, normalize, tokens=one) == [[0.0]]  # one sample: nothing to compare
 
 
@@ -202,3 +205,41 @@ def test_difficulty_mask_keeps_the_groups_strictly_inside_the_bounds(rewards, ma
 
 def test_no_difficulty_mask_masks_nothing():
     assert not difficulty_masked([0.0, 0.0], None)
+
+
+# -- the peers' variants (docs/migrating.md; tests/test_conformance_*.py checks them against the peers' code) --
+
+
+def test_the_biased_std_divides_by_n():
+    """REINFORCE++ whitening of the raw rewards with the biased std: 1.875 / 8, not / 7 (OpenRLHF)."""
+    std = math.sqrt(1.875 / 8)
+    assert compute_advantages(REWARDS, "reinforce_pp", "batch", std="biased", eps=0.0) == approx(
+        [[0.375 / std, -0.625 / std, -0.625 / std, 0.375 / std], [0.375 / std] * 3 + [-0.625 / std]])
+    with pytest.raises(ValueError, match="std 'n'"):
+        compute_advantages(REWARDS, "grpo", "group", std="n")
+
+
+def test_group_then_token_whitening_by_hand():
+    """AReaL: the group-scaled values [+-sqrt(3)/2] and [0.5, 0.5, 0.5, -1.5], group A over 1 token
+    each and group B over 3 each: 16 tokens, mean (0 + 3 x (1.5 - 1.5)) / 16 = 0, unbiased variance
+    (4 x 3/4 + 3 x (3 x 0.25 + 2.25)) / 15 = 12 / 15."""
+    std = math.sqrt(12 / 15)
+    expected = [[v / std for v in group] for group in BY_HAND[("grpo", "group")]]
+    assert compute_advantages(REWARDS, "grpo", "group_batch_tokens", tokens=[[1] * 4, [3] * 4], eps=0.0) == \
+        approx(expected)
+
+
+def test_the_batch_reward_std_scales_without_recentring():
+    """TRL's scale_rewards = batch: the group-centred values over the std of all 8 rewards
+    (5 ones, 3 zeros: unbiased variance (5 x (3/8)^2 + 3 x (5/8)^2) / 7 = 1.875 / 7)."""
+    std = math.sqrt(1.875 / 7)
+    expected = [[v / std for v in group] for group in BY_HAND[("grpo", "none")]]
+    assert compute_advantages(REWARDS, "grpo", "batch_std", eps=0.0) == approx(expected)
+
+
+def test_the_reward_clip_after_the_baseline():
+    """OpenRLHF's clip_range bounds the centred (and group-scaled) values: [3, -4, 0.5] - mean -1/6."""
+    assert compute_advantages([[3.0, -4.0, 0.5]], "grpo", "none", reward_clip=1.0,
+                              reward_clip_at="after_baseline") == approx([[1.0, -1.0, 2 / 3]])
+    assert compute_advantages(REWARDS, "grpo", "group", reward_clip=1.0, reward_clip_at="after_baseline") == \
+        approx([[ROOT3 / 2, -ROOT3 / 2, -ROOT3 / 2, ROOT3 / 2], [0.5, 0.5, 0.5, -1.0]])

@@ -159,7 +159,10 @@ def test_local_paths_in_the_plan_are_anchored_to_the_pipeline_file(tmp_path):
 
 def test_run_refuses_a_logprob_stage_on_a_gpu_another_pipeline_shares_before_anything_starts(tmp_path, capsys):
     """Pipelines take turns on shared GPUs through leases held by generator
-    replicas and train steps; a logprob stage there would hold none."""
+    replicas and train steps; a logprob stage there would hold none. `check`
+    refuses it (RLP513), so `run` stops at the check, exit 1; a hand-edited
+    saved plan meets the same predicate in the launcher
+    (tests/test_launch_rules.py)."""
     text = (ROOT / "pipelines" / "multi_pipeline_cpu.rlp").read_text()
     text = text.replace('stage reward score { fn = "rldsl.rewards:exact_match" }',
                         'stage reward score { fn = "rldsl.rewards:exact_match" }\n'
@@ -169,5 +172,5 @@ def test_run_refuses_a_logprob_stage_on_a_gpu_another_pipeline_shares_before_any
     (tmp_path / "two.rlp").write_text(text)
     code = main(["run", str(tmp_path / "two.rlp"), "--address", "127.0.0.1:9"])
     err = capsys.readouterr().err
-    assert code == 2, err
-    assert "logprob stage `reference` is on GPU 1 of node 0, which another pipeline shares" in err
+    assert code == 1, err
+    assert "error[RLP513]: logprob stage `arith/reference` is on GPU 1 of node 0, which another pipeline shares" in err

@@ -23,7 +23,7 @@ def cluster():
 PP2 = """
 pipeline pp2
 cluster { nodes = 2  gpus_per_node = 3 }
-model policy { source = "builtin:tiny-lm" }
+model policy { source = "builtin:tiny-gpt2" }
 dataset prompts { source = "builtin:arith" }
 stage generate rollout { model = policy  engine = vllm(tp = 1, pp = 2)  gpus = [0, 3]  samples_per_prompt = 4 }
 stage reward score { fn = "rldsl.rewards:exact_match" }

@@ -28,7 +28,7 @@ def test_responses_shorter_than_every_answer_get_a_constant_reward():
     assert codes(text) == ["RLP314"]
 
 
-@pytest.mark.parametrize(("tokens", "expected"), [(2, ["RLP315"]), (3, []), (64, [])])
+@pytest.mark.parametrize(("tokens", "expected"), [(2, ["RLP315"]), (3, []), (57, [])])  # 57: what the context holds
 def test_responses_shorter_than_some_answers(tokens, expected):
     assert codes(BASE.replace("  samples_per_prompt = 4\n",
                               f"  samples_per_prompt = 4\n  max_new_tokens = {tokens}\n")) == expected

@@ -60,8 +60,9 @@ def test_a_logprob_stage_counts_beside_every_phase_of_the_others(reference):
 
 
 def test_rlp506_says_the_logprob_stage_scores_beside_the_others():
-    # 32 rows of 2048 tokens: a 43 GiB forward beside the 32 GiB generator; each alone would fit
-    reference = "fsdp(offload = true, dtype = bf16)  colocate = actor  micro_batch = 32 }"
+    # 32 rows of 2048 tokens as a token budget (rows alone would be cut to fit: RLP520): a 43 GiB forward
+    # beside the 32 GiB generator; each alone would fit
+    reference = "fsdp(offload = true, dtype = bf16)  colocate = actor  micro_batch_tokens = 65536 }"
     text = PIPELINE.replace("REFERENCE  colocate = actor  micro_batch = 2 }", reference).replace(
         "gpu_memory = 80GiB", "gpu_memory = 70GiB")
     result = compile_source(text, "p.rlp")

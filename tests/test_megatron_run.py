@@ -13,6 +13,7 @@ torch generator and to the evaluator, checkpoints and resume.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,8 @@ def test_megatron_trainer_and_tp2_reference_run_checkpoint_and_resume_on_ray(tmp
     marker = json.loads((checkpoint / "trainer.json").read_text())
     assert marker == {"engine": "megatron", "ranks": 2, "version": 2}
 
+    # as if the driver died after step 3, before the run's end checkpointed it: resume from v000002
+    shutil.rmtree(run_dir / "checkpoints" / "v000003")
     resumed = run(["--resume", str(run_dir), "--steps", "4"], monkeypatch)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from v000002: version 2" in resumed.stderr

@@ -66,6 +66,44 @@ def test_several_pipelines_need_the_pipeline_named():
 
 
 
+def test_a_value_cannot_add_a_stage_or_close_a_block():
+    """VALUE is one value of the key's type, never text spliced into the file."""
+    stages = {s.name for s in plan_of(DEFAULT).pipelines[0].stages}
+    for override in ['actor.lr=1 } stage reward extra { fn = "rldsl.rewards:exact_match" }',
+                     "actor.lr=1 }\nstage reward extra {", "actor.lr=1, 2", "run.steps=3 } run { steps = 4",
+                     'actr } stage reward extra { fn = "x" } actor.lr=1',
+                     'actor.lr } stage reward extra { fn = "x=1']:
+        with pytest.raises(OverrideError):
+            apply_overrides(DEFAULT, [override])
+    # a string key takes the whole text as its string: the braces are characters of it
+    text = apply_overrides(DEFAULT, ['cluster.gpu=H100 } stage reward extra { fn = "x" }'])
+    assert {s.name for s in plan_of(text).pipelines[0].stages} == stages
+    assert plan_of(text).cluster.gpu_type == 'H100 } stage reward extra { fn = "x" }'
+
+
+@pytest.mark.parametrize(("override", "written"), [
+    ("prompts.source=jsonl:data/x.jsonl", 'source = "jsonl:data/x.jsonl"'),  # a string key: quoted for it
+    ('prompts.source="builtin:reverse"', 'source = "builtin:reverse"'),
+    ("score.fn=rldsl.rewards:char_match", 'fn = "rldsl.rewards:char_match"'),
+    ("rollout.engine=vllm( tp=2 ,)", "engine = vllm(tp = 2)"),  # written out from its parse
+    ("rollout.gpus=[0 , 1..2]", "gpus = [0, 1..2]"),
+    ("actor.lr=3e-5   # a comment", "lr = 3e-5"),
+    ("staleness.order=in_order", "order = in_order"),
+])
+def test_a_value_is_parsed_as_the_keys_type_and_written_from_its_parse(override, written):
+    text = apply_overrides(DEFAULT, [override])
+    assert written in text and written not in DEFAULT
+    assert len(text.splitlines()) == len(DEFAULT.splitlines())  # on its key's line, every line where it was
+    assert compile_source(text).program is not None
+
+
+def test_a_number_past_the_range_is_its_finding_at_the_files_line():
+    result = compile_source(apply_overrides(DEFAULT, ["actor.lr=1e30"]), "grpo_async.rlp")
+    (finding,) = result.diagnostics
+    line = next(i for i, text in enumerate(DEFAULT.splitlines(), 1) if text.strip().startswith("lr ="))
+    assert finding.code == "RLP106" and "too large" in finding.message and finding.span.line == line
+
+
 def test_plan_shows_and_saves_the_overrides(tmp_path):
     out = tmp_path / "plan.json"
     shown = rldsl("plan", "pipelines/grpo_async.rlp", "--set", "actor.lr=1e-5", "--out", str(out))

@@ -264,6 +264,8 @@ BASE = (Path(__file__).parent / "golden" / "base.rlp").read_text()
 def check(train_lines: str, generate_lines: str = "") -> list:
     text = BASE.replace("  prompts_per_step = 8\n", f"  prompts_per_step = 8\n{train_lines}\n")
     text = text.replace("  samples_per_prompt = 4\n", f"  samples_per_prompt = 4\n{generate_lines}\n")
+    if "megatron" in train_lines:  # megatron loads a Hugging Face checkpoint (RLP112): the builtin model's GPT-2
+        text = text.replace('source = "builtin:tiny-lm"', 'source = "builtin:tiny-gpt2"')
     return compile_source(text, "p.rlp").diagnostics
 
 

@@ -73,17 +73,22 @@ def test_the_batch_rule_uses_the_trainers_own_gpu_count_when_another_stage_is_un
     assert "micro_batch x dp = 3 x 2 = 6" in got[1][1]
 
 
+HF_MODEL = 'model policy { source = "hf:/models/Qwen2.5-0.5B-Instruct"  params = 0.5B }'  # megatron loads one
+
+
 def test_no_batch_finding_when_the_trainers_data_parallel_size_is_unknown():
     for engine in ("megatron(tp = 0)", "megatron(tp = 3)"):  # invalid (RLP106); 2 GPUs not a multiple of 3 (RLP502)
-        text = edit(BASE, ("  gpus = 2\n  prompts_per_step = 8\n",
-                           f"  engine = {engine}\n  gpus = 2\n  prompts_per_step = 8\n  micro_batch = 32\n"))
+        text = edit(BASE, ('model policy { source = "builtin:tiny-lm" }', HF_MODEL),
+                    ("  gpus = 2\n  prompts_per_step = 8\n",
+                     f"  engine = {engine}\n  gpus = 2\n  prompts_per_step = 8\n  micro_batch = 32\n"))
         codes = [code for code, _ in findings(text)]
         assert "RLP302" not in codes and len(codes) == 1, codes
 
 
 def test_a_stage_colocated_with_an_unplaced_stage_gets_no_second_finding():
     reference = "stage logprob reference { model = policy  frozen  colocate = actor }\n"
-    text = edit(BASE, ("  gpus = 2\n  prompts_per_step", "  engine = megatron(tp = 4)\n  gpus = 2\n  prompts_per_step"),
+    text = edit(BASE, ('model policy { source = "builtin:tiny-lm" }', HF_MODEL),
+                ("  gpus = 2\n  prompts_per_step", "  engine = megatron(tp = 4)\n  gpus = 2\n  prompts_per_step"),
                 ("stage reward score", reference + "stage reward score"),
                 ("rollout -> score", "rollout -> score -> reference"))
     assert [code for code, _ in findings(text)] == ["RLP502"]

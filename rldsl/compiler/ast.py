@@ -36,8 +36,8 @@ class Name(NamedTuple):
 
 
 class Range(NamedTuple):
-    low: Number
-    high: Number
+    low: "Number | OutOfRange"
+    high: "Number | OutOfRange"
     span: Span
 
 
@@ -58,7 +58,15 @@ class Call(NamedTuple):
     span: Span
 
 
-Value = Union[Number, String, Name, Range, ListValue, Call]
+class OutOfRange(NamedTuple):
+    """A number past ±1e18 (RLP106, reported by the parser): the key holding
+    it is invalid, and every other finding of the file is still made."""
+
+    text: str
+    span: Span
+
+
+Value = Union[Number, String, Name, Range, ListValue, Call, OutOfRange]
 
 
 class Entry(NamedTuple):

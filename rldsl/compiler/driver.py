@@ -1,7 +1,12 @@
 """The compiler's front door: text -> diagnostics and, when clean, a plan.
 
-    parse -> resolve -> IR -> dataflow, weight and engine rules -> placement
-    -> sharing, batch, buffer and memory rules -> lowering
+    parse -> resolve -> old meanings -> IR -> dataflow, weight and engine
+    rules -> placement -> sharing, batch, buffer and memory rules (logprob
+    forwards cut to fit) -> lowering
+
+An old form a file was written in before a rule tightened is read as its
+current form, with a warning (old_meanings.py, memory_fit.py): files that
+checked keep checking and mean what they meant.
 
 Each step is a pure function; findings are collected, then ordered by
 cause: a finding that explains others (``Diagnostic.explains``) comes
@@ -24,21 +29,23 @@ from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Program
 from rldsl.compiler.diagnostics import ERROR, NO_SPAN, Diagnostic, order_by_cause
 from rldsl.compiler.ir import build_ir
-from rldsl.compiler.parser import parse
+from rldsl.compiler.old_meanings import keep_old_meanings
+from rldsl.compiler.parser import BYTE_ORDER_MARK, parse
 from rldsl.compiler.placement import Placement, place
 from rldsl.compiler.resolve import resolve
 from rldsl.compiler.rules import (
-    batching, dataflow, engines, environments, forwards, learning, reward_models, sharing, training, weights,
+    batching, dataflow, engines, environments, forwards, launch, learning, noops, reward_models, sharing, training,
+    weights,
 )
 
 if TYPE_CHECKING:  # the plan type only: lowering imports it when a plan is made
     from rldsl.plan import ExecutionPlan
 
 PIPELINE_PASSES = dataflow.PASSES + weights.PASSES + engines.PASSES + training.PASSES + learning.PASSES + \
-    environments.PASSES + reward_models.PASSES + forwards.PASSES
+    environments.PASSES + reward_models.PASSES + forwards.PASSES + launch.PASSES + noops.PASSES
 PROGRAM_PLACED_PASSES = (sharing.check_sharing, sharing.check_pipeline_sharing)
 # these read the placement when there is one
-PLACED_PASSES = batching.PASSES + (sharing.check_on_policy_disjoint, weights.check_transport)
+PLACED_PASSES = batching.PASSES + (sharing.check_on_policy_disjoint, weights.check_transport) + launch.PLACED_PASSES
 
 
 @dataclass
@@ -60,13 +67,15 @@ class CompileResult:
 def compile_source(text: str, filename: str = "<input>", base_dir: Path | None = None,
                    want_plan: bool = True) -> CompileResult:
     base_dir = base_dir or Path(".")
+    text = text.removeprefix(BYTE_ORDER_MARK)  # columns then count as an editor shows them
     result = CompileResult(filename, text)
     tree, diags = parse(text)
     if tree is None:
         result.diagnostics = diags
         return result
     program, found = resolve(tree, filename)
-    diags = diags + found
+    program, kept = keep_old_meanings(program)  # an old form read as the current one, with a warning
+    diags = diags + found + kept
     result.program = program
     result.contexts = [Context(program, pipe, build_ir(pipe)) for pipe in program.pipelines]
     for ctx in result.contexts:
@@ -85,7 +94,11 @@ def compile_source(text: str, filename: str = "<input>", base_dir: Path | None =
     if placement is not None and (want_plan or program.cluster.get("gpu_memory")):
         from rldsl.compiler.memory import check_memory, estimate  # `check` needs it only with a GPU size
 
-        diags += check_memory(program, placement, base_dir)
+        found = check_memory(program, placement, base_dir)
+        if found:  # forwards cut to fit keep the file's meaning: a warning rather than RLP506 (memory_fit.py)
+            found = _fit_forwards(result, base_dir, text, found)
+            program = result.program
+        diags += found
         result.memory = estimate(program, placement, base_dir)
         diags = sharing.explain_memory(program, diags, result.memory)
         diags = sharing.allow_resident_trainers(program, placement, diags, result.memory)
@@ -95,6 +108,20 @@ def compile_source(text: str, filename: str = "<input>", base_dir: Path | None =
         result.diagnostics = order_by_cause(diags + check_layout(plan, program))
         result.plan = plan if want_plan and result.ok else None
     return result
+
+
+def _fit_forwards(result: CompileResult, base_dir: Path, text: str, found: list[Diagnostic]) -> list[Diagnostic]:
+    """RLP506's findings, or the RLP520 warnings of the logprob forwards cut to fit (the program and contexts
+    of ``result`` then hold the fitted settings, which the plan carries)."""
+    from rldsl.compiler.memory_fit import fit_logprob_forwards
+
+    fitted = fit_logprob_forwards(result.program, result.placement, base_dir, text)
+    if fitted is None:
+        return found
+    result.program, warnings = fitted
+    result.contexts = [Context(result.program, pipe, build_ir(pipe), result.placement)
+                       for pipe in result.program.pipelines]
+    return warnings
 
 
 def check_layout(plan, program: Program) -> list[Diagnostic]:

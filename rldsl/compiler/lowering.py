@@ -6,9 +6,11 @@ from pathlib import Path
 
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl, Program
+from rldsl.compiler.gpu_defaults import eval_on_default, run_defaults
 from rldsl.compiler.ir import generations
 from rldsl.compiler.placement import Placement, StagePlacement
 from rldsl.compiler.reward_types import RewardComponent
+from rldsl.compiler.rules.launch import response_cap
 from rldsl.compiler.schema import JUDGE_KEYS, stage_engine_args
 from rldsl.compiler.types import EngineSpec, GpuRequest, LossSpec, Ref
 from rldsl.plan import (
@@ -41,14 +43,15 @@ def _float_or_none(value):
 def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None], base_dir: Path) -> PipelinePlan:
     pipe, sizing = ctx.pipe, ctx.sizing()
     staleness, run = pipe.block("staleness"), pipe.block("run")
-    shares = _gpu_shares(placement)
+    residents = placement.residents()  # once: per GPU it made `check` quadratic in the cluster's size
     return PipelinePlan(
         name=pipe.name,
         models=[ModelPlan(m.name, _anchored(m["source"], base_dir), params.get(f"{pipe.name}/{m.name}"), m.get("dtype"),
                           bool(m.get("chat_template")))
                 for m in pipe.models.values()],
-        datasets=[_dataset(d, base_dir) for d in pipe.datasets.values()],
-        stages=[_stage(s, placement.of(pipe.name, s.name), placement, shares, base_dir)
+        datasets=[_dataset(d, base_dir, eval_on_default(ctx.program, d, pipe.stages_of("generate")))
+                  for d in pipe.datasets.values()],
+        stages=[_fit_responses(ctx, s, _stage(s, placement.of(pipe.name, s.name), placement, residents, base_dir))
                 for s in pipe.stages.values()],
         edges=[EdgePlan(u, v, d["kind"], list(d.get("fields", ())), d.get("sync"))
                for u, v, d in ctx.graph.edges(data=True)],
@@ -57,7 +60,7 @@ def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None],
                                 _float_or_none(staleness.get("max_ahead"))),
         batch=BatchPlan(sizing.train_stage, sizing.prompts_per_step, sizing.samples_per_prompt, sizing.global_batch,
                         sizing.micro_batch, sizing.capacity, sizing.max_inflight, sizing.ppo_epochs),
-        run=_run(run, sizing.prompts_per_step * sizing.samples_per_prompt),
+        run=_run(run, sizing.prompts_per_step * sizing.samples_per_prompt, run_defaults(ctx.program, run)),
         sharing=SharingPlan(float(pipe.block("placement")["weight"]), int(pipe.block("placement")["priority"])),
         environments=[_environment(e, base_dir) for e in pipe.environments.values()],
     )
@@ -68,25 +71,29 @@ def _environment(decl: Decl, base_dir: Path) -> EnvironmentPlan:
                            float(decl["timeout"]), decl["processes"])
 
 
-def _run(run: Decl, rollout_batch: int) -> RunPlan:
+def _run(run: Decl, rollout_batch: int, gpu_defaults: dict) -> RunPlan:
     """Steps as written, or from `samples` (whole steps, rounded up); a run
     in `epochs` gets its steps when the runtime has read the dataset. A
     `steps` written beside either is a cap (`max_steps`): the run ends at
-    whichever bound it reaches first."""
+    whichever bound it reaches first. ``gpu_defaults``: the keys a GPU
+    program left out, with their GPU values (gpu_defaults.py)."""
+    value = lambda key: gpu_defaults.get(key, run[key])  # noqa: E731
     epochs, samples = run.get("epochs", 0), int(run.get("samples", 0))
     max_steps = run["steps"] if (epochs or samples) and run.explicit("steps") else 0
     steps = -(-samples // rollout_batch) if samples else 0 if epochs else run["steps"]
     if samples and max_steps:
         steps = min(steps, max_steps)
-    return RunPlan(steps, run["seed"], run["eval_every"], run["checkpoint_every"], run["watchdog"], run["restarts"],
-                   epochs, samples, list(run["log"]), run["keep_checkpoints"], eval_timeout_s=run["eval_timeout"],
+    return RunPlan(steps, run["seed"], run["eval_every"], value("checkpoint_every"), run["watchdog"], run["restarts"],
+                   epochs, samples, list(run["log"]), value("keep_checkpoints"), eval_timeout_s=value("eval_timeout"),
                    max_steps=max_steps, eval_at_start=run["eval_at_start"], eval_at_end=run["eval_at_end"])
 
 
-def _dataset(decl: Decl, base_dir: Path) -> DatasetPlan:
+def _dataset(decl: Decl, base_dir: Path, eval_on: str | None = None) -> DatasetPlan:
     """`source` is the first of `sources` when a mixture is written; every
-    path is anchored to the .rlp file."""
+    path is anchored to the .rlp file. ``eval_on``: a GPU program's default (gpu_defaults.py)."""
     options = _settings(decl, skip=("source",))
+    if eval_on:
+        options["eval_on"] = eval_on
     sources = [_anchored(s, base_dir) for s in decl.get("sources") or (decl["source"],)]
     if decl.get("sources"):
         options["sources"] = sources
@@ -136,17 +143,13 @@ def _beside(base_dir: Path, module: str) -> bool:
         return False
 
 
-def _gpu_shares(placement: Placement) -> dict[int, int]:
-    return {gpu: len(residents) for gpu, residents in placement.residents().items()}
-
-
-def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement, shares: dict[int, int],
-           base_dir: Path = Path(".")) -> StagePlan:
+def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement,
+           residents: dict[int, list[StagePlacement]], base_dir: Path = Path(".")) -> StagePlan:
     engine = stage.get("engine") if stage.stage_kind != "reward" or stage.get("model") else None
     ranks = []
     for rank in (sp.ranks if sp else ()):
         node = placement.node_of(rank.gpus[0]) if rank.gpus else 0
-        fraction = 1.0 / max(shares.get(g, 1) for g in rank.gpus) if rank.gpus else 0.0
+        fraction = 1.0 / max(len(residents.get(g, ())) or 1 for g in rank.gpus) if rank.gpus else 0.0
         here = [placement.local(g) for g in rank.gpus if placement.node_of(g) == node]
         ranks.append(RankPlan(rank.index, node, here, rank.tp_rank, rank.pp_rank, rank.dp_rank, fraction,
                               _remote(rank.gpus, node, placement)))
@@ -159,8 +162,17 @@ def _stage(stage: Decl, sp: StagePlacement | None, placement: Placement, shares:
                                      base_dir),
         ranks=ranks,
         tp=sp.tp if sp else 1, pp=sp.pp if sp else 1, dp=sp.dp if sp else 1,
-        colocated_with=_sharing(sp, placement) if sp else [],
+        colocated_with=_sharing(sp, residents) if sp else [],
     )
+
+
+def _fit_responses(ctx: Context, decl: Decl, stage: StagePlan) -> StagePlan:
+    """A `max_new_tokens` past what the model's context holds after the longest prompt (the builtin
+    model's 64 positions), cut to fit: a longer response would stop the run (RLP117 where it is written)."""
+    cap = response_cap(ctx, decl)
+    if cap is not None:
+        stage.settings["max_new_tokens"] = cap
+    return stage
 
 
 def _remote(gpus: tuple[int, ...], node: int, placement: Placement) -> list[NodeGpus]:
@@ -181,12 +193,12 @@ def _derived(stage: Decl, settings: dict) -> dict:
     return settings
 
 
-def _sharing(sp: StagePlacement, placement: Placement) -> list[str]:
+def _sharing(sp: StagePlacement, residents: dict[int, list[StagePlacement]]) -> list[str]:
     """Every stage that shares a GPU with this one: colocated, partially
     overlapping, or of another pipeline (written `pipeline/stage`)."""
     names = set()
     for gpu in sp.gpus:
-        for other in placement.residents()[gpu]:
+        for other in residents[gpu]:
             if other is not sp:
                 names.add(other.stage if other.pipeline == sp.pipeline else f"{other.pipeline}/{other.stage}")
     return sorted(names)
@@ -209,4 +221,3 @@ def _json(value):
     if isinstance(value, tuple):
         return [_json(v) for v in value]
     return value
-

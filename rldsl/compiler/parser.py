@@ -47,11 +47,14 @@ class ParseFailure(Exception):
 
 
 MAX_NESTING = 32  # brackets inside brackets; far beyond any pipeline, far below Python's recursion limit
+BYTE_ORDER_MARK = "\ufeff"  # a UTF-8 file may start with one: it is no part of the pipeline
 MAX_LINE_CHARS = 20_000  # a list of a thousand GPU ids fits; lark's lexer takes seconds on megabyte lines
 
 
 def parse(text: str) -> tuple[ast.SourceFile | None, list[Diagnostic]]:
     """Parse a whole file. Returns the tree or the syntax diagnostics."""
+    if text.startswith(BYTE_ORDER_MARK):  # editors on Windows write one; a space keeps every column where it is
+        text = " " + text[1:]
     too_long = _line_length_diagnostic(text)
     if too_long is not None:  # refuse before the lexer walks it
         return None, [too_long]
@@ -60,7 +63,8 @@ def parse(text: str) -> tuple[ast.SourceFile | None, list[Diagnostic]]:
         return None, [too_deep]
     try:
         tree = _lark().parse(text)
-        return _ToAst().transform(tree), []
+        builder = _ToAst()
+        return builder.transform(tree), builder.out_of_range
     except UnexpectedInput as err:
         return None, [_syntax_diagnostic(err, text)]
     except VisitError as err:  # a structural error raised while building the tree
@@ -210,21 +214,36 @@ _NUMBER = re.compile(r"(-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)([A-Za-z%]*)$"
 MAX_MAGNITUDE = 1e18  # no setting needs more (a TiB is 1.1e12 bytes); beyond, floats lose whole numbers
 
 
-def number_from_token(tok: Token) -> ast.Number:
+def number_from_token(tok: Token) -> ast.Number | ast.OutOfRange:
     digits, unit = _NUMBER.match(str(tok)).groups()
     is_int = re.fullmatch(r"-?[0-9]+", digits) is not None
     # "1e-3" has no unit: the exponent was consumed by the digits group.
     magnitude = float(digits)
     if not abs(magnitude) <= MAX_MAGNITUDE:  # also catches inf and nan
-        shown = str(tok) if len(str(tok)) <= 24 else f"{str(tok)[:20]}…"
-        raise ParseFailure(Diagnostic("RLP106", ERROR, f"`{shown}` is too large: numbers stay within ±1e18",
-                                      _tok_span(tok), help="write the value the setting needs; sizes take units "
-                                                           "(`256MiB`, `7B`), durations too (`30s`)"))
+        return ast.OutOfRange(str(tok), _tok_span(tok))
     return ast.Number(str(tok), magnitude, is_int, unit, _tok_span(tok))
+
+
+def out_of_range_diagnostic(number: ast.OutOfRange) -> Diagnostic:
+    """RLP106 for a number past ±1e18: one finding; its key is left invalid, nothing else is hidden."""
+    shown = number.text if len(number.text) <= 24 else f"{number.text[:20]}…"
+    return Diagnostic("RLP106", ERROR, f"`{shown}` is too large: numbers stay within ±1e18", number.span,
+                      help="write the value the setting needs; sizes take units (`256MiB`, `7B`), durations too "
+                           "(`30s`)")
 
 
 @v_args(meta=True)
 class _ToAst(Transformer):
+    def __init__(self):
+        super().__init__()
+        self.out_of_range: list[Diagnostic] = []  # RLP106 for each number past ±1e18, in file order
+
+    def _number(self, tok: Token) -> ast.Number | ast.OutOfRange:
+        number = number_from_token(tok)
+        if isinstance(number, ast.OutOfRange):
+            self.out_of_range.append(out_of_range_diagnostic(number))
+        return number
+
     def start(self, meta, items):
         headers = [i for i in items if isinstance(i, _Header)]
         braced = [i for i in items if isinstance(i, ast.PipelineSyntax)]
@@ -276,7 +295,7 @@ class _ToAst(Transformer):
         return tuple(_word(t) for t in items)
 
     def number(self, meta, items):
-        return number_from_token(items[0])
+        return self._number(items[0])
 
     def string(self, meta, items):
         raw = str(items[0])[1:-1]
@@ -286,7 +305,7 @@ class _ToAst(Transformer):
         return ast.Name(str(items[0]), _span(meta))
 
     def range(self, meta, items):
-        return ast.Range(number_from_token(items[0]), number_from_token(items[1]), _span(meta))
+        return ast.Range(self._number(items[0]), self._number(items[1]), _span(meta))
 
     def list(self, meta, items):
         return ast.ListValue(tuple(i for i in items if i is not None), _span(meta))

@@ -217,12 +217,15 @@ def _first_fit(want: int, placement: Placement) -> tuple[int, ...] | None:
     free = [g for g in range(placement.total_gpus) if g not in placement.taken]
     if len(free) < want:
         return None
+    free_by_node: dict[int, list[int]] = {}  # one pass: a scan per node made placement quadratic in the cluster
+    for g in free:
+        free_by_node.setdefault(g // per_node, []).append(g)
     if want <= per_node:  # keep it on one node when any node has room
         for node in range(placement.nodes):
-            here = [g for g in free if g // per_node == node]
+            here = free_by_node.get(node, [])
             if len(here) >= want:
                 return tuple(here[:want])
-    whole_nodes = [n for n in range(placement.nodes) if all(g in free for g in range(n * per_node, (n + 1) * per_node))]
+    whole_nodes = [n for n in range(placement.nodes) if len(free_by_node.get(n, ())) == per_node]
     if want % per_node == 0 and len(whole_nodes) * per_node >= want:
         return tuple(g for n in whole_nodes[: want // per_node] for g in range(n * per_node, (n + 1) * per_node))
     return tuple(free[:want])

@@ -6,7 +6,9 @@ hand edit can break: the batch arithmetic (RLP301, RLP302), the buffer's
 deadlock proof and staleness window (RLP304-RLP306, the same arithmetic as
 rules/batching.py), GPU ids within the cluster and every GPU used once unless
 colocated (RLP501), ranks that match tp x pp x dp (RLP502), the collective
-weight transport (RLP511), and values of the wrong type (RLP104). A plan has
+weight transport (RLP511), what the launcher refuses by the predicates
+`check` asks of a file (rldsl/launch_rules.py: RLP106, RLP112, RLP116,
+RLP117, RLP513), and values of the wrong type (RLP104). A plan has
 no source text, so each finding names the plan field to look at.
 
 Pure: no torch, no Ray, nothing from the runtime.
@@ -26,6 +28,7 @@ from rldsl.compiler.rules.batching import (
     minibatch_finding,
     splits_evenly,
 )
+from rldsl.launch_rules import plan_refusals
 from rldsl.plan import ExecutionPlan, PipelinePlan
 
 _BATCH_FIELDS = {"capacity": "buffer_capacity", "max_inflight": "max_inflight", "global_batch": "global_batch",
@@ -66,8 +69,15 @@ def check_plan(plan: ExecutionPlan) -> list[PlanFinding]:
             continue  # the arithmetic below needs numbers
         out += _batch(pipe, where) + _ranks(pipe, where, plan) + _transport(pipe, where)
     if not any(f.code == "RLP104" for f in out):
-        out += _shared_gpus(plan)
+        out += _shared_gpus(plan) + _launch_refusals(plan)
     return out
+
+
+def _launch_refusals(plan: ExecutionPlan) -> list[PlanFinding]:
+    """What the launcher would refuse, by the predicates `check` asks of a file (rldsl/launch_rules.py)."""
+    names = [p.name for p in plan.pipelines]
+    return [PlanFinding(r.code, ERROR, r.message, f"pipelines[{names.index(r.pipeline)}]")
+            for r in plan_refusals(plan)]
 
 
 def render_plan_findings(findings: list[PlanFinding], plan_path: str) -> str:

@@ -194,7 +194,7 @@ def _staleness(pipe: PipelinePlan) -> list[str]:
     out = [f"staleness: max_lag = {lag} ({meaning}){ahead}; order {st.order}; too-stale samples: {st.too_stale}"]
     out += [f"  = {system}: {text}" for system, text in staleness_equivalents(pipe)]
     out.append(f"run: {_run_length(pipe)}, seed {pipe.run.seed}, watchdog {format_duration(pipe.run.watchdog_s)}, "
-               f"restarts {pipe.run.restarts}")
+               f"restarts {pipe.run.restarts}, {_checkpoints(pipe.run)}")
     out.append(f"evaluation: {_evaluation(pipe)}")
     budget = pipe.datasets[0].options.get("max_prompt_tokens", 0) if pipe.datasets else 0
     if budget and pipe.datasets[0].options.get("long_prompts", "drop") == "truncate":
@@ -218,12 +218,22 @@ def _evaluation(pipe: PipelinePlan) -> str:
     if not pipe.evaluates:
         return "none (the trainer's engine holds no weights)"
     where = " (decoded on the generators)" if pipe.eval_on == "generators" else ""
+    if pipe.run.eval_timeout_s:
+        where += f", each within {format_duration(pipe.run.eval_timeout_s)}"
     if source:
         return f"{size} prompts of {source}{where}{_eval_times(pipe.run)}"
     if dataset.source.startswith("jsonl:") and "{split}" not in dataset.source:
         return (f"{size} prompts held out of {dataset.source}: the rows whose prompt hashes into the eval share "
-                f"(about 5%), which training never reads{_eval_times(pipe.run)}")
+                f"(about 5%), which training never reads{where}{_eval_times(pipe.run)}")
     return f"{size} prompts of the held-out split of {dataset.source}{where}{_eval_times(pipe.run)}"
+
+
+def _checkpoints(run) -> str:
+    """When checkpoints are written: on the grid, and always at a stop and at the end of the run."""
+    if not run.checkpoint_every:
+        return "checkpoints at a stop and at the end"
+    kept = f", the newest {run.keep_checkpoints} kept" if run.keep_checkpoints else ""
+    return f"checkpoints every {run.checkpoint_every} steps and at the end{kept}"
 
 
 def _eval_times(run) -> str:

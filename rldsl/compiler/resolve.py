@@ -205,7 +205,21 @@ def _item_spans(value: ast.Value | None) -> tuple[Span, ...]:
 def _convert(spec: Key, entry: ast.Entry):
     if entry.value is None:  # a bare flag: `frozen` means `frozen = true`
         return spec.type.convert(ast.Name("true", entry.key.span))
+    if _holds_out_of_range(entry.value):  # the parser's RLP106 is its one finding
+        return INVALID, []
     return spec.type.convert(entry.value)
+
+
+def _holds_out_of_range(value: ast.Value) -> bool:
+    if isinstance(value, ast.OutOfRange):
+        return True
+    if isinstance(value, ast.Range):
+        return _holds_out_of_range(value.low) or _holds_out_of_range(value.high)
+    if isinstance(value, ast.ListValue):
+        return any(_holds_out_of_range(item) for item in value.items)
+    if isinstance(value, ast.Call):
+        return any(_holds_out_of_range(arg.value) for arg in value.args)
+    return False
 
 
 def _key_elsewhere(key: str, kind: str) -> str | None:

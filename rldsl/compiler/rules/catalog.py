@@ -71,7 +71,9 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "stage sync weights { from = actor  to = rollout  bucket = 256 }",
        _KEYS),
     _r("RLP106", ERROR, "value out of range",
-       "A number outside what the key accepts (a negative count, a fraction above 100%).",
+       "A number outside what the key accepts (a negative count, a fraction above 100%, `top_p = 0`, which "
+       "keeps no token and every engine refuses, a `temperature` above 2 on vLLM, which refuses it). A number past ±1e18 is one such finding: its key holds no "
+       "value and every other finding of the file is still reported.",
        "stage generate rollout { model = policy  samples_per_prompt = 0 }",
        _KEYS),
     _r("RLP107", ERROR, "missing required key or declaration",
@@ -98,12 +100,12 @@ RULES: dict[str, Rule] = {r.code: r for r in [
     _r("RLP110", ERROR, "`update = interrupt` the pipeline cannot honour",
        "`update = interrupt` applies a new weight version at the next decode step, with rows in flight: the "
        "engine must prefill them again under the new weights and record the version and log-probability of "
-       "each token, which only the `torch` engine does. A policy logprob stage (`logprob` without `frozen`) "
+       "each token, which the `torch` and `vllm` engines do (SGLang's cannot). A policy logprob stage (`logprob` without `frozen`) "
        "that scores each sample at its generating version (`recompute = behaviour`) cannot be combined with it "
        "either: it recomputes behaviour_logprobs with one version for the whole sample, while the sample's "
        "tokens came from several. With `recompute = batch_start` it scores with the trainer's weights at the "
        "step's start, whatever generated the tokens, and is accepted.",
-       "stage generate rollout { model = policy  engine = vllm  samples_per_prompt = 4  update = interrupt }",
+       "stage generate rollout { model = policy  engine = sglang  samples_per_prompt = 4  update = interrupt }",
        "the generate stage's `update` and `engine`; the logprob stages' `frozen` and `recompute`."),
     _r("RLP111", ERROR, "`recompute` on a frozen logprob stage",
        "`recompute` says which weights a policy logprob stage scores each row with: `behaviour` (the version "
@@ -112,6 +114,14 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "that never receives weights, so it has nothing to choose.",
        "stage logprob reference { model = policy  frozen  recompute = batch_start }",
        "each logprob stage's `frozen` and `recompute`."),
+    _r("RLP112", ERROR, "a Hugging Face checkpoint expected where the model is none",
+       "vLLM, SGLang and megatron load a local Hugging Face checkpoint (`hf:<path>`: config, weights, tokenizer); "
+       "on the builtin model `rldsl run` stops when the engine starts. Use the `torch` (or `fsdp`) engine for "
+       "`builtin:tiny-lm`. Likewise `chat_template = true` needs an `hf:` model whose tokenizer has a template "
+       "(the launcher refuses it before anything starts). `check` and the launcher ask the same predicates "
+       "(rldsl/launch_rules.py).",
+       "model policy { source = \"builtin:tiny-lm\" }\nstage generate rollout { model = policy  engine = vllm ... }",
+       "each stage's `engine` and its model's `source`; each model's `source` and `chat_template`."),
     _r("RLP113", ERROR, "reward-model setting without a reward model, or one the judge does not read",
        "A reward stage scores with `fn` on CPU workers, with a reward model (`model = NAME`), or both. `engine`, "
        "`gpus`, `colocate`, `judge`, `template`, `parse`, `weight`, `max_new_tokens` and `micro_batch` describe the "
@@ -132,6 +142,28 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "trained on. Name a function, or turn evaluation off.",
        "stage reward judge { model = rm }   # with the dataset's default `eval_metric = reward`",
        "the reward stages' `model`, each dataset's `eval_metric` and `eval_size`."),
+    _r("RLP116", ERROR, "a sim generator asked for text",
+       "The `sim` engine draws token ids at calibrated latencies: it has no model and no tokenizer, so it cannot "
+       "run an environment's episodes (the episodes talk to the model in text) nor decode held-out evaluation "
+       "(`eval_on = generators`, when the run evaluates: a trainer with weights, `eval_size` above 0, an "
+       "evaluation asked for). `rldsl run` refuses the environment when the stage starts and the evaluation when "
+       "it first comes.",
+       "dataset prompts { source = \"builtin:arith\"  eval_on = generators }\n"
+       "stage generate rollout { model = policy  engine = sim ... }",
+       "each generate stage's `engine` and `environment`; the first dataset's `eval_on` and `eval_size`, the "
+       "trainer's `engine` and the run's `eval_every`, `eval_at_start` and `eval_at_end`."),
+    _r("RLP117", WARNING, "responses past the model's context, cut to fit",
+       "The builtin model has 64 positions: the longest prompt (a builtin task's longest, or the datasets' "
+       "`max_prompt_tokens`, or at least its BOS) and a response must fit them, or the forward of the long "
+       "response fails in the generator, a logprob stage or the trainer and stops the run. So the plan holds "
+       "`max_new_tokens` cut to what fits (57 on `builtin:arith`, 49 on `builtin:reverse`): silently for the "
+       "default, with this warning where the file writes more (a run with only shorter responses is the same; "
+       "one that reached the limit stopped before). The launcher refuses a hand-edited plan past it. Prompts "
+       "that fill the whole context (`max_prompt_tokens` of 64 or more) leave no room: RLP106. An "
+       "environment's episodes are RLP601's.",
+       "stage generate rollout { model = policy  max_new_tokens = 60 ... }   # builtin:tiny-lm on builtin:arith",
+       "each generate stage's `max_new_tokens`, `engine`, `environment` and its model's `source`; the datasets' "
+       "`source`, `sources` and `max_prompt_tokens`."),
     _r("RLP201", ERROR, "dataflow cycle",
        "Data edges (`flow`) must form a DAG; the cycle is named. Weight edges (`sync`) close the RL loop and "
        "are not part of this check.",
@@ -158,7 +190,8 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "A generate stage, or a policy (not `frozen`) logprob stage, of a model that a train stage updates must "
        "receive the new weights through a `sync` stage; otherwise it samples (or scores) with the initial "
        "weights forever and the lag grows without bound. A policy logprob stage on the trainer's own GPUs is no "
-       "exception: it holds its own copy of the weights.",
+       "exception: it holds its own copy of the weights (written without a sync, as files were before this rule "
+       "covered it, it is read as a target of the trainer's sync: RLP210).",
        "stage train actor { model = policy ... }   # and no `stage sync ... { from = actor to = rollout }`",
        "every sync's `from` and `to`, the trainer's and the stage's `model`, a logprob stage's `frozen`; "
        "every declaration kept (a dropped block may be the sync)."),
@@ -183,6 +216,18 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "stage generate rollout { model = base ... }   stage train actor { model = policy ... }   # no sync",
        "the trainer's `model`, the generate stages upstream of it and their `model`, every sync's `from` "
        "and `to`; " + _GRAPH),
+    _r("RLP210", WARNING, "policy logprob stage on the trainer's GPUs without a sync (old meaning kept)",
+       "A policy (not `frozen`) logprob stage that names the trainer in `colocate`, or shares a placement group "
+       "with it, once needed no sync: it was documented to score with the trainer's weights (NeMo RL's "
+       "`prev_logprobs` and AReaL's proximal pass were translated so). Since RLP205 covers it, such a file keeps "
+       "that meaning: the stage is read as one more target of the trainer's sync, so the plan has the weight "
+       "edge and every version is pushed to it, as if the file listed it in the sync's `to`. The warning's edit "
+       "lists it there; `rldsl fmt --fix` writes it. A trainer with no sync at all gets none made up (its "
+       "generators need one too: RLP205).",
+       "stage logprob behaviour { model = policy  colocate = actor }   # and `stage sync weights { from = actor "
+       "to = rollout }`",
+       "every sync's `from` and `to`, the trainer's and the stage's `model`, the stage's `frozen` and `colocate`, "
+       "the placement `groups`; every declaration kept (a dropped block may be the sync)."),
     _r("RLP301", ERROR, "global_batch is not a mini-batch of the rollout batch",
        "A step generates a rollout batch of prompts_per_step x samples_per_prompt samples and trains it in "
        "optimizer steps of global_batch samples each (verl's ppo_mini_batch_size x n, NeMo RL's "
@@ -254,10 +299,12 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "drop the tokens the behaviour policy preferred. A `linear` or `cosine` schedule decays from `lr` to "
        "`min_lr`, so `min_lr` must not exceed `lr`; a warmup rises from `warmup_start_lr` to `lr`, so "
        "`warmup_start_lr` must not exceed it either. `adam_betas` are two values, each below 1, and "
-       "`difficulty_mask` two bounds, `[low, high]`. A "
+       "`difficulty_mask` two bounds, `[low, high]`. `clip` stays below 1 (the ratio's lower bound, "
+       "1 - clip, above 0; every trainer refuses 1). A "
        "`correction` keeps the on-policy weight 1 (`correction_low` <= 1 <= `correction_high`), `icepop` is "
        "token-level, `is` (the untruncated weight) takes no bounds, and `behaviour_cap` and a `correction` are "
-       "not combined (both weight the tokens).",
+       "not combined (both weight the tokens). `length_norm` divides `agg = seq_mean_token_sum` only, "
+       "`count_masked` acts on a sequence mean only, and `kl_weighted` on `kl_in = loss` only.",
        "loss = grpo(dual_clip = 0.5)",
        "the train stage's `loss`; for `min_lr`, its `lr`, `min_lr` and `lr_schedule`; for `warmup_start_lr`, "
        "its `lr` and `warmup_start_lr`; its `adam_betas` and `difficulty_mask`; the loss's `correction` "
@@ -310,6 +357,22 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "staleness { max_lag = 1  max_ahead = 1.5 }",
        "the staleness `max_lag` and `max_ahead`, and the train stage's `prompts_per_step` (for the whole-group "
        "check)."),
+    _r("RLP318", WARNING, "a run that cannot move the policy",
+       "The run would go to its end with the weights as they started: `lr = 0` (every optimizer step changes "
+       "nothing), or greedy sampling (`temperature = 0`) with an estimator that subtracts the group's mean "
+       "reward (grpo, dr_grpo, rloo, reinforce_pp_baseline): the samples of a prompt are one response repeated, "
+       "their rewards equal, every advantage 0. A warning, since the run does run (`check --strict` fails it).",
+       "stage generate rollout { model = policy  samples_per_prompt = 4  temperature = 0 }",
+       "the train stage's `lr` and `advantage`; its generator's `temperature`, `engine` and "
+       "`samples_per_prompt` (the flows as for RLP203)."),
+    _r("RLP319", WARNING, "a rollout correction that does nothing",
+       "A `correction` weighs each token by p_prox / p_behaviour. A policy logprob stage with `recompute = "
+       "batch_start` replaces the generator's behaviour logprobs with the trainer's at the step's start, which "
+       "is the proximal policy itself: every weight is 1 and the correction changes nothing (a warning; "
+       "`check --strict` fails it). Keep the generator's logprobs (no such stage, or `recompute = behaviour`) "
+       "for the correction to act.",
+       "loss = grpo(correction = tis)   # with stage logprob behaviour { model = policy  recompute = batch_start }",
+       "the train stage's `loss` and each logprob stage's `frozen` and `recompute`."),
     _r("RLP401", WARNING, "on-policy with disjoint generate and train GPUs",
        "With max_lag = 0 generation of step t+1 must wait for the weights of step t, so on separate GPUs each "
        "side idles while the other works. Allow max_lag = 1 or colocate the stages.",
@@ -379,11 +442,14 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "stage logprob reference { model = policy  colocate = score }",
        "the stage's `colocate` and `gpus` and the target's placement: a target left unplaced by its own "
        "error leaves the stage unplaced without a second finding."),
-    _r("RLP509", ERROR, "GPUs shared between pipelines without `share`",
-       "Pipelines of one file share a GPU only when one names the other in its `placement { share = [...] }`: "
+    _r("RLP509", WARNING, "GPUs shared between pipelines without `share`",
+       "Pipelines of one file share a GPU when one names the other in its `placement { share = [...] }`: "
        "then their stages take turns on it (RLP504 and RLP505 apply across pipelines). An undeclared overlap is "
-       "usually a slip in GPU ids, or placement groups of two pipelines both starting at GPU 0 (groups split the "
-       "whole cluster, so such pipelines take turns with `share` or are placed by `gpus` ids instead). It comes "
+       "often a slip in GPU ids, or placement groups of two pipelines both starting at GPU 0 (groups split the "
+       "whole cluster, so such pipelines take turns with `share` or are placed by `gpus` ids instead). Files "
+       "written before `share` existed shared GPUs without it, so an undeclared overlap keeps that meaning: the "
+       "pipelines take turns as if `share` were written (the plan is the same), with this warning (an error "
+       "under `check --strict`); its edit writes the `share`, and `rldsl fmt --fix` applies it. It comes "
        "first, with the findings it explains folded under it: RLP504 and RLP505 between stages of the two "
        "pipelines, and RLP506 of a shared GPU where each pipeline's own stages would fit.",
        "pipeline a { ... gpus = [0] ... }   pipeline b { ... gpus = [0] ... }   # and no `share`",
@@ -399,18 +465,58 @@ RULES: dict[str, Rule] = {r.code: r for r in [
     _r("RLP511", ERROR, "`transport = collective` where a receiver cannot take part",
        "A collective sync streams each new version rank to rank to every receiver at once, in a process group "
        "of their own: the trainer's engine must stream buckets (torch, fsdp, megatron, sim), and every receiver "
-       "must be a generate stage on the torch (or sim) engine that is awake whenever a version is ready, so not "
-       "on the trainer's GPUs. vLLM and SGLang receivers take weights through the object store. "
-       "`transport = auto` uses the collective only where it can.",
-       "stage sync weights { from = actor  to = rollout  transport = collective }   # rollout: engine = vllm",
-       "the sync's `transport`, `from` and `to`, the stages' engines and kinds, and their placement."),
+       "must be a generate stage on the torch or vllm (or sim) engine that is awake whenever a version is ready, so not "
+       "on the trainer's GPUs, nor asleep between the turns of GPUs another pipeline shares (the trainer or a "
+       "generator on one). SGLang receivers take weights through the object store. "
+       "`transport = auto` uses the collective only where it can. `check` and the launcher ask the same rule "
+       "(rldsl/collective_rule.py).",
+       "stage sync weights { from = actor  to = rollout  transport = collective }   # rollout: engine = sglang",
+       "the sync's `transport`, `from` and `to`, the stages' engines and kinds, and the placement of this "
+       "pipeline's trainer and generators and of every other pipeline's stages."),
     _r("RLP512", ERROR, "a placement Ray cannot lay out",
        "`check` lays the plan out exactly as `rldsl run` will (rldsl/layout.py): one placement-group bundle per "
        "set of GPUs driven together. Ray gives an actor either whole GPUs or a fraction of one GPU, so one actor "
        "driving several GPUs (a tp = 2 generator replica) cannot share them with another stage's actors; and a "
-       "replica across nodes needs its GPUs to itself. A plan that checks is a plan that launches.",
-       "stage generate rollout { engine = vllm(tp = 2)  colocate = actor }",
+       "replica across nodes needs its GPUs to itself. A plan that checks is a plan that launches. (A generate "
+       "stage that itself names another in `colocate` runs single-GPU replicas instead where one GPU holds its "
+       "model: RLP521.)",
+       "stage generate rollout { engine = vllm(tp = 2)  gpus = 2 }   stage train actor { colocate = rollout ... }",
        "the whole plan: it runs only on a file with no error (the plan must exist)."),
+    _r("RLP513", ERROR, "a logprob stage on GPUs another pipeline shares",
+       "Pipelines of one file take turns on a shared GPU through leases that generator replicas and train steps "
+       "hold; a logprob stage has none, so it would score while another pipeline's stage holds the GPU, and "
+       "`rldsl run` refuses the plan before anything starts. Give the logprob stage GPUs no other pipeline uses "
+       "(colocated with its own trainer there, or its own `gpus`).",
+       "pipeline b { ... stage logprob reference { model = policy  frozen  gpus = [1] } ... }   # pipeline a "
+       "generates on GPU 1",
+       "the placement of each logprob stage and of every other pipeline's stages."),
+    _r("RLP520", WARNING, "logprob forwards cut to fit the GPU (old meaning kept)",
+       "How many rows a logprob stage scores per forward (`micro_batch`) and whether an `fsdp` logprob stage "
+       "shards its model over its ranks (`shard = 0`) change its memory, not the logprobs it computes. Where "
+       "the memory estimate puts a GPU above `gpu_memory` (RLP506) and sharding such stages on it, then halving "
+       "their rows, makes every GPU fit, the file keeps its meaning with those settings: the plan carries them "
+       "and this warning names them (an error under `check --strict`); `rldsl fmt --fix` writes them. Files "
+       "written before the estimate counted a logprob forward beside every phase of the stages on its GPUs "
+       "(OpenRLHF's translation scored 16 rows with a whole model per rank) check so. Only `torch`, `fsdp` and "
+       "`megatron` stages without `micro_batch_tokens` are cut; where that is not enough, RLP506 reports the "
+       "file as written.",
+       "cluster { gpu_memory = 80GiB ... }   stage logprob behaviour { engine = fsdp  micro_batch = 16 ... }   "
+       "# 16 rows of 2048 tokens beside vLLM's share",
+       "what RLP506 reads, and each logprob stage's `engine`, `micro_batch` and `micro_batch_tokens` on a GPU "
+       "above its memory."),
+    _r("RLP521", WARNING, "a colocated multi-GPU generator replica split into single-GPU ones (old meaning kept)",
+       "A vLLM or SGLang replica is one actor driving tp GPUs, and Ray gives an actor whole GPUs or a fraction "
+       "of one GPU, never a fraction of several: such a replica cannot share its GPUs with the stage it is "
+       "colocated with (RLP512). Files written before `check` ran the launcher's layout (OpenRLHF's translation "
+       "colocated four tp-2 vLLM engines with its trainer) checked, but never launched. Where one GPU's share "
+       "(`gpu_memory` of the engine times the cluster's `gpu_memory`) holds the model's weights in at most half "
+       "of it, the rest left for the KV cache, such a generate stage is read as single-GPU replicas (`tp = 1`) "
+       "on the same GPUs, which generate the same samples, with this warning (an error under `check --strict`); "
+       "its edit writes `tp = 1`, and `rldsl fmt --fix` applies it. A model that needs tp > 1 to fit, or whose "
+       "size or GPU is not declared, stays RLP512: give its replicas GPUs of their own.",
+       "stage generate rollout { engine = vllm(tp = 2)  colocate = actor ... }",
+       "the generate stage's `engine` (its `tp`, `pp`, `gpu_memory`, `dtype` and whether one actor drives a "
+       "replica) and `colocate`, its model's `params` and `dtype`, and the cluster's `gpu_memory`."),
     _r("RLP601", ERROR, "an environment's episode outgrows the model's context",
        "Each turn of an episode re-reads the whole conversation: the prompt, then up to `max_tokens` of response "
        "(the model's turns and the environment's answers), and decodes up to the generate stage's "
@@ -475,7 +581,7 @@ a guess; the rules that read it are skipped:
   invalid `gpus`, `colocate` or `engine`) is left unplaced; a stage
   colocated with it, and every stage placed by count after it, are left
   unplaced too, without a finding of their own. The rules over placed stages
-  (RLP401, RLP503-RLP506, RLP509) skip unplaced ones; RLP302 needs only the
+  (RLP401, RLP503-RLP506, RLP509, RLP513) skip unplaced ones; RLP302 needs only the
   trainer's GPU count.
 
 So the rule families depend on each other only through these inputs:
@@ -484,17 +590,17 @@ So the rule families depend on each other only through these inputs:
 |---|---|---|
 | syntax | RLP001, RLP002, RLP003 | the text |
 | declarations | RLP101-RLP107, RLP109 | the syntax tree |
-| engines | RLP108, RLP110, RLP111 | each stage's engine; `update`; logprob stages' `frozen` and `recompute` |
+| engines | RLP108, RLP110-RLP112, RLP116, RLP117 | each stage's engine; `update`; logprob stages' `frozen` and `recompute`; the model's `source` and `chat_template`; evaluation and environments of sim generators; `max_new_tokens` and the prompts |
 | reward models | RLP113-RLP115 | each reward stage's `fn`, `model` and judge keys, its config.json, the datasets |
 | dataflow | RLP201-RLP204, RLP207, RLP208 | the flows and the declarations |
-| weights | RLP205, RLP206, RLP209, RLP511 | syncs, models, and the flows for RLP209; RLP511 the placement |
+| weights | RLP205, RLP206, RLP209, RLP210, RLP511 | syncs, models, and the flows for RLP209; RLP210 `colocate` and placement groups; RLP511 the placement |
 | batch sizes | RLP301-RLP303, RLP510 | trainer and generator sizes; RLP302 and RLP510 GPU counts |
-| learning | RLP314-RLP316 | the estimator, samples per prompt, the reward, the builtin task, response and row limits |
+| learning | RLP314-RLP316, RLP318, RLP319 | the estimator, samples per prompt, the reward, the builtin task, response and row limits; `lr`, `temperature`, the correction and `recompute` |
 | training | RLP308-RLP313 | the trainer's loss, sampling and schedule keys, the run length, the datasets |
 | buffer | RLP304-RLP306, RLP317 | the trainer's prompts_per_step, staleness and buffer |
-| placement | RLP501-RLP503, RLP507, RLP508, RLP512 | cluster, `gpus`, `colocate`, placement groups, engines |
-| sharing | RLP401, RLP504, RLP505, RLP509 | placed stages (RLP504 for a resident trainer also the memory estimate) |
-| memory | RLP506 | placed stages and their models |
+| placement | RLP501-RLP503, RLP507, RLP508, RLP512, RLP521 | cluster, `gpus`, `colocate`, placement groups, engines |
+| sharing | RLP401, RLP504, RLP505, RLP509, RLP513 | placed stages (RLP504 for a resident trainer also the memory estimate) |
+| memory | RLP506, RLP520 | placed stages and their models; RLP520 the logprob stages' forwards |
 | environments | RLP601-RLP606 | generate stages' environments, their budgets, reward stages, `eval_metric` |
 
 Each rule's entry below says what it reads.

@@ -11,10 +11,10 @@ from pathlib import Path
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
+from rldsl.launch_rules import BUILTIN_CONTEXT, BUILTIN_TINY
 from rldsl.plan import EPISODE_REWARD_FN
 
-BUILTIN_TINY = "builtin:tiny-lm"
-TINY_CONTEXT = 64  # rldsl.models.tiny.TinyLMConfig.max_positions (a test keeps them equal)
+TINY_CONTEXT = BUILTIN_CONTEXT  # rldsl.models.tiny.TinyLMConfig.max_positions (a test keeps them equal)
 LIMITED_ENGINES = ("vllm", "sglang")  # engines whose `max_model_len` bounds a conversation
 BUILTIN_ENVIRONMENTS = "rldsl.environments"
 

@@ -132,7 +132,9 @@ def _ids(sp: StagePlacement) -> str:
 
 def check_pipeline_sharing(program: Program, placement: Placement) -> list[Diagnostic]:
     """RLP509: pipelines share GPUs only when one of them names the other in `share`. It explains the
-    RLP504 and RLP505 findings between their stages: without the overlap those stages would not meet."""
+    RLP504 and RLP505 findings between their stages: without the overlap those stages would not meet.
+    A warning: files written before `share` existed shared GPUs without it, and their pipelines take turns
+    as if it were written (the plan is the same); `rldsl fmt --fix` writes it (old_meanings.py)."""
     shared: dict[tuple[str, str], dict[int, list[StagePlacement]]] = {}
     for gpu, residents in sorted(placement.residents().items()):
         for a, b in combinations(sorted(residents, key=lambda s: (s.pipeline, s.stage)), 2):
@@ -147,7 +149,8 @@ def check_pipeline_sharing(program: Program, placement: Placement) -> list[Diagn
         names = ", ".join(sorted({program.label(s.pipeline, s.stage) for s in residents}))
         consequences = _pair_findings(program, gpus)
         out.append(Diagnostic(
-            "RLP509", ERROR, f"pipelines `{first}` and `{second}` share GPU {gpu} ({names}) without declaring it",
+            "RLP509", WARNING, f"pipelines `{first}` and `{second}` share GPU {gpu} ({names}) without declaring it: "
+            "they take turns on it, as if declared",
             _placement_span(program, stage),
             notes=(f"GPUs shared by `{first}` and `{second}`: {', '.join(map(str, gpus))}",),
             help=_undeclared_help(program, first, second, any(d.code == "RLP504" for d in consequences)),
@@ -190,9 +193,13 @@ def _undeclared_help(program: Program, first: str, second: str, sleepless: bool)
 
 
 def _share_edit(program: Program, first: str, second: str) -> tuple[Span, str]:
-    """Insert `share = [first]` into the second pipeline's placement block, or add the block."""
+    """`first` added to the second pipeline's `share`, `share = [first]` inserted into its placement block, or
+    the block added."""
     pipe = program.pipeline(second)
     block = pipe.block("placement")
+    if block.explicit("share"):  # one more name in the list written
+        names = [ref.name for ref in block.get("share") or ()] + [first]
+        return block.span_of("share"), f"[{', '.join(names)}]"
     if block.span != pipe.span:  # the block is written: before its closing brace
         end = block.span
         return Span(end.end_line, end.end_col - 1, end.end_line, end.end_col - 1), f"share = [{first}] "

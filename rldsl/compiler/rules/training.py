@@ -39,7 +39,7 @@ def check_loss_arguments(ctx: Context) -> list[Diagnostic]:
         + _difficulty_mask_findings(train)
     if not train.valid("loss"):
         return out
-    out += _correction_findings(train["loss"])
+    out += _correction_findings(train["loss"]) + _aggregation_findings(train["loss"])
     for name, (bound, inclusive, why) in LOSS_BOUNDS.items():
         value = train["loss"].args.get(name, 0.0)
         if value and (value < bound or (value == bound and not inclusive)):
@@ -83,6 +83,29 @@ def _correction_findings(loss) -> list[Diagnostic]:
                               "it whole",),
                        help="set correction_low at most 1 and correction_high at least 1 (2.0 is typical), "
                             "or leave them out")]
+
+
+# loss arguments that act with some values of another only: argument -> (that argument, its default, the
+# values it must take, what the first does)
+ACTS_WITH = {
+    "length_norm": ("agg", "token_mean", ("seq_mean_token_sum",),
+                    "it divides the per-sequence token sums by a constant (Dr. GRPO)"),
+    "count_masked": ("agg", "token_mean", ("seq_mean_token_sum", "seq_mean_token_mean"),
+                     "it counts masked sequences in a sequence mean"),
+    "kl_weighted": ("kl_in", "loss", ("loss",), "it weights the loss's KL term by the policy ratio"),
+}
+
+
+def _aggregation_findings(loss) -> list[Diagnostic]:
+    """length_norm, count_masked and kl_weighted act on one aggregation or KL placement: elsewhere they
+    would do nothing."""
+    out = []
+    for name, (other, default, needed, what) in ACTS_WITH.items():
+        value = loss.args.get(other, default)
+        if loss.args.get(name) and value not in needed:
+            out.append(Diagnostic("RLP312", ERROR, f"{name} with {other} = {value}: {what}", arg_span(loss, name),
+                                  help=f"use {other} = {needed[0]}, or leave {name} out"))
+    return out
 
 
 def _min_lr_findings(train: Decl) -> list[Diagnostic]:

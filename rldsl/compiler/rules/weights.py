@@ -198,7 +198,18 @@ def _collective_blocker(ctx: Context, sync: Decl) -> str | None:
     trainer_gpus = _gpus(ctx, source.name)
     receivers = [WeightReceiver(ref.name, target.stage_kind, _engine(target), bool(trainer_gpus & _gpus(ctx, ref.name)))
                  for ref in sync["to"] for target in (ctx.pipe.stages[ref.name],)]
-    return collective_blocker(source.name, _engine(source), receivers)
+    return collective_blocker(source.name, _engine(source), receivers, _takes_leases(ctx, source.name))
+
+
+def _takes_leases(ctx: Context, trainer: str) -> bool:
+    """The trainer or a generator holds a GPU another pipeline uses: it then runs only while it holds
+    the GPU's lease, so receivers sleep between turns (the launcher's `receivers_sleep`)."""
+    if ctx.placement is None:
+        return False
+    others = {gpu for (pipeline, _), placed in ctx.placement.stages.items() if pipeline != ctx.pipe.name
+              for gpu in placed.gpus}
+    mine = _gpus(ctx, trainer).union(*(_gpus(ctx, g.name) for g in ctx.pipe.stages_of("generate")))
+    return bool(mine & others)
 
 
 def _engine(stage: Decl) -> str | None:

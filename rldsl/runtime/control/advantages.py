@@ -17,14 +17,22 @@ Then ``normalize`` scales them:
   ``reward_norm`` by group with ``adv_norm`` over the batch);
 - ``batch_tokens``: whitened over every trained token of the rollout batch:
   each sample's value counts once per token it trains, so the mean and the
-  unbiased std weigh long responses more (ROLL's ``whiten_advantages``);
+  std weigh long responses more (ROLL's ``whiten_advantages``, verl's and
+  OpenRLHF's REINFORCE++ whitening);
+- ``group_batch_tokens``: ``group``, then ``batch_tokens`` (AReaL's
+  ``reward_norm`` by group with ``adv_norm`` over the batch's tokens);
+- ``batch_std``: divided by the std of the rollout batch's rewards, not
+  re-centred (TRL's ``scale_rewards = "batch"``);
 - ``none``: left as they are (Dr. GRPO, RLOO).
 
-Before the baseline each reward becomes ``(reward + reward_bias) x
-reward_scale`` and is then bounded to [-c, c] by ``reward_clip`` (AReaL's
-order; 0: no clip; OpenRLHF's ``--reward.clip_range``); ``advantage_clip``
-bounds the advantages to [-c, c] after the scaling (ROLL's
-``advantage_clip``). ``difficulty_masked`` says which groups a difficulty
+Every std is the unbiased one unless ``std = "biased"`` (OpenRLHF's
+whitening), and a value is divided by ``std + eps``. Before the baseline
+each reward becomes ``(reward + reward_bias) x reward_scale`` and is then
+bounded to [-c, c] by ``reward_clip`` (AReaL's order; 0: no clip); with
+``reward_clip_at = "after_baseline"`` the bound applies after the baseline
+and a group's scaling instead, before any batch whitening (OpenRLHF's
+``--reward.clip_range``). ``advantage_clip`` bounds the advantages to
+[-c, c] after the scaling (ROLL's ``advantage_clip``). ``difficulty_masked`` says which groups a difficulty
 mask keeps out of the loss (ROLL's ``difficulty_mask``): the controller
 leaves them out of the advantages and of every batch statistic.
 
@@ -36,9 +44,12 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from rldsl.plan import ADVANTAGE_NORMALISATION, NORMALISATIONS
+from rldsl.plan import ADVANTAGE_NORMALISATION, ADVANTAGE_STDS, NORMALISATIONS, REWARD_CLIP_PLACES
 
 ESTIMATORS = tuple(ADVANTAGE_NORMALISATION)
+WHOLE_BATCH = ("batch", "group_batch", "batch_tokens", "group_batch_tokens", "batch_std")
+TOKEN_WEIGHTED = ("batch_tokens", "group_batch_tokens")  # need each sample's trained token count
+STD_KINDS = ADVANTAGE_STDS
 
 
 def default_normalisation(estimator: str) -> str:
@@ -51,7 +62,12 @@ def needs_whole_batch(normalize: str) -> bool:
     """Whether advantages depend on the whole rollout batch, not one group:
     the controller then computes them once every group of the batch is in."""
     _check(normalize, NORMALISATIONS, "normalisation")
-    return normalize in ("batch", "group_batch", "batch_tokens")
+    return normalize in WHOLE_BATCH
+
+
+def needs_tokens(normalize: str) -> bool:
+    """Whether the normalisation weighs each sample by its trained tokens."""
+    return normalize in TOKEN_WEIGHTED
 
 
 def difficulty_masked(rewards: Sequence[float], bounds: Sequence[float] | None) -> bool:
@@ -67,36 +83,47 @@ def difficulty_masked(rewards: Sequence[float], bounds: Sequence[float] | None) 
 
 def compute_advantages(groups: list[list[float]], estimator: str, normalize: str, eps: float = 1e-6,
                        reward_clip: float = 0.0, advantage_clip: float = 0.0, *, reward_scale: float = 1.0,
-                       reward_bias: float = 0.0, tokens: list[list[int]] | None = None) -> list[list[float]]:
+                       reward_bias: float = 0.0, tokens: list[list[int]] | None = None, std: str = "unbiased",
+                       reward_clip_at: str = "before_baseline") -> list[list[float]]:
     """The advantages of each prompt group's rewards, in the same shape.
 
-    With ``batch``, ``group_batch`` or ``batch_tokens``, ``groups`` must be
-    the whole rollout batch: the whitening statistics are taken over every
-    sample passed. ``batch_tokens`` needs ``tokens``: each sample's trained
-    tokens, in the shape of ``groups``.
+    With a whole-batch normalisation (``needs_whole_batch``), ``groups``
+    must be the whole rollout batch: the statistics are taken over every
+    sample passed. ``batch_tokens`` and ``group_batch_tokens`` need
+    ``tokens``: each sample's trained tokens, in the shape of ``groups``.
     """
     _check(estimator, ESTIMATORS, "advantage estimator")
     _check(normalize, NORMALISATIONS, "normalisation")
+    _check(std, STD_KINDS, "std")
+    _check(reward_clip_at, REWARD_CLIP_PLACES, "reward_clip_at")
     if reward_clip < 0 or advantage_clip < 0:
         raise ValueError(f"reward_clip {reward_clip} and advantage_clip {advantage_clip} must be >= 0 (0: off)")
-    if normalize == "batch_tokens" and [len(g) for g in tokens or []] != [len(g) for g in groups]:
-        raise ValueError("normalize = batch_tokens needs each sample's trained token count, in the shape of the "
+    if needs_tokens(normalize) and [len(g) for g in tokens or []] != [len(g) for g in groups]:
+        raise ValueError(f"normalize = {normalize} needs each sample's trained token count, in the shape of the "
                          "rewards")
-    shaped = [_clip([(r + reward_bias) * reward_scale for r in rewards], reward_clip) for rewards in groups]
+    biased = std == "biased"
+    clip_before = reward_clip if reward_clip_at == "before_baseline" else 0.0
+    shaped = [_clip([(r + reward_bias) * reward_scale for r in rewards], clip_before) for rewards in groups]
     centred = [_subtract_baseline(rewards, estimator) for rewards in shaped]
-    if normalize == "group":
-        scaled = [_scale_by_std(values, eps) for values in centred]
-    elif normalize == "leave_one_out":
-        scaled = [_scale_by_others_std(rewards, values, eps) for rewards, values in zip(shaped, centred)]
-    elif normalize == "batch":
-        scaled = _whiten_batch(centred, eps)
-    elif normalize == "group_batch":
-        scaled = _whiten_batch([_scale_by_std(values, eps) for values in centred], eps)
-    elif normalize == "batch_tokens":
-        scaled = _whiten_tokens(centred, tokens, eps)
-    else:
-        scaled = centred
+    scaled = _group_stage(shaped, centred, normalize, eps, biased)
+    if reward_clip_at == "after_baseline":
+        scaled = [_clip(values, reward_clip) for values in scaled]
+    if normalize in ("batch", "group_batch"):
+        scaled = _whiten_batch(scaled, eps, biased)
+    elif normalize in TOKEN_WEIGHTED:
+        scaled = _whiten_tokens(scaled, tokens, eps, biased)
+    elif normalize == "batch_std":
+        scaled = _scale_by_batch_std(shaped, scaled, eps, biased)
     return [_clip(values, advantage_clip) for values in scaled]
+
+
+def _group_stage(shaped, centred, normalize: str, eps: float, biased: bool) -> list[list[float]]:
+    """The per-group half of a normalisation: a group's std, or each sample's leave-one-out std."""
+    if normalize in ("group", "group_batch", "group_batch_tokens"):
+        return [_scale_by_std(values, eps, biased) for values in centred]
+    if normalize == "leave_one_out":
+        return [_scale_by_others_std(rewards, values, eps, biased) for rewards, values in zip(shaped, centred)]
+    return centred
 
 
 def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
@@ -148,9 +175,10 @@ def _clip(values: list[float], bound: float) -> list[float]:
     return [min(max(float(v), -bound), bound) for v in values]
 
 
-def _unbiased_std(values: list[float]) -> float:
+def _std(values: list[float], biased: bool = False) -> float:
+    """The unbiased (n - 1) std, as torch.std; or the biased (n) one."""
     mean = math.fsum(values) / len(values)
-    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - (0 if biased else 1)))
 
 
 def _constant(values: list[float]) -> bool:
@@ -158,40 +186,53 @@ def _constant(values: list[float]) -> bool:
     return len(values) < 2 or all(v == values[0] for v in values)
 
 
-def _scale_by_std(values: list[float], eps: float) -> list[float]:
+def _scale_by_std(values: list[float], eps: float, biased: bool = False) -> list[float]:
     if _constant(values):
         return [0.0] * len(values)
-    std = _unbiased_std(values)
+    std = _std(values, biased)
     return [v / (std + eps) for v in values]
 
 
-def _scale_by_others_std(rewards: list[float], values: list[float], eps: float) -> list[float]:
+def _scale_by_others_std(rewards: list[float], values: list[float], eps: float, biased: bool = False) -> list[float]:
     """Each value over the unbiased std of the *other* rewards of its group
     (+ eps); where the others have no spread (fewer than two, or all equal)
     the value stays as it is, as NeMo RL leaves a zero std unscaled."""
     out = []
     for index, value in enumerate(values):
         others = rewards[:index] + rewards[index + 1:]
-        out.append(value if _constant(others) else value / (_unbiased_std(others) + eps))
+        out.append(value if _constant(others) else value / (_std(others, biased) + eps))
     return out
 
 
-def _whiten_batch(groups: list[list[float]], eps: float) -> list[list[float]]:
+def _whiten_batch(groups: list[list[float]], eps: float, biased: bool = False) -> list[list[float]]:
     flat = [v for values in groups for v in values]
     if _constant(flat):
         return [[0.0] * len(values) for values in groups]
-    mean, std = math.fsum(flat) / len(flat), _unbiased_std(flat)
+    mean, std = math.fsum(flat) / len(flat), _std(flat, biased)
     return [[(v - mean) / (std + eps) for v in values] for values in groups]
 
 
-def _whiten_tokens(groups: list[list[float]], tokens: list[list[int]], eps: float) -> list[list[float]]:
-    """Whitened with the mean and unbiased std of the batch's trained tokens,
-    each token carrying its sample's value (ROLL's ``masked_whiten`` over
-    per-token advantages that are constant along a response)."""
+def _scale_by_batch_std(shaped: list[list[float]], groups: list[list[float]], eps: float,
+                        biased: bool = False) -> list[list[float]]:
+    """Each value over the std of the whole batch's rewards, not re-centred
+    (TRL divides its group-centred advantages so with ``scale_rewards = "batch"``)."""
+    flat = [r for rewards in shaped for r in rewards]
+    if _constant(flat):  # equal rewards: every centred value is 0 already
+        return [[0.0] * len(values) for values in groups]
+    std = _std(flat, biased)
+    return [[v / (std + eps) for v in values] for values in groups]
+
+
+def _whiten_tokens(groups: list[list[float]], tokens: list[list[int]], eps: float,
+                   biased: bool = False) -> list[list[float]]:
+    """Whitened with the mean and std of the batch's trained tokens, each
+    token carrying its sample's value (ROLL's and verl's ``masked_whiten``,
+    OpenRLHF's biased one, AReaL's ``adv_norm``, over per-token advantages
+    that are constant along a response)."""
     pairs = [(v, n) for values, counts in zip(groups, tokens) for v, n in zip(values, counts) if n > 0]
     total = sum(n for _, n in pairs)
     if total < 2 or _constant([v for v, _ in pairs]):
         return [[0.0] * len(values) for values in groups]
     mean = math.fsum(v * n for v, n in pairs) / total
-    std = math.sqrt(math.fsum(n * (v - mean) ** 2 for v, n in pairs) / (total - 1))
+    std = math.sqrt(math.fsum(n * (v - mean) ** 2 for v, n in pairs) / (total - (0 if biased else 1)))
     return [[(v - mean) / (std + eps) for v in values] for values in groups]

@@ -10,6 +10,7 @@ from rldsl.runtime.control import ledger as outcomes
 from rldsl.runtime.control.advantages import difficulty_masked
 from rldsl.runtime.control.buffer import Group, GroupState
 from rldsl.runtime.control.coalesce import CoalescedStage
+from rldsl.runtime.control.decode_rate import longest_response
 from rldsl.runtime.control.errors import WorkerLost
 from rldsl.runtime.control.sampler import DispatchPlan
 from rldsl.runtime.control.state import GeneratorReplica, RunState
@@ -143,6 +144,7 @@ class RolloutPump:
 
     async def _process(self, group: Group, prompt: Prompt, replica: GeneratorReplica) -> None:
         state = self.state
+        asked = state.clock()
         try:
             generated = await self._generate(group, prompt, replica)
         except Exception as error:  # an engine failure drops the group, never the run
@@ -150,6 +152,8 @@ class RolloutPump:
                 state.lose_replica(error)
             state.drop(group, _failure_reason(error, outcomes.GENERATION_FAILED), error)
             return
+        state.decode_rate.record(longest_response(generated.tokens, tuple(generated.sample_tokens),
+                                                  state.settings.samples_per_prompt), state.clock() - asked)
         group.tokens = generated.tokens
         group.sample_tokens = dict(zip(group.keys, generated.sample_tokens))
         state.journal.generated(group.keys, generated.version, FIELD_BEHAVIOUR_LOGPROBS,  # every engine records them

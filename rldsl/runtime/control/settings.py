@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rldsl.plan import PipelinePlan, StalenessPlan, ahead_groups, receives_weights, recomputes_at_batch_start
-from rldsl.runtime.control.advantages import ESTIMATORS, NORMALISATIONS
+from rldsl.runtime.control.advantages import ESTIMATORS, NORMALISATIONS, REWARD_CLIP_PLACES, STD_KINDS
 from rldsl.runtime.protocols import MIB
 
 Order = Literal["any", "in_order"]
@@ -66,9 +66,13 @@ class RunSettings:
     - ``advantage`` / ``normalize``: the estimator and its scaling
       (``advantages.compute_advantages``); ``"batch"`` waits for the whole
       rollout batch before its first microbatch (as do ``"group_batch"`` and
-      ``"batch_tokens"``). Each reward becomes ``(reward + reward_bias) x
-      reward_scale``, then ``reward_clip`` bounds it, before the baseline;
-      ``advantage_clip`` bounds the advantages after the scaling (0: off).
+      ``"batch_tokens"``, ``"group_batch_tokens"`` and ``"batch_std"``). Each
+      reward becomes ``(reward + reward_bias) x reward_scale``, then
+      ``reward_clip`` bounds it, before the baseline (``reward_clip_at =
+      "after_baseline"``: after it and a group's scaling); ``advantage_clip``
+      bounds the advantages after the scaling (0: off). ``advantage_eps`` is
+      added to every std divided by; ``advantage_std`` picks the unbiased or
+      the biased std.
     - ``dynamic_sampling``: a group whose rewards are all equal is dropped
       (``zero_variance``) and another prompt is sampled in its place.
     - ``difficulty_mask``: ``(low, high)``, or None. A group whose mean reward
@@ -102,6 +106,7 @@ class RunSettings:
     batch_start_logprob_stages: tuple[str, ...] = ()  # policy stages scoring at the trainer's version
     sync_bucket_bytes: int = 256 * MIB
     watchdog_timeout_s: float = 300.0
+    max_new_tokens: int = 0  # the longest response a generator writes (0: unknown): the watchdog waits for one
     advantage_eps: float = 1e-6
     seed: int = 0
     max_aborted_steps: int = 3  # consecutive aborts before the run gives up
@@ -115,6 +120,8 @@ class RunSettings:
     advantage_clip: float = 0.0
     reward_scale: float = 1.0
     reward_bias: float = 0.0
+    reward_clip_at: str = "before_baseline"
+    advantage_std: str = "unbiased"
     dynamic_sampling: bool = False
     difficulty_mask: tuple[float, float] | None = None
     replica_leases: tuple[tuple[str, ...], ...] = ()
@@ -137,6 +144,9 @@ class RunSettings:
         _require(self.reward_clip >= 0 and self.advantage_clip >= 0, "reward_clip and advantage_clip must be >= 0")
         _require(self.advantage in ESTIMATORS, f"advantage must be one of {', '.join(ESTIMATORS)}")
         _require(self.normalize in NORMALISATIONS, f"normalize must be one of {', '.join(NORMALISATIONS)}")
+        _require(self.reward_clip_at in REWARD_CLIP_PLACES,
+                 f"reward_clip_at must be one of {', '.join(REWARD_CLIP_PLACES)}")
+        _require(self.advantage_std in STD_KINDS, f"advantage_std must be one of {', '.join(STD_KINDS)}")
         if self.difficulty_mask is not None:
             _require(len(self.difficulty_mask) == 2, "difficulty_mask must be (low, high)")
             object.__setattr__(self, "difficulty_mask", tuple(float(b) for b in self.difficulty_mask))
@@ -201,6 +211,14 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(f"RunSettings: {message}")
 
 
+def longest_response_tokens(pipe: PipelinePlan) -> int:
+    """The most tokens one response of the pipeline's generators may take: `max_new_tokens`, or an
+    environment's episode budget (`max_tokens`) for a generator with one."""
+    budgets = [int(s.settings.get("max_new_tokens", 0)) for s in pipe.stages if s.kind == "generate"]
+    budgets += [env.max_tokens for env in pipe.environments]
+    return max(budgets, default=0)
+
+
 def settings_from_plan(pipe: PipelinePlan, steps: int | None = None,
                        shared_gpus: frozenset[tuple[int, int]] = frozenset()) -> RunSettings:
     """The controller's settings for one pipeline of a plan; ``steps``
@@ -230,6 +248,7 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None,
         batch_start_logprob_stages=tuple(n for n in flow_order if n in stages and recomputes_at_batch_start(stages[n])),
         sync_bucket_bytes=int(sync.settings["bucket"]) if sync else 256 * MIB,
         watchdog_timeout_s=pipe.run.watchdog_s,
+        max_new_tokens=longest_response_tokens(pipe),
         seed=pipe.run.seed,
         generate_concurrency=int(generators[0].settings.get("concurrency", 0)) if generators else 0,
         sleeping_replicas=sleeping_replicas(pipe),
@@ -241,6 +260,9 @@ def settings_from_plan(pipe: PipelinePlan, steps: int | None = None,
         advantage_clip=float(train_settings.get("advantage_clip", 0.0)),
         reward_scale=float(train_settings.get("reward_scale", 1.0)),
         reward_bias=float(train_settings.get("reward_bias", 0.0)),
+        reward_clip_at=train_settings.get("reward_clip_at", "before_baseline"),
+        advantage_eps=float(train_settings.get("advantage_eps", 1e-6)),
+        advantage_std=train_settings.get("advantage_std", "unbiased"),
         dynamic_sampling=bool(train_settings.get("dynamic_sampling", False)),
         difficulty_mask=train_settings.get("difficulty_mask"),
         replica_leases=tuple(replica_leases(pipe, shared_gpus)),

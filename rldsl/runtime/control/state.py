@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from rldsl.runtime.control.buffer import Group, ReplayBuffer
+from rldsl.runtime.control.decode_rate import DecodeRate
 from rldsl.runtime.control.handles import StageHandles
 from rldsl.runtime.control.journal import Journal
 from rldsl.runtime.control.leases import LeaseClient
@@ -129,6 +130,7 @@ class RunState:
         self.last_error: dict[str, str] = {}
         self.started_at = self.last_progress = clock()
         self._meters: dict[str, BusyMeter] = {}
+        self.decode_rate = DecodeRate()  # the generators' measured rate: the watchdog's stall time scales with it
 
     def start_replicas(self, count: int, version: int) -> None:
         concurrency = self.settings.replica_concurrency(count)

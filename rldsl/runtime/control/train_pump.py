@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from rldsl.runtime.control import ledger as outcomes
-from rldsl.runtime.control.advantages import compute_advantages, needs_whole_batch
+from rldsl.runtime.control.advantages import compute_advantages, needs_tokens, needs_whole_batch
 from rldsl.runtime.control.buffer import Group, GroupState
 from rldsl.runtime.control.errors import StepFailed, StopRequested, TrainCallFailed, TrainerLost, WorkerLost
 from rldsl.runtime.control.gpu_turns import GpuTurns
@@ -158,7 +158,8 @@ class TrainPump(GpuTurns):
         return compute_advantages([list(g.rewards) for g in groups], settings.advantage, settings.normalize,
                                   settings.advantage_eps, settings.reward_clip, settings.advantage_clip,
                                   reward_scale=settings.reward_scale, reward_bias=settings.reward_bias,
-                                  tokens=_sample_tokens(groups) if settings.normalize == "batch_tokens" else None)
+                                  tokens=_sample_tokens(groups) if needs_tokens(settings.normalize) else None,
+                                  std=settings.advantage_std, reward_clip_at=settings.reward_clip_at)
 
     async def _drain(self) -> None:
         self.activity = f"waiting for the step's last microbatches: {self.lanes.describe()}"
@@ -369,10 +370,10 @@ def _trainer_lost(lost: WorkerLost, call: str) -> TrainerLost:
 
 
 def _sample_tokens(groups: list[Group]) -> list[list[int]]:
-    """Each sample's trained tokens, as its generator reported them (`normalize = batch_tokens`)."""
+    """Each sample's trained tokens, as its generator reported them (`batch_tokens`, `group_batch_tokens`)."""
     missing = [group.group_id for group in groups if any(key not in group.sample_tokens for key in group.keys)]
     if missing:
-        raise RuntimeError(f"normalize = batch_tokens: the generate stage reported no per-sample token counts for "
+        raise RuntimeError(f"a token-weighted normalize: the generate stage reported no per-sample token counts for "
                            f"prompt groups {missing[:5]}; its engine must fill Generated.sample_tokens")
     return [[group.sample_tokens[key] for key in group.keys] for group in groups]
 

@@ -1,7 +1,9 @@
 """The watchdog: a run that stops moving ends with a report, not a hang.
 
 Progress is any pump moving (a group ready, a microbatch trained, a push)
-*or* a generator decoding tokens. With long responses (thousands of tokens)
+*or* a generator decoding tokens. The stall time is the run's `watchdog`,
+or longer where one `max_new_tokens` response at the generators' measured
+decode rate takes longer (decode_rate.py). With long responses (thousands of tokens)
 a single group can take longer than the timeout while the generators work
 steadily; counting their decoded tokens keeps such a run alive, while a
 generator that decodes nothing (a hung engine) still stops it.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable
 
+from rldsl.runtime.control.decode_rate import describe_stall_timeout, stall_timeout
 from rldsl.runtime.control.errors import PipelineStalled
 from rldsl.runtime.control.state import RunState
 
@@ -43,7 +46,7 @@ class Watchdog:
 
     async def check(self) -> None:
         """One tick: poll the generators' tokens, then judge."""
-        state, timeout = self.state, self.state.settings.watchdog_timeout_s
+        state, timeout = self.state, self.timeout()
         await self._poll_tokens()
         now = state.clock()
         idle = now - state.last_progress
@@ -52,8 +55,19 @@ class Watchdog:
         if self.token_progress_at is not None and now - self.token_progress_at < timeout:
             self.token_resets += 1
             return
-        raise PipelineStalled(f"no progress for {idle:.1f}s (watchdog {timeout:g}s){self._token_note(now)}: "
+        raise PipelineStalled(f"no progress for {idle:.1f}s ({self._describe_timeout()}){self._token_note(now)}: "
                               f"{self.describe_waits()}")
+
+    def timeout(self) -> float:
+        """The run's `watchdog`, or longer where one `max_new_tokens` response at the measured decode rate
+        takes longer than a third of it (decode_rate.py)."""
+        settings, rate = self.state.settings, self.state.decode_rate.tokens_per_s()
+        return stall_timeout(settings.watchdog_timeout_s, settings.max_new_tokens, rate)
+
+    def _describe_timeout(self) -> str:
+        settings = self.state.settings
+        return describe_stall_timeout(settings.watchdog_timeout_s, settings.max_new_tokens,
+                                      self.state.decode_rate.tokens_per_s())
 
     async def _poll_tokens(self) -> None:
         if self.decoded_tokens is None:

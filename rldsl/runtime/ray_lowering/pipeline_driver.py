@@ -16,6 +16,7 @@ from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.ray_lowering.actor_process import run_actor
 from rldsl.runtime.ray_lowering.cluster import ACTOR_NUM_CPUS
 from rldsl.runtime.ray_lowering.evaluation import evaluation_summary
+from rldsl.runtime.ray_lowering.final_checkpoint import save_final_checkpoint
 from rldsl.runtime.ray_lowering.pipeline_evaluations import PipelineEvaluations, previous_evals
 from rldsl.runtime.ray_lowering.progress import Progress, rewind_metrics
 from rldsl.runtime.ray_lowering.stage_handles import reward_calls_per_worker
@@ -281,6 +282,9 @@ class PipelineDriver(PipelineEvaluations):
         import ray
 
         summary = ray.get(self.result_ref)
+        said = save_final_checkpoint(self, summary["version"])  # every finished run can be exported
+        if said:
+            self.say(said)
         if self.evaluations:
             if self.evaluations.due_at_end(summary["steps"]):
                 self.evaluations.request(step=summary["steps"], version=summary["version"])

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 # Engines that stream weights rank to rank: trainers that send buckets, and
 # generate stages whose batcher applies a stream between two decode batches.
 COLLECTIVE_TRAINERS = ("torch", "fsdp", "megatron", "sim")
-COLLECTIVE_RECEIVERS = ("torch", "sim")
+COLLECTIVE_RECEIVERS = ("torch", "vllm", "sim")
 
 
 @dataclass(frozen=True)

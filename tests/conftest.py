@@ -65,3 +65,4 @@ def pytest_terminal_summary(terminalreporter):
 
 
 from tests.shared_runs import rloo_tis_run, sim_run_with_overrides, torch_run  # noqa: E402,F401  (session fixtures)
+from tests.vllm_engines import vllm_engine  # noqa: E402,F401  (the session's real vLLM engine)

@@ -340,30 +340,14 @@ def test_a_whole_batch_engine_serves_queued_requests_in_one_call_and_swaps_betwe
     batcher.close()
 
 
-def test_vllm_generate_groups_is_one_llm_call_split_per_request():
-    from rldsl.runtime.engines import vllm as ve
-    from tests.test_vllm_engine import FakeLLM, FakeTokenizer, completion
-
-    class NoBosTokenizer(FakeTokenizer):  # an empty prompt encodes to nothing
-        def encode(self, text, add_bos=False, add_eos=False):
-            return super().encode(text)
-
-    answers = [[completion([5, 2], [-0.5, -0.25])], [completion([7, 2], [-1.0, -2.0])],
-               [completion([4, 4, 2], [-0.1, -0.2, -0.3])]]
-    llm = FakeLLM(answers)
-    generator = ve.VLLMGenerator(llm, NoBosTokenizer(), max_new_tokens=4, make_sampling_params=dict)
-    generator.version = 7
+def test_the_batcher_streams_each_group_to_real_vllm_and_each_comes_back_whole(vllm_engine):
+    generator = vllm_engine.generator
     batcher = ContinuousBatcher(generator)
-    batcher.sleep()
-    requests = [([PROMPTS[0], PROMPTS[1]], 1, 3), ([Prompt(8, "", "")], 1, 4), ([PROMPTS[2]], 1, 5)]
+    requests = [([PROMPTS[0], PROMPTS[1]], 3, 3), ([PROMPTS[2]], 2, 4), ([PROMPTS[3]], 4, 5)]
     submissions = [Submission(batcher, request) for request in requests]
-    wait_until(lambda: batcher.stats()["queued"] == 3, "three queued requests")
-    batcher.wake()
-    two, empty, one = (submission.result() for submission in submissions)
-    assert isinstance(empty, ValueError)
-    assert [call[0] for call in llm.calls].count("generate") == 1
-    _, inputs, params = next(call for call in llm.calls if call[0] == "generate")
-    assert len(inputs) == len(params) == 3 and params[0]["seed"] == ve.request_seeds(3, 2)[0]
-    assert two["response_ids"].tolist() == [[5, 2], [7, 2]] and one["response_ids"].tolist() == [[4, 4, 2]]
-    assert two["version"].tolist() == [7, 7] and one["version"].tolist() == [7]
+    results = [submission.result() for submission in submissions]
+    for (prompts, n, _), result in zip(requests, results):
+        assert len(result["response_ids"]) == len(prompts) * n
+        assert result["version"].unique().tolist() == [generator.llm.current_version()]
+    assert batcher.stats()["requests"] == 3
     batcher.close()

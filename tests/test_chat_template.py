@@ -3,6 +3,7 @@ tokenizer's chat template before any engine encodes it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -65,5 +66,8 @@ def test_a_model_without_a_template_is_refused_before_anything_starts(tmp_path):
         preflight(pipe)
     text = (ROOT / "pipelines" / "grpo_async.rlp").read_text().replace(
         'source = "builtin:tiny-lm" }', 'source = "builtin:tiny-lm"  chat_template = true }')
-    with pytest.raises(PreflightError, match="needs an `hf:` model"):
-        preflight(compile_source(text, "p.rlp").plan.pipeline())
+    assert [d.code for d in compile_source(text, "p.rlp").diagnostics] == ["RLP112"]  # `check` refuses it first
+    plain = compile_source((ROOT / "pipelines" / "grpo_async.rlp").read_text(), "p.rlp").plan.pipeline()
+    edited = dataclasses.replace(plain, models=[dataclasses.replace(m, chat_template=True) for m in plain.models])
+    with pytest.raises(PreflightError, match="needs an `hf:` model"):  # a hand-edited plan, by the same predicate
+        preflight(edited)

@@ -104,6 +104,8 @@ def test_no_import_cycles():
                               "rldsl.runtime.inprocess")),
     ("rldsl.plan", ("rldsl.compiler", "rldsl.runtime")),
     ("rldsl.collective_rule", ("rldsl.compiler", "rldsl.runtime")),
+    # what the launcher refuses from a plan: `check` and the launcher ask it, so it knows neither
+    ("rldsl.launch_rules", ("rldsl.compiler", "rldsl.runtime", "external:torch", "external:ray")),
     # the bundle layout is the plan's: `check` and the launcher share it, so it knows neither of them
     ("rldsl.layout", ("rldsl.compiler", "rldsl.runtime", "external:ray")),
     # the CLI uses the compiler and the Ray lowering, nothing below it

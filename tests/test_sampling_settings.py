@@ -104,3 +104,33 @@ def test_truncated_mask_sends_a_loss_mask_to_the_trainer():
     assert "loss_mask" in fields
     plain = compile_source(text, "x.rlp").plan.pipelines[0]
     assert "loss_mask" not in {f for e in plain.edges if e.kind == "data" for f in e.fields}
+
+
+def test_logprobs_are_taken_at_the_sampling_temperature_by_generator_trainer_and_logprob_stage():
+    """At temperature 0.7 the behaviour logprobs are log softmax(logits / 0.7)
+    of the drawn tokens, and the trainer and a logprob stage told the same
+    temperature compute exactly those: the PPO ratio is 1 for unchanged
+    weights (at temperature 1 it would not be)."""
+    from rldsl.runtime.engines.torch.common import response_logprobs
+    from rldsl.runtime.engines.torch.logprob import TorchLogprob
+    from rldsl.runtime.engines.torch.train import TorchTrainer
+
+    model = small_model()
+    batch = TorchGenerator(model, max_new_tokens=6, temperature=0.7).generate(PROMPTS, 4, seed=3)
+    behaviour, mask = batch["behaviour_logprobs"], batch["response_mask"].bool()
+    with torch.no_grad():
+        at_one = response_logprobs(model, batch)
+        trainer = TorchTrainer(model, offload=False, temperature=0.7)._logprobs(batch)[1]
+    scored = TorchLogprob(model, temperature=0.7).logprobs(batch)
+    assert torch.allclose(trainer[mask], behaviour[mask], atol=1e-6)
+    assert torch.allclose(scored[mask], behaviour[mask], atol=1e-6)
+    assert float((at_one[mask] - behaviour[mask]).abs().max()) > 1e-2  # temperature 1 is another policy
+
+
+def test_the_trainer_and_logprob_stages_are_told_the_generators_temperature():
+    from rldsl.compiler.overrides import apply_overrides
+    from rldsl.runtime.engines.factory import sampling_temperature, training_options
+
+    text = apply_overrides((ROOT / "pipelines" / "grpo_async.rlp").read_text(), ["rollout.temperature=0.7"])
+    pipe = compile_source(text, "t.rlp").plan.pipelines[0]
+    assert sampling_temperature(pipe) == 0.7 == training_options(pipe.stage("actor"), pipe)["temperature"]

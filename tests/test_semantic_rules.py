@@ -112,15 +112,20 @@ def test_vllm_sleeps_at_the_plans_level():
         engine = ve.VLLMLogprob(FakeLLM(), tokenizer=None, options=ve.VLLMOptions(sleep=plan_value))
         engine.sleep()
         assert calls[-1] == level
-        assert ve.VLLMOptions(sleep=plan_value).llm_kwargs("/m", seed=0)["enable_sleep_mode"] is True
-    assert ve.VLLMOptions(sleep=0).llm_kwargs("/m", seed=0)["enable_sleep_mode"] is False
+        assert ve.VLLMOptions(sleep=plan_value).engine_args("/m", seed=0)["enable_sleep_mode"] is True
+    assert ve.VLLMOptions(sleep=0).engine_args("/m", seed=0)["enable_sleep_mode"] is False
 
 
 def test_a_policy_logprob_stage_on_the_trainers_gpus_still_needs_a_sync():
-    """It is a process of its own: without a sync it scores with the initial weights forever."""
+    """It is a process of its own: without a sync it would score with the initial weights forever. Written
+    without one, as before RLP205 covered it, it keeps its old meaning (RLP210): the trainer's sync pushes to it."""
     text = BASE.replace("stage sync weights", "stage logprob behaviour { model = policy  colocate = actor }\n"
                                               "stage sync weights") \
         .replace("flow prompts -> rollout -> score -> actor", "flow prompts -> rollout -> score -> behaviour -> actor")
-    assert codes(text) == ["RLP205"]
+    assert codes(text) == ["RLP210"]
+    assert compile_source(text).plan.pipelines[0].weight_receivers() == {"rollout", "behaviour"}
     synced = text.replace("to = rollout }", "to = [rollout, behaviour] }")
-    assert "RLP205" not in codes(synced)
+    assert codes(synced) == []
+    placed_apart = text.replace("colocate = actor }", "gpus = 1 }").replace("nodes = 1  gpus_per_node = 4",
+                                                                             "nodes = 1  gpus_per_node = 5")
+    assert "RLP205" in codes(placed_apart)

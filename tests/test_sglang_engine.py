@@ -28,7 +28,17 @@ from rldsl.runtime.engines import sglang as se
 from rldsl.runtime.engines.batching import ContinuousBatcher
 from rldsl.runtime.protocols import GenerationEngine, LogprobEngine, Prompt
 from tests.test_help_texts import BASE, GPU_CLUSTER
-from tests.test_vllm_engine import FakeTokenizer
+
+class FakeTokenizer:
+    """A character tokenizer: SGLang needs CUDA, so these tests drive its API shape without a model."""
+    eos_id, bos_id = 2, 1
+
+    def encode(self, text, add_bos=False, add_eos=False):
+        return ([self.bos_id] if add_bos else []) + [10 + ord(c) % 50 for c in text]
+
+    def decode(self, ids, stop_at_eos=True):
+        return "".join(chr(int(i)) for i in ids)
+
 
 EOS = FakeTokenizer.eos_id
 
@@ -319,9 +329,10 @@ HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_SGLANG and torch.cuda.is_available()), reason="needs SGLang on a CUDA GPU")
 def test_sglang_generates_with_behaviour_logprobs(tmp_path):
-    from tests.test_vllm_engine import write_tiny_checkpoint
+    from tests.hf_tiny import save_char_llama
 
-    path = write_tiny_checkpoint(tmp_path)
+    path = save_char_llama(tmp_path, seed=0, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                           num_key_value_heads=2, max_position_embeddings=256)
     options = se.SGLangOptions(gpu_memory=0.3, dtype="fp32", max_model_len=256)
     generator = se.SGLangGenerator.from_path(str(path), options, seed=0, max_new_tokens=8)
     batch = generator.generate(PROMPTS, samples_per_prompt=4, seed=1)

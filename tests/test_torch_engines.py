@@ -299,5 +299,8 @@ def test_compiler_knows_the_builtin_model_size():
     from rldsl.compiler.memory import BUILTIN_PARAMS
     from rldsl.models.tiny import build_tiny_lm
 
-    model = build_tiny_lm(0)
-    assert BUILTIN_PARAMS["tiny-lm"] == sum(p.numel() for p in model.module.parameters())
+    from rldsl.models.tiny_gpt2 import TINY_GPT2_SHAPE
+
+    for name, shape in (("tiny-lm", {}), ("tiny-gpt2", TINY_GPT2_SHAPE)):
+        model = build_tiny_lm(0, **shape)
+        assert BUILTIN_PARAMS[name] == sum(p.numel() for p in model.module.parameters())

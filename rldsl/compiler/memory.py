@@ -25,8 +25,9 @@ from rldsl.compiler.schema import can_sleep, stage_engine_args
 from rldsl.compiler.units import format_bytes
 
 # Builtin models' parameter counts (kept in sync by a test against the model) and shapes.
-BUILTIN_PARAMS = {"tiny-lm": 107_712}
-BUILTIN_SHAPES = {"tiny-lm": mm.ModelShape(hidden=64, layers=2, ffn=256, vocab=55, kv=64, tied=True, context=64)}
+BUILTIN_PARAMS = {"tiny-lm": 107_712, "tiny-gpt2": 280_448}  # the built models' counts (a test checks)
+BUILTIN_SHAPES = {"tiny-lm": mm.ModelShape(hidden=64, layers=2, ffn=256, vocab=55, kv=64, tied=True, context=64),
+                  "tiny-gpt2": mm.ModelShape(hidden=128, layers=2, ffn=256, vocab=55, kv=128, tied=True, context=64)}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Prompt tokens assumed in a row when no generator's `max_model_len` bounds
 # prompt + response (the language has no prompt length).
@@ -237,7 +238,7 @@ def check_memory(program: Program, placement: Placement, base_dir: Path) -> list
         out.append(Diagnostic(
             "RLP506", ERROR, f"GPU {mem.gpu} needs about {format_bytes(mem.used)}, more than its "
             f"{format_bytes(capacity)}", decl.name_span,
-            notes=_memory_notes(program, mem), help=_memory_help(decl)))
+            notes=_memory_notes(program, mem), help=_memory_help(program, mem)))
     return out
 
 
@@ -258,14 +259,47 @@ def _memory_notes(program: Program, mem: GpuMemory) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _memory_help(stage: Decl) -> str:
-    """What shrinks the biggest stage: only megatron has a distributed
-    optimizer; a torch trainer's state shards by switching to fsdp."""
-    engine = stage["engine"].name
-    if engine == "torch" and stage.stage_kind == "train":
-        return "shard it with `engine = fsdp` over more GPUs, offload, or use a larger GPU"
-    if engine == "megatron":
-        return "shard it wider (more GPUs, tp/pp), enable the distributed optimizer or offload, or use a larger GPU"
-    if stage.stage_kind == "train":
-        return "shard it wider (more GPUs, tp/pp), cut `micro_batch_tokens`, offload, or use a larger GPU"
-    return "shard it wider (more GPUs, tp/pp), offload, or use a larger GPU"
+def _memory_help(program: Program, mem: GpuMemory) -> str:
+    """The levers that move this GPU's estimate, for its largest parts first (a logprob stage's forward,
+    which counts beside everything else, is often one): each names the setting and the stage, never a
+    setting already on nor one the engine lacks (fsdp has no tp/pp)."""
+    parts = sorted(((b, name, what) for (name, _), detail in zip(mem.by_stage, mem.details)
+                    for what, b in detail.parts), reverse=True)
+    levers: list[str] = []
+    for _, name, what in parts:
+        pipeline, stage = name.split("/")
+        lever = _lever(program.pipeline(pipeline).stages[stage], what, program.label(pipeline, stage))
+        if lever and lever not in levers:
+            levers.append(lever)
+    return "; ".join(levers[:3] + ["or use a larger GPU"])
+
+
+def _lever(stage: Decl, part: str, label: str) -> str | None:
+    """What shrinks one part of a stage's peak, in its engine's terms (None: nothing the file sets)."""
+    engine, args = stage["engine"].name, stage["engine"].args
+    if part == "activations" and stage.stage_kind in ("train", "logprob"):
+        if stage.get("micro_batch_tokens"):
+            return f"lower `micro_batch_tokens` of {label} (now {stage['micro_batch_tokens']})"
+        rows = stage.get("micro_batch")
+        return f"lower `micro_batch` of {label}" + (f" (now {rows} rows per forward)" if rows else "")
+    if part in ("kv cache", "activations"):
+        return f"fewer groups in flight (`concurrency`) or a shorter `max_new_tokens` on {label}"
+    if part == "reserved share":
+        return f"a smaller `gpu_memory` share for {label} (now {args['gpu_memory']:.0%})"
+    if part == "buckets":
+        return f"a smaller sync `bucket` from {label}"
+    if part == "optimizer" and engine == "megatron" and not args.get("distributed_optimizer"):
+        return f"`distributed_optimizer = true` on {label}"
+    return _sharding(stage, engine, label)
+
+
+def _sharding(stage: Decl, engine: str, label: str) -> str:
+    """Splitting a stage's weights, gradients and optimizer state over more GPUs."""
+    if engine == "torch" and stage.stage_kind in ("generate", "reward"):
+        return f"generate for {label} with `engine = vllm(tp = ...)` over more GPUs (an `hf:` model)"
+    if engine == "torch":
+        return f"shard {label} with `engine = fsdp`" + (" (`shard = 0`)" if stage.stage_kind == "logprob" else "") \
+            + " over more GPUs"
+    if engine == "fsdp":
+        return f"shard {label} over more GPUs (fsdp shards over its ranks)"
+    return f"split {label} over more GPUs (a larger tp" + (" or pp" if engine != "sglang" else "") + ")"

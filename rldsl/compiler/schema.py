@@ -14,12 +14,12 @@ from rldsl.compiler.types import (
     ListOf, LossSpec, RefTo, SleepLevel, Str,
 )
 from rldsl.compiler.reward_types import RewardFns
-from rldsl.plan import ADVANTAGE_NORMALISATION, NORMALISATIONS, RunPlan, StalenessPlan
+from rldsl.plan import ADVANTAGE_NORMALISATION, ADVANTAGE_STDS, NORMALISATIONS, REWARD_CLIP_PLACES, RunPlan, StalenessPlan
 
 UPDATE_MODES = ("between_requests", "interrupt")  # a generate stage's `update`; the first is the default
 EVAL_ON = ("evaluator", "generators")  # a dataset's `eval_on`; the first is the default
 RECOMPUTE_MODES = ("behaviour", "batch_start")  # a policy logprob stage's `recompute`; the first is the default
-INTERRUPTING_ENGINES = ("torch",)  # engines that resume rows in flight under new weights (RLP110)
+INTERRUPTING_ENGINES = ("torch", "vllm")  # engines that resume rows in flight under new weights (RLP110)
 # logprob engines whose forwards rldsl chooses, so `micro_batch_tokens` applies (RLP108)
 TOKEN_BUDGET_LOGPROB_ENGINES = ("torch", "fsdp", "megatron", "sim")
 LONG_PROMPTS = ("drop", "truncate")  # a dataset's `long_prompts`
@@ -56,10 +56,11 @@ ENGINES: dict[str, EngineInfo] = {
     "vllm": EngineInfo(
         ("generate", "logprob", "reward"),
         {**_PARALLEL, "gpu_memory": Fraction(), "sleep": SleepLevel(), "max_model_len": Int(low=1),
-         "dtype": _DTYPE},
+         "dtype": _DTYPE, "kv_cache": SIZE},
         "sleep", True, ("generate", "logprob", "reward"),
-        "vLLM's offline engine; `gpu_memory` is the share of each GPU it reserves; a replica is tp x pp GPUs "
-        "and, with pp > 1, may span nodes (whole tp groups on each)",
+        "vLLM's engine; `gpu_memory` is the share of each GPU it reserves, `kv_cache` (a size) its KV cache "
+        "instead (on a CPU, where `gpu_memory` is a share of host memory, give `kv_cache`); a replica is tp x pp "
+        "GPUs and, with pp > 1, may span nodes (whole tp groups on each)",
         pp_kinds=("generate", "logprob")),
     "sglang": EngineInfo(
         ("generate", "logprob"),
@@ -118,7 +119,7 @@ def _loss(name: str, args: dict, span, arg_spans, name_span) -> LossSpec:
 ENGINE = CallOf("engine", {n: e.args for n, e in ENGINES.items()}, _engine)
 # The clipped policy-gradient family (docs/language.md#the-loss); the engines
 # read the same names (rldsl.runtime.engines.policy_loss.PolicyLossConfig).
-AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "micro_token_mean")
 LOSSES = {"grpo": {
     "clip": Fraction(), "clip_high": Fraction(), "dual_clip": Float(low=0), "kl": Float(low=0),
     "kl_estimator": Enum(("k1", "k2", "k3")), "kl_in": Enum(("loss", "reward")), "agg": Enum(AGGREGATIONS),
@@ -126,11 +127,14 @@ LOSSES = {"grpo": {
     "kl_input_clamp": Float(low=0), "kl_output_clamp": Float(low=0),
     "correction": Enum(("none", "is", "tis", "mis", "icepop")), "correction_level": Enum(("token", "sequence")),
     "correction_low": Float(low=0), "correction_high": Float(low=0),
+    "length_norm": Float(low=0), "count_masked": Bool(), "rejected": Enum(("drop", "zero", "unmask")),
+    "rejected_in_ratio": Bool(), "kl_weighted": Bool(),
 }}
 LOSS_DEFAULTS = {"grpo": {"clip": 0.2, "dual_clip": 0.0, "kl": 0.0, "kl_estimator": "k3", "kl_in": "loss",
                           "agg": "token_mean", "ratio": "token", "behaviour_cap": 0.0,
                           "kl_input_clamp": 0.0, "kl_output_clamp": 0.0, "correction": "none",
-                          "correction_level": "token"}}  # clip_high: clip's; correction_low/high: the correction's
+                          "correction_level": "token"}}  # clip_high: clip's; correction_low/high: the correction's;
+# length_norm, count_masked, rejected*, kl_weighted: PolicyLossConfig's defaults (plans stay as they were)
 ADVANTAGES = tuple(ADVANTAGE_NORMALISATION)
 GROUP_BASELINES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # zero advantages with one sample
 LOSS = CallOf("loss", LOSSES, _loss)
@@ -232,18 +236,26 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
         "loss": Key(LOSS, LossSpec("grpo", dict(LOSS_DEFAULTS["grpo"]), None),
                     "`grpo(clip, clip_high, dual_clip, kl, kl_estimator, kl_in, agg, ratio, behaviour_cap, "
                     "kl_input_clamp, kl_output_clamp, correction, correction_level, correction_low, "
-                    "correction_high)`"),
+                    "correction_high, length_norm, count_masked, rejected, rejected_in_ratio, kl_weighted)`"),
         "advantage": Key(Enum(ADVANTAGES), "grpo", "advantage estimator"),
         "normalize": Key(Enum(NORMALISATIONS), DERIVED, "advantage scaling: by the group's std, by the std of "
                                                         "the group's other samples (`leave_one_out`), whitened "
                                                         "over the rollout batch, the group's std then whitened "
                                                         "(`group_batch`), none, or whitened over the batch's "
                                                         "trained tokens (`batch_tokens`: long responses weigh "
-                                                        "more) (default: the estimator's)"),
+                                                        "more), the group's std then whitened over the tokens "
+                                                        "(`group_batch_tokens`), by the batch's reward std "
+                                                        "(`batch_std`) (default: the estimator's)"),
+        "advantage_eps": Key(Float(low=0), 1e-6, "added to every std an advantage is divided by"),
+        "advantage_std": Key(Enum(ADVANTAGE_STDS), ADVANTAGE_STDS[0], "the std `normalize` divides by: the "
+                                                                      "unbiased (n - 1) or the biased (n) one"),
         "reward_bias": Key(Float(), 0.0, "added to each reward first: (reward + reward_bias) x reward_scale"),
         "reward_scale": Key(Float(low=0), 1.0, "each reward's factor, after `reward_bias` and before `reward_clip`"),
         "reward_clip": Key(Float(low=0), 0.0, "rewards clipped to [-c, c] before the baseline, after "
                                               "`reward_bias` and `reward_scale` (0: off)"),
+        "reward_clip_at": Key(Enum(REWARD_CLIP_PLACES), REWARD_CLIP_PLACES[0],
+                              "where `reward_clip` bounds the rewards: `before_baseline`, or `after_baseline` (and "
+                              "after a group's std scaling, before any batch whitening)"),
         "advantage_clip": Key(Float(low=0), 0.0, "advantages clipped to [-c, c] after scaling (0: off)"),
         "dynamic_sampling": Key(Bool(), False, "drop prompt groups whose rewards are all equal and sample more "
                                                "(DAPO)"),

@@ -11,21 +11,29 @@ import functools
 from rldsl.models.base import BUILTIN_TINY
 from rldsl.models.tokenizer import CharTokenizer
 
+TINY_GPT2 = "builtin:tiny-gpt2"  # rldsl.models.tiny_gpt2: the builtin model with one 64-wide head, as GPT-2
+BUILTIN_MODELS = (BUILTIN_TINY, TINY_GPT2)
+
 
 def load_model(source: str, device="cpu", *, seed: int = 0, **options):
-    """Load ``builtin:tiny-lm`` (freshly initialised from ``seed``) or
-    ``hf:<local path>`` (pretrained; ``seed`` ignored) onto ``device``.
-    ``options`` override ``TinyLMConfig`` fields, or reach
-    ``rldsl.models.hf.load_hf_model`` (e.g. ``dtype``)."""
-    if source == BUILTIN_TINY:
+    """Load ``builtin:tiny-lm`` (freshly initialised from ``seed``; with
+    ``builtin:tiny-gpt2``'s one head for it) or ``hf:<local path>``
+    (pretrained; ``seed`` ignored) onto ``device``. ``options`` override
+    ``TinyLMConfig`` fields, or reach ``rldsl.models.hf.load_hf_model``
+    (e.g. ``dtype``). The engines load ``builtin:tiny-gpt2`` in its GPT-2
+    form, from the directory the runtime writes."""
+    if source in BUILTIN_MODELS:
         from rldsl.models.tiny import build_tiny_lm
+        from rldsl.models.tiny_gpt2 import TINY_GPT2_SHAPE
 
-        return build_tiny_lm(seed, **options).to(device)
+        shape = TINY_GPT2_SHAPE if source == TINY_GPT2 else {}
+        return build_tiny_lm(seed, **{**shape, **options}).to(device)
     if source.startswith("hf:"):
         from rldsl.models.hf import load_hf_model
 
         return load_hf_model(source[len("hf:"):], device, **options)
-    raise ValueError(f"unknown model source {source!r}: expected {BUILTIN_TINY!r} or 'hf:<local path>'")
+    raise ValueError(f"unknown model source {source!r}: expected one of {', '.join(BUILTIN_MODELS)} or "
+                     "'hf:<local path>'")
 
 
 def load_tokenizer(source: str):
@@ -47,8 +55,11 @@ def chat_formatter(source: str):
     tokenizer without a template is refused rather than silently skipped.
     Cached: the preflight and every dataset load of a run ask for the same
     model's, and a tokenizer takes a while to load."""
-    if not source.startswith("hf:"):
-        raise ValueError(f"`chat_template = true` needs an `hf:` model with a chat template; {source} has none")
+    from rldsl.launch_rules import chat_template_refusal
+
+    refused = chat_template_refusal(source, True)  # `check` refuses it too (RLP112)
+    if refused:
+        raise ValueError(refused)
     inner = load_tokenizer(source).inner
     if not getattr(inner, "chat_template", None):
         raise ValueError(f"`chat_template = true`, but the tokenizer of {source} has no chat template "
@@ -60,4 +71,5 @@ def chat_formatter(source: str):
     return formatted
 
 
-__all__ = ["BUILTIN_TINY", "CharTokenizer", "chat_formatter", "load_model", "load_tokenizer"]
+__all__ = ["BUILTIN_MODELS", "BUILTIN_TINY", "TINY_GPT2", "CharTokenizer", "chat_formatter", "load_model",
+           "load_tokenizer"]

@@ -134,6 +134,8 @@ def _curves(steps: list[dict], evals: list[dict]) -> dict[str, Series]:
         "tokens/s": per_step(rate(trainer("tokens"))),
         "generator/trainer mismatch: KL(behaviour || proximal)": per_step(trainer("mismatch_kl")),
         "generator/trainer mismatch: largest p_prox / p_behaviour": per_step(trainer("mismatch_ratio_max")),
+        "generator/trainer on the same weights: mean |log p difference|": per_step(trainer("mismatch/abs_diff_mean")),
+        "generator/trainer on the same weights: largest |log p difference|": per_step(trainer("mismatch/abs_diff_max")),
     }
     if any(s.get("trainer", {}).get("capped_fraction") for s in steps):  # a correction acted
         curves["tokens truncated or masked by the correction (share)"] = per_step(trainer("capped_fraction"))

@@ -124,14 +124,15 @@ class Generated:
     version its rows were generated with (with ``update = interrupt`` the
     oldest: a group's lag is its oldest token's) and its response tokens (the
     trainer's ranks are balanced by them). ``token_versions``: when weights
-    changed mid-group, the version of each decode step as ``(version,
-    steps)`` runs in order; empty when every token is ``version``'s.
+    changed mid-group, each sample's (in key order) tokens' versions as
+    ``(version, tokens)`` runs in order; empty when every token is
+    ``version``'s.
     ``sample_tokens``: each sample's trained tokens (``trained_tokens``), in
     key order, which `normalize = batch_tokens` weighs its samples by."""
 
     version: int
     tokens: int = 0
-    token_versions: tuple[tuple[int, int], ...] = ()
+    token_versions: tuple[tuple[tuple[int, int], ...], ...] = ()
     sample_tokens: tuple[int, ...] = ()
 
 

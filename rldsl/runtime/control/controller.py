@@ -184,6 +184,7 @@ class Controller:
             for task in leftovers:
                 task.cancel()
             await asyncio.gather(*leftovers, return_exceptions=True)
+            await self.state.stages.abort_generation()  # the groups those tasks waited for end now
 
     async def _settle_leftovers(self) -> None:
         """Groups generated after the last step needed them end as run_finished."""

@@ -74,6 +74,9 @@ class StageHandles:
     - ``decoded_tokens() -> [int]``: the tokens each generator replica has
       decoded so far, as it goes (not only when a group ends); the watchdog
       counts any change as progress. None: only finished work counts.
+    - ``abort_generation()``: the run has ended (finished, stopped or
+      failed): every group still decoding ends now, with what it has (engines
+      that cannot abort let theirs run out), so nothing decodes for nobody.
     """
 
     generate: Callable[[int, Sequence[Prompt], Sequence[str], int, int], Awaitable[Generated]]
@@ -95,3 +98,4 @@ class StageHandles:
     stage_slots: Mapping[str, int] = field(default_factory=dict)
     optimizer_step: Callable[[int], Awaitable[dict]] | None = None
     decoded_tokens: Callable[[], Awaitable[Sequence[int]]] | None = None
+    abort_generation: Callable[[], Awaitable[None]] = _nothing

@@ -65,17 +65,27 @@ class Journal:
         self._record(DISPATCHED, keys, prompt=prompt, replica=replica)
 
     def generated(self, keys: Iterable[str], version: int, field: str,
-                  token_versions: Iterable[tuple[int, int]] = ()) -> None:
+                  token_versions: Iterable[Iterable[tuple[int, int]]] = ()) -> None:
         """Generation writes the behaviour logprobs (``field``) with the sample.
         ``token_versions``: when weights changed mid-group (``update =
-        interrupt``), ``tokens`` holds ``[version, steps]`` runs over the
-        group's decode steps (a sample's tokens are the first of them) and
-        ``version`` is the oldest."""
-        runs = [[int(v), int(n)] for v, n in token_versions]
-        if runs:
-            self._record(GENERATED, keys, version=version, field=field, tokens=runs)
-        else:
-            self._record(GENERATED, keys, version=version, field=field)
+        interrupt``), each key's ``[version, tokens]`` runs, recorded as
+        ``tokens`` once for the keys that share them; ``version`` is the
+        group's oldest token's. A sample drawn by one version (one that ended
+        before the change, or started after it) has no ``tokens``: the
+        group's version overstates its lag, never understates it."""
+        keys, token_versions = list(keys), list(token_versions)
+        by_runs: dict[tuple, list[str]] = {}
+        one_version = keys if not token_versions else []
+        for key, runs in zip(keys, token_versions):
+            runs = tuple((int(v), int(n)) for v, n in runs)
+            if len({v for v, _ in runs}) > 1:
+                by_runs.setdefault(runs, []).append(key)
+            else:
+                one_version.append(key)
+        if one_version:
+            self._record(GENERATED, one_version, version=version, field=field)
+        for runs, same in by_runs.items():
+            self._record(GENERATED, same, version=version, field=field, tokens=[list(run) for run in runs])
 
     def logprob(self, keys: Iterable[str], stage: str, field: str, versions: tuple[int, int] | None,
                 batch_start: bool = False) -> None:

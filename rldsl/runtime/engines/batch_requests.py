@@ -80,13 +80,20 @@ def future_outcome(future) -> tuple[Any, BaseException | None]:
         return None, error
 
 
-def token_version_runs(token_versions) -> tuple[tuple[int, int], ...]:
-    """A group's per-token versions ([rows, T], every row drawn at the same
-    steps) as ``(version, steps)`` runs in order; () for None (one version)."""
+def token_version_runs(token_versions, response_mask=None) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each row's per-token versions ([rows, T]) as ``(version, tokens)`` runs
+    in order, over the row's response tokens when ``response_mask`` is given;
+    () for None (every token the row's version)."""
     if token_versions is None or len(token_versions) == 0:
         return ()
+    rows = token_versions.tolist()
+    lengths = [len(row) for row in rows] if response_mask is None else response_mask.sum(dim=1).tolist()
+    return tuple(_runs(row[: int(length)]) for row, length in zip(rows, lengths))
+
+
+def _runs(versions: list[int]) -> tuple[tuple[int, int], ...]:
     runs: list[list[int]] = []
-    for version in token_versions[0].tolist():
+    for version in versions:
         if runs and runs[-1][0] == version:
             runs[-1][1] += 1
         else:

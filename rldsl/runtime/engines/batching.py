@@ -31,10 +31,11 @@ applies the staged buckets in place through the engine's own
 ``update_weights`` and admits again: no sample mixes two versions, and
 generation stops only for the in-place copy. Only the newest complete
 version is applied. That is ``update = between_requests``. With ``update =
-interrupt`` (stepwise engines that say ``interrupts``: torch) a complete
-version is applied at the next decode-step boundary with the rows still in
-flight; the engine resumes them under the new weights and records the
-version of every token (AReaL's partial rollouts).
+interrupt`` (engines that say ``interrupts``: torch, stepwise, at the next
+decode-step boundary; vLLM, streaming, at once: it pauses its requests and
+keeps them) a complete version is applied with the rows still in flight;
+the engine resumes them under the new weights and records the version of
+every token (AReaL's partial rollouts).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class ContinuousBatcher:
         self.max_rows = max_rows
         self._stepwise = all(hasattr(engine, name) for name in ("admit", "decode_step", "finish_request"))
         self._streaming = not self._stepwise and bool(getattr(engine, "streams", False))
-        self._interrupts = _interrupt_mode(engine, update, self._stepwise)
+        self._interrupts = _interrupt_mode(engine, update, self._stepwise or self._streaming)
         self._lock = threading.Condition()
         self._queue: deque[Pending] = deque()
         self._in_flight: dict[int, Pending] = {}  # stepwise engines: engine request id -> request
@@ -146,6 +147,15 @@ class ContinuousBatcher:
             self._idle_calls.append((function, pending))
             self._wake_decoder()
         return pending.wait()
+
+    def abort(self) -> int:
+        """End the streams in flight now (engines with ``abort_requests``, e.g.
+        vLLM): each is answered with the tokens it has. Returns how many."""
+        with self._lock:
+            streaming = bool(self._streams)
+        if streaming and hasattr(self.engine, "abort_requests") and self._streaming:
+            return int(self.engine.abort_requests() or 0)
+        return 0
 
     def close(self) -> None:
         """Fail queued requests, finish the rows in flight and stop the decode thread."""
@@ -358,7 +368,7 @@ class ContinuousBatcher:
     def _apply(self, staged: StagedVersion) -> None:
         try:
             with self._lock:
-                interrupting = bool(self._in_flight)
+                interrupting = bool(self._in_flight or self._streams)
             self._apply_buckets(staged.buckets, staged.version)
             if interrupting:
                 with self._lock:
@@ -402,11 +412,11 @@ class ContinuousBatcher:
             raise RuntimeError("the batcher was closed")
 
 
-def _interrupt_mode(engine, update: str, stepwise: bool) -> bool:
+def _interrupt_mode(engine, update: str, incremental: bool) -> bool:
     """Whether staged versions interrupt decoding; refuses an engine that cannot resume its rows."""
     if update not in UPDATE_MODES:
         raise ValueError(f"update = {update!r}: expected one of {', '.join(UPDATE_MODES)}")
-    if update == UPDATE_INTERRUPT and not (stepwise and getattr(engine, "interrupts", False)):
+    if update == UPDATE_INTERRUPT and not (incremental and getattr(engine, "interrupts", False)):
         raise ValueError(f"update = interrupt needs an engine that resumes its rows under new weights "
-                         f"(torch); {type(engine).__name__} cannot: use update = between_requests")
+                         f"(torch, vLLM); {type(engine).__name__} cannot: use update = between_requests")
     return update == UPDATE_INTERRUPT

@@ -19,17 +19,29 @@ def _task_of(pipe: PipelinePlan) -> str | None:
 
 
 def load_policy(model: ModelPlan, pipe: PipelinePlan, seed: int):
-    """The model a stage starts from. The builtin tiny model on a builtin task
+    """The model a stage starts from. A builtin model on a builtin task
     starts from the cached supervised warm start (docs/runtime.md), so RL has
     something to improve within minutes on a CPU."""
-    from rldsl.models import BUILTIN_TINY, load_model
+    from rldsl.models import BUILTIN_TINY, TINY_GPT2, load_model
 
+    if model.source == TINY_GPT2:  # in its GPT-2 form, as the other engines load it
+        loaded = load_model(f"hf:{builtin_model_dir(model, pipe, seed)}")
+        loaded.source = TINY_GPT2
+        return loaded
     task = _task_of(pipe) if model.source == BUILTIN_TINY else None
     if task is None:
         return load_model(model.source, seed=seed)
     from rldsl.runtime.engines.torch.warmstart import load_warm_started
 
     return load_warm_started(task, seed=seed)
+
+
+def builtin_model_dir(model: ModelPlan, pipe: PipelinePlan, seed: int) -> str:
+    """``builtin:tiny-gpt2``'s Hugging Face directory: warm-started on the
+    pipeline's builtin task (cached), as every engine loads it by path."""
+    from rldsl.runtime.engines.torch.warmstart import warm_started_dir
+
+    return str(warm_started_dir(_task_of(pipe), seed))
 
 
 def _sim_latency(stage: StagePlan):
@@ -97,10 +109,14 @@ def build_logprob(stage: StagePlan, pipe: PipelinePlan, seed: int, process_group
         model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
         return TorchLogprob(model, rows_per_forward=stage.settings.get("micro_batch"),
                             tokens_per_forward=stage.settings.get("micro_batch_tokens", 0),
-                            offload=offloads_between_calls(stage))
+                            offload=offloads_between_calls(stage), temperature=sampling_temperature(pipe))
     if name == "vllm":
         from rldsl.runtime.engines.vllm import VLLMLogprob
 
+        if sampling_temperature(pipe) not in (0.0, 1.0):
+            raise EngineUnavailable(f"stage `{stage.name}`: vLLM scores given tokens at temperature 1, and this "
+                                    f"pipeline samples at {sampling_temperature(pipe):g}; use engine = torch, fsdp "
+                                    "or megatron for this logprob stage")
         return VLLMLogprob.from_path(_hf_path(pipe, stage), _vllm_options(stage), seed=seed)
     if name == "sglang":
         from rldsl.runtime.engines.sglang import SGLangLogprob
@@ -119,14 +135,15 @@ def build_logprob(stage: StagePlan, pipe: PipelinePlan, seed: int, process_group
         return FsdpLogprob(model, dtype=stage.engine.args["dtype"], shard=stage.engine.args.get("shard", 1),
                            process_group=process_group, rows_per_forward=stage.settings.get("micro_batch"),
                            tokens_per_forward=stage.settings.get("micro_batch_tokens", 0),
-                           offload=offloads_between_calls(stage))
+                           offload=offloads_between_calls(stage), temperature=sampling_temperature(pipe))
     if name == "megatron":
         from rldsl.runtime.engines.megatron.logprob import MegatronLogprob
 
         return MegatronLogprob.from_pretrained(_hf_path(pipe, stage), **_megatron_parallelism(stage),
                                                rows_per_forward=stage.settings.get("micro_batch"),
                                                tokens_per_forward=stage.settings.get("micro_batch_tokens", 0),
-                                               seed=pipe.run.seed, offload=offloads_between_calls(stage))
+                                               seed=pipe.run.seed, offload=offloads_between_calls(stage),
+                                               temperature=sampling_temperature(pipe))
     raise _unavailable(stage)
 
 
@@ -208,7 +225,16 @@ def training_options(stage: StagePlan, pipe: PipelinePlan) -> dict:
         "rows_per_forward": settings.get("micro_batch") or pipe.batch.micro_batch,
         "tokens_per_forward": settings.get("micro_batch_tokens", 0),
         "lr_schedule": lr_schedule(stage, pipe),
+        "temperature": sampling_temperature(pipe),
     }
+
+
+def sampling_temperature(pipe: PipelinePlan) -> float:
+    """The temperature the pipeline's samples are drawn at (its first
+    generate stage's): every logprob of them is taken at it, the trainer's and
+    the logprob stages' as the generator's (1 without a generator)."""
+    generators = pipe.stages_of("generate")
+    return float(generators[0].settings.get("temperature", 1.0)) if generators else 1.0
 
 
 LEGACY_LOSS_LEVELS = {"token": "token_mean", "sequence": "seq_mean_token_mean"}
@@ -241,11 +267,17 @@ def _model(pipe: PipelinePlan, stage: StagePlan) -> ModelPlan:
 
 
 def _hf_path(pipe: PipelinePlan, stage: StagePlan) -> str:
-    """The local checkpoint directory the vllm, sglang and megatron engines load."""
+    """The local checkpoint directory the vllm, sglang and megatron engines (and a scoring judge) load."""
+    from rldsl.launch_rules import checkpoint_refusal
+    from rldsl.models import TINY_GPT2
+
     source = _model(pipe, stage).source
-    if not source.startswith("hf:"):
-        raise EngineUnavailable(f"stage `{stage.name}`: engine `{stage.engine.name}` loads a local Hugging Face "
-                                f"checkpoint (`hf:<path>`), not {source!r}")
+    if source == TINY_GPT2:
+        return builtin_model_dir(_model(pipe, stage), pipe, pipe.run.seed)
+    why = checkpoint_refusal(stage.engine.name, source) or (None if source.startswith("hf:") else
+                                                            f"a Hugging Face model loads from `hf:<path>`, not {source!r}")
+    if why:  # `check` refuses the file for it (RLP112, RLP114): only a hand-made plan gets here
+        raise EngineUnavailable(f"stage `{stage.name}`: {why}")
     return source[len("hf:"):]
 
 
@@ -255,7 +287,7 @@ def _vllm_options(stage: StagePlan):
     args = stage.engine.args
     return VLLMOptions(tp=args["tp"], pp=args.get("pp", 1), spans_nodes=any(r.remote for r in stage.ranks),
                        gpu_memory=args["gpu_memory"], sleep=args["sleep"],
-                       max_model_len=args.get("max_model_len"), dtype=args["dtype"])
+                       max_model_len=args.get("max_model_len"), dtype=args["dtype"], kv_cache=args.get("kv_cache"))
 
 
 def _sglang_options(stage: StagePlan):

@@ -97,13 +97,9 @@ class VLLMGenerativeJudge:
     """A generating judge on vLLM: one replica (tp x pp GPUs), greedy."""
 
     def __init__(self, path: str, options, seed: int, max_new_tokens: int):
-        from rldsl.runtime.engines.vllm import create_llm
+        from rldsl.runtime.engines.vllm import VLLMGenerator
 
-        self.llm = create_llm(path, options, seed)
-        import vllm
-
-        self.params = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        self.generator = VLLMGenerator.from_path(path, options, seed, max_new_tokens=max_new_tokens, temperature=0.0)
 
     def answer(self, texts: Sequence[str]) -> list[str]:
-        outputs = self.llm.generate(list(texts), self.params, use_tqdm=False)
-        return [output.outputs[0].text for output in outputs]
+        return self.generator.generate_greedy([Prompt(i, text, "") for i, text in enumerate(texts)])

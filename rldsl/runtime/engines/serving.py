@@ -19,6 +19,7 @@ from rldsl.runtime.protocols import (
     FIELD_PROMPT_MASK,
     FIELD_RESPONSE_IDS,
     FIELD_RESPONSE_MASK,
+    FIELD_TOKEN_VERSIONS,
     FIELD_VERSION,
     Batch,
     Prompt,
@@ -95,10 +96,13 @@ class WeightSync:
 
 
 def sampled_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                  logprobs: Sequence[Sequence[float]], version: int) -> Batch:
+                  logprobs: Sequence[Sequence[float]], version: int | Sequence[int],
+                  token_versions: Sequence[Sequence[int]] | None = None) -> Batch:
     """One row per sample (its prompt's ids, its response and the log-probability
     of each sampled token) -> a batch: prompts left-padded, responses and
-    behaviour logprobs right-padded (0 off the mask), the version on every row."""
+    behaviour logprobs right-padded (0 off the mask), the version on every row
+    (one for all, or each row's), and with ``token_versions`` each token's
+    (``FIELD_TOKEN_VERSIONS``, right-padded with the row's last)."""
     prompt_tensor, prompt_mask = left_padded(prompts)
     width = max([1] + [len(row) for row in responses])
     response_ids = torch.zeros(len(responses), width, dtype=torch.long)
@@ -108,14 +112,23 @@ def sampled_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence
         response_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         response_mask[row, : len(tokens)] = 1
         behaviour[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
-    return {
+    versions = [version] * len(responses) if isinstance(version, int) else list(version)
+    batch = {
         FIELD_PROMPT_IDS: prompt_tensor,
         FIELD_PROMPT_MASK: prompt_mask,
         FIELD_RESPONSE_IDS: response_ids,
         FIELD_RESPONSE_MASK: response_mask,
         FIELD_BEHAVIOUR_LOGPROBS: behaviour,
-        FIELD_VERSION: torch.full((len(responses),), version, dtype=torch.long),
+        FIELD_VERSION: torch.tensor(versions, dtype=torch.long),
     }
+    if token_versions is not None:
+        per_token = torch.tensor(versions, dtype=torch.long)[:, None].repeat(1, width)
+        for row, values in enumerate(token_versions):
+            if values:
+                per_token[row, : len(values)] = torch.tensor(values, dtype=torch.long)
+                per_token[row, len(values):] = values[-1]
+        batch[FIELD_TOKEN_VERSIONS] = per_token
+    return batch
 
 
 class ServingEngine:

@@ -1,44 +1,175 @@
-"""vLLM's ``AsyncLLM`` for the streaming generator (``vllm.create_async_llm``).
+"""vLLM's ``AsyncLLM`` on an event-loop thread of its own (``AsyncVLLM``).
 
-``AsyncLLMBridge`` runs the async engine on an event-loop thread of its own
-and offers the offline ``LLM``'s methods the vLLM engines call, so weight
-sync, sleep and greedy evaluation work unchanged; ``submit_generate``
-returns at once with a future, which ``VLLMGenerator.start_group`` turns
-into a group's batch. vLLM is imported only when an engine is built.
+What the vLLM engines (vllm.py) need of vLLM, in calls that return at once
+(``submit``: a ``concurrent.futures.Future``) or wait (``run``):
+
+- a group: one request per prompt with ``n`` samples, streamed as deltas
+  (``RequestOutputKind.DELTA``): each child's tokens and sampled-token
+  logprobs are gathered as they come, and the group is answered once every
+  child of every prompt has ended. (With vLLM's default cumulative outputs
+  and ``n > 1`` the final output holds only the last child to finish.)
+  Every streamed token is counted (``tokens_decoded``: the watchdog's
+  measure of progress);
+- the weight version of every token, from vLLM's own counter: a child
+  reports, when it ends, the spans of its tokens each version sampled
+  (``CompletionOutput.weight_versions``);
+- weights in place, between requests or with requests in flight:
+  ``pause_generation(mode="keep")``, each bucket loaded by the workers
+  (vllm_worker.py), the version set, the prefix cache reset (running
+  requests recompute theirs under the new weights), ``resume_generation``;
+- ``abort``: every request in flight ends now (a stop, a timeout).
+
+vLLM is imported only when an engine is built (``AsyncVLLM.start``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
 
 from rldsl.runtime.engines.serving import EventLoopThread
+from rldsl.runtime.engines.vllm_worker import LOAD_BUCKET_RPC
+
+SHARED_MEMORY = "/dev/shm"  # where buckets wait for the workers to read them (a temp dir if absent)
 
 
-class AsyncLLMBridge:
-    """``AsyncLLM`` with the offline ``LLM``'s methods the engines call
-    (``generate``, ``collective_rpc``, ``reset_prefix_cache``, ``sleep``,
-    ``wake_up``), each run on the loop thread; ``submit_generate`` returns
-    at once with a future of the outputs."""
+@dataclass
+class Sample:
+    """One child of a request: its tokens, the logprob of each, the version of each."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[tuple[int, int, int]] = field(default_factory=list)  # (version, start, end) spans
+    finish_reason: str | None = None
+
+
+class AsyncVLLM:
+    """``AsyncLLM`` driven from threads; see the module docstring."""
 
     def __init__(self, engine, loop: EventLoopThread) -> None:
         self.engine, self.loop = engine, loop
+        self.tokens_decoded = 0
         self._ids = itertools.count()
+        self._in_flight: set[str] = set()
 
-    def submit_generate(self, inputs: list[dict], params) -> Future:
-        """Every prompt as its own request, concurrently; a future of their final outputs, in order."""
-        params = params if isinstance(params, list) else [params] * len(inputs)
-        return self.loop.submit(self._generate(inputs, params))
+    @classmethod
+    def start(cls, engine_args: Mapping[str, Any], version: int = 0) -> AsyncVLLM:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
-    def generate(self, inputs: list[dict], params, use_tqdm: bool = False) -> list:
-        return self.submit_generate(inputs, params).result()
+        loop = EventLoopThread("vllm-async")
 
-    def collective_rpc(self, method: str, args: tuple = ()) -> list:
-        return self.loop.run(self.engine.collective_rpc(method, args=args))
+        async def build():  # inside the loop: AsyncLLM's output handler binds to the running loop
+            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+            await engine.update_weight_version(str(version))
+            return engine
 
-    def reset_prefix_cache(self) -> None:
-        self.loop.run(self.engine.reset_prefix_cache())
+        return cls(loop.run(build()), loop)
+
+    # -- generation --------------------------------------------------------------------
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: Sequence) -> Future:
+        """Each prompt a request with its own ``SamplingParams`` (``n`` children);
+        a future of, per prompt, its samples in child order."""
+        return self.loop.submit(self._requests(prompts, params))
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence) -> list[list[Sample]]:
+        return self.submit(prompts, params).result()
+
+    def score(self, rows: Sequence[Sequence[int]], params) -> list:
+        """Each row once as a prompt (``prompt_logprobs``): its final outputs."""
+        return self.loop.run(self._finals(rows, params))
+
+    async def _finals(self, rows, params) -> list:
+        return list(await asyncio.gather(*(self._final(row, params) for row in rows)))
+
+    async def _requests(self, prompts, params) -> list[list[Sample]]:
+        return list(await asyncio.gather(*(self._request(list(p), sp) for p, sp in zip(prompts, params))))
+
+    async def _request(self, prompt: list[int], params) -> list[Sample]:
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.DELTA
+        samples = [Sample() for _ in range(params.n)]
+        request_id = f"rldsl-{next(self._ids)}"
+        self._in_flight.add(request_id)
+        try:
+            async for output in self.engine.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
+                for delta in output.outputs:
+                    self._take(samples[delta.index], delta)
+        finally:
+            self._in_flight.discard(request_id)
+        return samples
+
+    def _take(self, sample: Sample, delta) -> None:
+        tokens = list(delta.token_ids)
+        if tokens and delta.logprobs is None:
+            raise RuntimeError("vLLM returned no logprobs; the request must ask for logprobs = 0")
+        sample.token_ids += tokens
+        sample.logprobs += [step[token].logprob for token, step in zip(tokens, delta.logprobs or [])]
+        self.tokens_decoded += len(tokens)
+        if delta.finish_reason is not None:
+            sample.finish_reason = delta.finish_reason
+            sample.versions = [(int(s.version), s.start, s.end) for s in delta.weight_versions or []]
+
+    async def _final(self, prompt: list[int], params):
+        request_id = f"rldsl-{next(self._ids)}"
+        final = None
+        async for output in self.engine.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
+            final = output
+        return final
+
+    def abort(self) -> int:
+        """End every request in flight now; returns how many."""
+        request_ids = sorted(self._in_flight)
+        if request_ids:
+            self.loop.run(self.engine.abort(request_ids))
+        return len(request_ids)
+
+    # -- weights -----------------------------------------------------------------------
+
+    def load_weights(self, buckets: Iterable[list[tuple[str, Any]]], version: int) -> None:
+        """Every bucket in place, generation paused (requests in flight kept) meanwhile."""
+        self.loop.run(self._load(buckets, version))
+
+    async def _load(self, buckets, version: int) -> None:
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            buckets = list(buckets)
+            for index, bucket in enumerate(buckets):
+                await self._load_bucket(bucket, index == 0, index == len(buckets) - 1)
+            await self.engine.update_weight_version(str(version))
+            # KV computed with the old weights goes; running requests recompute theirs under the new ones
+            if not await self.engine.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        finally:
+            await self.engine.resume_generation()
+
+    async def _load_bucket(self, bucket: list[tuple[str, Any]], first: bool, last: bool) -> None:
+        from safetensors.torch import save_file
+
+        directory = SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None
+        handle, path = tempfile.mkstemp(prefix="rldsl-bucket-", suffix=".safetensors", dir=directory)
+        os.close(handle)
+        try:
+            save_file(dict(bucket), path)
+            await self.engine.collective_rpc(LOAD_BUCKET_RPC, args=(path, first, last))
+        finally:
+            os.unlink(path)
+
+    async def weight_version(self) -> int:
+        return int(await self.engine.get_weight_version())
+
+    def current_version(self) -> int:
+        return self.loop.run(self.weight_version())
+
+    # -- memory ------------------------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
         self.loop.run(self.engine.sleep(level))
@@ -46,11 +177,16 @@ class AsyncLLMBridge:
     def wake_up(self) -> None:
         self.loop.run(self.engine.wake_up())
 
-    async def _generate(self, inputs: list[dict], params: list) -> list:
-        return list(await asyncio.gather(*(self._one(prompt, sampling) for prompt, sampling in zip(inputs, params))))
+    def shutdown(self) -> None:
+        """Stop vLLM. Its output handler is cancelled first: vLLM's own
+        shutdown ends the engine process before it, and the handler would
+        log the engine's end as a failure."""
+        self.loop.run(self._cancel_output_handler())
+        engine, self.engine = self.engine, None
+        engine.shutdown()  # and released now: at interpreter exit vLLM's __del__ would shut down a torn-down module
 
-    async def _one(self, prompt: dict, sampling):
-        final = None
-        async for output in self.engine.generate(prompt, sampling, request_id=f"rldsl-{next(self._ids)}"):
-            final = output  # cumulative outputs: the last holds every token
-        return final
+    async def _cancel_output_handler(self) -> None:
+        handler = getattr(self.engine, "output_handler", None)
+        if handler is not None and not handler.done():
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)

@@ -3,7 +3,7 @@
 Reads a run directory offline (its plan.json and a trainer checkpoint in
 the engine's own format); never starts Ray. ``command`` resolves the run
 and writes the directory, ``checkpoints`` reads each engine's files,
-``tiny_gpt2`` maps the builtin model onto GPT-2, ``writer`` saves through
+``rldsl.models.tiny_gpt2`` maps the builtin model onto GPT-2, ``writer`` saves through
 transformers.
 """
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from rldsl.models.base import BUILTIN_TINY
-import rldsl.runtime.export.tiny_gpt2 as tiny_gpt2
+import rldsl.models.tiny_gpt2 as tiny_gpt2
 from rldsl.runtime.export.writer import copy_generation_config, copy_tokenizer, transformers_offline
 
 SINGLE_FILE_ENGINES = ("torch", "fsdp")
@@ -52,7 +52,7 @@ def read_checkpoint(engine: str, trainer_dir: Path, source: str) -> ExportableMo
         return _builtin_tiny(engine, trainer_dir)
     if source.startswith("hf:"):
         return _hf_model(engine, trainer_dir, Path(source[len("hf:"):]))
-    raise ExportError(f"model source {source!r} cannot be exported", "sources: builtin:tiny-lm, hf:<path>")
+    raise ExportError(f"model source {source!r} cannot be exported", "sources: builtin:tiny-lm, builtin:tiny-gpt2, hf:<path>")
 
 
 def _builtin_tiny(engine: str, trainer_dir: Path) -> ExportableModel:

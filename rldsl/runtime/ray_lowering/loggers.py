@@ -40,7 +40,8 @@ def missing_libraries(backends) -> list[str]:
 
 def step_scalars(record: dict) -> dict[str, float]:
     """One step record (metrics.jsonl) as the backends' scalars."""
-    scalars = {f"train/{name}": float(value) for name, value in record.get("trainer", {}).items()
+    scalars = {name if name.startswith("mismatch/") else f"train/{name}": float(value)
+               for name, value in record.get("trainer", {}).items()
                if isinstance(value, (int, float)) and not isinstance(value, bool)}
     for name in ("samples_per_s", "step_time_s", "reward_mean"):
         if isinstance(record.get(name), (int, float)):

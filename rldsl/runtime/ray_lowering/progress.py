@@ -178,14 +178,19 @@ def _activity(active: dict) -> str:
 
 
 def _mismatch(trainer: dict) -> str:
-    """The generator/trainer gap of a step: KL(behaviour || proximal), the weight's range, the share corrected."""
+    """The generator/trainer gap of a step: KL(behaviour || proximal), the weight's range, the share
+    corrected, and on the same weights the logprobs' largest difference (``mismatch/...``)."""
     if "mismatch_kl" not in trainer:
         return ""
     text = f"kl {trainer['mismatch_kl']:.2e}"
     if "mismatch_ratio_min" in trainer:
         text += f" ratio {trainer['mismatch_ratio_min']:.2f}..{trainer['mismatch_ratio_max']:.2f}"
     capped = trainer.get("capped_fraction", 0.0)
-    return text + (f" corrected {capped:.1%}" if capped else "")
+    text += f" corrected {capped:.1%}" if capped else ""
+    if "mismatch/abs_diff_max" in trainer:
+        text += (f" same-weights |dlogp| {trainer['mismatch/abs_diff_mean']:.1e} (max "
+                 f"{trainer['mismatch/abs_diff_max']:.1e})")
+    return text
 
 
 def _busy(busy: dict) -> str:

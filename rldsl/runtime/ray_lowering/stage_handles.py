@@ -206,13 +206,16 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
         counts = await asyncio.gather(*(count(g) for g in generators), return_exceptions=True)
         return [-1 if isinstance(n, BaseException) else n for n in counts]
 
+    async def abort_generation() -> None:
+        await asyncio.gather(*(call(*g, "abort") for g in generators), return_exceptions=True)
+
     supervisor.on_replaced = bring_up_to_date
     return StageHandles(generate, reward, logprob, begin_train_step, train_microbatch, finish_train_step,
                         abort_train_step, export_weights, push_weights, generator_version, sleep_generators,
                         wake_generators, sleep_trainer, wake_trainer, generator_replicas=len(generators),
                         train_replicas=len(train_replicas),
                         stage_slots={name: pool.size for name, pool in free.items()}, optimizer_step=optimizer_step,
-                        decoded_tokens=decoded_tokens)
+                        decoded_tokens=decoded_tokens, abort_generation=abort_generation)
 
 
 def reward_calls_per_worker(stage) -> int:

@@ -92,7 +92,7 @@ class GeneratorWorker(StageWorker, WeightGroupMember):
                     p.mask_truncated(batch, self.stage.settings["max_new_tokens"], self.engine_end_ids)
             if self.masks_prompts:  # `long_prompts = truncate`: every batch carries the loss mask
                 p.mask_truncated_prompts(batch, prompts, samples_per_prompt)
-            runs = token_version_runs(batch.pop(p.FIELD_TOKEN_VERSIONS, None))  # journaled, not stored
+            runs = token_version_runs(batch.pop(p.FIELD_TOKEN_VERSIONS, None), batch[p.FIELD_RESPONSE_MASK])
             version = int(batch[p.FIELD_VERSION][0]) if len(keys) else self.batcher.version
             args["version"] = version
             batch[ANSWER_IDS], batch[ANSWER_MASK] = self._answers(prompts, samples_per_prompt)
@@ -160,6 +160,10 @@ class GeneratorWorker(StageWorker, WeightGroupMember):
 
     def version(self) -> int:
         return self.batcher.version
+
+    def abort(self) -> int:
+        """The run has ended: groups still decoding end now (engines that can abort)."""
+        return self.batcher.abort()
 
     def batching(self) -> dict:
         return self.batcher.stats()

@@ -38,7 +38,8 @@ from rldsl.runtime.protocols import FIELD_RESPONSE_IDS, FIELD_RESPONSE_MASK, Bat
 
 class FsdpLogprob(TorchLogprob):
     def __init__(self, model, dtype: str = "fp32", shard: int = 1, process_group=None,
-                 rows_per_forward: int | None = None, tokens_per_forward: int = 0, offload: bool = False):
+                 rows_per_forward: int | None = None, tokens_per_forward: int = 0, offload: bool = False,
+                 temperature: float = 1.0):
         if dtype not in DTYPES:
             raise ValueError(f"fsdp: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if shard < 0:
@@ -54,7 +55,7 @@ class FsdpLogprob(TorchLogprob):
         else:
             model.module.to(device=device, dtype=DTYPES[dtype])
         super().__init__(model, rows_per_forward=rows_per_forward, tokens_per_forward=tokens_per_forward,
-                         offload=offload)
+                         offload=offload, temperature=temperature)
 
     @property
     def shard_group(self):
@@ -116,11 +117,11 @@ class FsdpLogprob(TorchLogprob):
         """One forward of these rows, always (a packed forward of rows with no
         response token would otherwise run none)."""
         if not self.tokens_per_forward:
-            return response_logprobs(self.model, rows)
+            return response_logprobs(self.model, rows, self.temperature)
         if int(rows[FIELD_RESPONSE_MASK].sum()) == 0:
             self._empty_forward()
             return torch.zeros(rows[FIELD_RESPONSE_MASK].shape)
-        return packed_response_logprobs(self.model, trim_padding(rows))
+        return packed_response_logprobs(self.model, trim_padding(rows), self.temperature)
 
     def _empty_forward(self) -> None:
         """A one-token forward: the same all-gathers as a real one."""

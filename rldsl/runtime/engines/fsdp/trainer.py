@@ -50,8 +50,8 @@ from rldsl.runtime.engines.fsdp.loading import build_sharded
 from rldsl.runtime.engines.fsdp.sharding import build_mesh, ensure_process_group, reshard_all, training_device
 from rldsl.runtime.engines.fsdp.state import full_state_buckets, load_full_checkpoint, save_full_checkpoint
 from rldsl.runtime.engines.torch.offload import Offloaded
-from rldsl.runtime.engines.policy_loss import merge_stats
-from rldsl.runtime.engines.torch.packing import forward_rows, take_rows
+from rldsl.runtime.engines.policy_loss import PER_FORWARD_AGGREGATIONS, merge_stats
+from rldsl.runtime.engines.torch.packing import concat_rows, forward_rows, take_rows
 from rldsl.runtime.engines.torch.train import TorchTrainer
 from rldsl.runtime.protocols import Batch, trained_tokens
 
@@ -140,10 +140,14 @@ class FsdpTrainer(TorchTrainer):
         self._in_lockstep(forwards, lambda item: self._forward_backward(*(item or (None,))))
 
     def _take_pending_forwards(self) -> list[Batch]:
-        forwards = [take_rows(batch, rows) for batch in self._pending
-                    for rows in forward_rows(batch, self.rows_per_forward, self.tokens_per_forward)]
-        self._pending = []
-        return forwards
+        """The forwards of the pending microbatches: each one's rows in forwards of its own; with a mean
+        per forward (``micro_token_mean``) the rank's rows together, so a forward holds ``micro_batch``
+        rows of the mini-batch whatever the prompt groups, as verl's micro-batches do."""
+        pending, self._pending = self._pending, []
+        if self.loss.agg in PER_FORWARD_AGGREGATIONS and pending:
+            pending = [concat_rows(pending)]
+        return [take_rows(batch, rows) for batch in pending
+                for rows in forward_rows(batch, self.rows_per_forward, self.tokens_per_forward)]
 
     def _in_lockstep(self, items: list, run) -> None:
         """Every rank runs ``run`` the same number of times: on each of its own

@@ -36,8 +36,9 @@ class MegatronLogprob:
 
     def __init__(self, shape: LlamaShape, hf_weights: Mapping[str, torch.Tensor] | None = None, *, tp: int = 1,
                  pp: int = 1, dtype: str = "bf16", rows_per_forward: int | None = None, tokens_per_forward: int = 0,
-                 seed: int = 0, offload: bool = False):
+                 seed: int = 0, offload: bool = False, temperature: float = 1.0):
         mm.ensure_model_parallel(tp, pp, seed)
+        self.temperature = temperature  # the generators' sampling temperature: logprobs are taken at it
         self.pipeline_parallel = pp
         self.shape = shape
         self.rows_per_forward = rows_per_forward
@@ -81,7 +82,7 @@ class MegatronLogprob:
         return scatter_rows(results, *batch[FIELD_RESPONSE_IDS].shape)
 
     def _chunk_logprobs(self, chunk: Batch) -> torch.Tensor:
-        packed = mm.pack_rows(chunk, self.device)
+        packed = mm.pack_rows(chunk, self.device, temperature=self.temperature)
         return mm.response_logprobs_from_logits(mm.forward_logits(self.model, packed), packed).cpu()
 
     def _pipelined_logprobs(self, groups: list, chunks: list[Batch]) -> list | None:
@@ -95,7 +96,7 @@ class MegatronLogprob:
             return [] if parallel_state.is_pipeline_last_stage() else None
         length = max(mm.packed_length(chunk) for chunk in chunks)
         rows = max(len(chunk[FIELD_RESPONSE_IDS]) for chunk in chunks)
-        packed = [mm.pack_rows(chunk, self.device, length, rows) for chunk in chunks]
+        packed = [mm.pack_rows(chunk, self.device, length, rows, self.temperature) for chunk in chunks]
         outputs = get_forward_backward_func()(
             forward_step_func=logprob_forward_step, data_iterator=iter(packed), model=[self.model],
             num_microbatches=len(packed), seq_length=length, micro_batch_size=rows, forward_only=True)

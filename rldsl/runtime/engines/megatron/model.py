@@ -32,6 +32,7 @@ from rldsl.runtime.engines.megatron.hf_weights import (
     tensor_parallel_shards,
     with_layer_offset,
 )
+from rldsl.runtime.engines.torch.common import logit_divisor
 from rldsl.runtime.protocols import FIELD_PROMPT_IDS, FIELD_PROMPT_MASK, FIELD_RESPONSE_IDS, FIELD_RESPONSE_MASK
 
 log = logging.getLogger(__name__)
@@ -283,6 +284,7 @@ class PackedRows:
     response_start: torch.Tensor  # int64 [n]: index of the first response token
     response_mask: torch.Tensor  # [n, Lr]
     batch: Mapping[str, torch.Tensor]  # the original fields, on the device
+    temperature: float = 1.0  # the generators' sampling temperature: logprobs are taken at it
 
     @property
     def length(self) -> int:
@@ -294,7 +296,7 @@ def packed_length(batch: Mapping[str, torch.Tensor]) -> int:
 
 
 def pack_rows(batch: Mapping[str, torch.Tensor], device, length: int | None = None,
-              rows: int | None = None) -> PackedRows:
+              rows: int | None = None, temperature: float = 1.0) -> PackedRows:
     """Pack rows (optionally padded to ``length`` tokens and ``rows`` rows, so
     that every pipeline microbatch has one shape)."""
     batch = {name: value.to(device) for name, value in batch.items()}
@@ -314,7 +316,7 @@ def pack_rows(batch: Mapping[str, torch.Tensor], device, length: int | None = No
     mask = torch.zeros(total_rows, response_length, dtype=batch[FIELD_RESPONSE_MASK].dtype, device=device)
     mask[:count] = batch[FIELD_RESPONSE_MASK]
     positions = torch.arange(length, device=device).expand(total_rows, length)
-    return PackedRows(tokens, positions, start, mask, batch)
+    return PackedRows(tokens, positions, start, mask, batch, temperature)
 
 
 def causal_mask(length: int, device) -> torch.Tensor | None:
@@ -331,7 +333,8 @@ def forward_logits(model, packed: PackedRows) -> torch.Tensor:
 
 
 def response_logprobs_from_logits(logits: torch.Tensor, packed: PackedRows) -> torch.Tensor:
-    """log p(response token | prefix) [n_real, Lr], float32, 0 off the response mask.
+    """log p(response token | prefix) [n_real, Lr] at the rows' sampling
+    temperature, float32, 0 off the response mask.
 
     The cross entropy runs over the vocabulary shards of the tensor-parallel
     group, so it is exact for any tp. Differentiable.
@@ -340,7 +343,8 @@ def response_logprobs_from_logits(logits: torch.Tensor, packed: PackedRows) -> t
 
     labels = torch.zeros_like(packed.tokens)
     labels[:, :-1] = packed.tokens[:, 1:]
-    token_logprobs = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+    token_logprobs = -tensor_parallel.vocab_parallel_cross_entropy(logits.float() / logit_divisor(packed.temperature),
+                                                                   labels)
     response_length = packed.response_mask.shape[1]
     # The response token at index start + j is predicted at start + j - 1.
     index = packed.response_start[:, None] - 1 + torch.arange(response_length, device=labels.device)[None]

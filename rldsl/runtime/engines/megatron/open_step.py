@@ -11,8 +11,9 @@ import torch.distributed as dist
 from rldsl.runtime.protocols import Batch, trained_tokens
 
 COUNTS = ("tokens", "sequences")
+# extremes: not reduced here; ``loss_count``: the loss's own count (PolicyLossConfig.count_name)
 LOSS_STATS = ("loss_sum", "kl_sum", "clipped_tokens", "dual_clipped_tokens", "capped_tokens", "ratio_sum",
-              "mismatch_kl_sum", "mismatch_k3_sum", "mismatch_ratio_sum")  # extremes: not reduced here
+              "mismatch_kl_sum", "mismatch_k3_sum", "mismatch_ratio_sum", "loss_count")
 
 
 def no_sums() -> dict[str, float]:

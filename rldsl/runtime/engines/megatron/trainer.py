@@ -105,8 +105,10 @@ class MegatronTrainer(ProximalPass):
         tokens_per_forward: int = 0,
         lr_schedule: LRSchedule | None = None,
         seed: int = 0,
+        temperature: float = 1.0,
     ):
         mm.ensure_model_parallel(tp, pp, seed)
+        self.temperature = temperature  # the generators' sampling temperature: logprobs are taken at it
         self.shape = shape
         self.loss = loss if isinstance(loss, PolicyLossConfig) else PolicyLossConfig(**(loss or {}))
         self.rows_per_forward = rows_per_forward
@@ -270,8 +272,8 @@ class MegatronTrainer(ProximalPass):
         length = max(mm.packed_length(chunk) for chunk in chunks)
         rows = max(len(chunk[FIELD_RESPONSE_IDS]) for chunk in chunks)
         if self.pipeline_parallel == 1:
-            return [mm.pack_rows(chunk, self.device) for chunk in chunks], length, rows
-        return [mm.pack_rows(chunk, self.device, length, rows) for chunk in chunks], length, rows
+            return [mm.pack_rows(chunk, self.device, temperature=self.temperature) for chunk in chunks], length, rows
+        return [mm.pack_rows(chunk, self.device, length, rows, self.temperature) for chunk in chunks], length, rows
 
     def _train_chunks(self, chunks: list[Batch]) -> dict[str, float]:
         """One schedule over a call's pipeline microbatches; adds their sums to the open step's."""

@@ -2,7 +2,11 @@
 
 Every engine computes response log-probabilities with ``response_logprobs``
 (one full forward over prompt + response), so the generator's behaviour
-logprobs, a logprob stage and the trainer agree for the same weights.
+logprobs, a logprob stage and the trainer agree for the same weights. Each
+takes the sampling ``temperature``: the log-probabilities are those of the
+distribution the tokens were drawn from, logits / temperature (as verl and
+OpenRLHF compute them; a greedy generator's, temperature 0, are the model's
+own, at 1).
 
 The log-softmax runs over slices of ``LOGPROB_SLICE_TOKENS`` positions
 (``token_logprobs``): the model's logits stay in its dtype and only one
@@ -53,8 +57,9 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
-def response_logprobs(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """log p(response token | prefix) [n, Lr], float32, 0 off the response mask.
+def response_logprobs(model, batch: Mapping[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """log p(response token | prefix) [n, Lr] at ``temperature``, float32, 0
+    off the response mask.
 
     Differentiable when grad is enabled: the trainer calls it directly.
     """
@@ -66,30 +71,43 @@ def response_logprobs(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     mask = torch.cat([prompt_mask, response_mask], dim=1)
     logits, _ = model.forward(ids, mask, positions_from_mask(mask), use_cache=False)
     prompt_length = prompt_ids.shape[1]
-    picked = token_logprobs(logits[:, prompt_length - 1 : -1], response_ids)
+    picked = token_logprobs(logits[:, prompt_length - 1 : -1], response_ids, temperature=temperature)
     return picked * response_mask.to(picked.dtype)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
-                   slice_tokens: int = LOGPROB_SLICE_TOKENS) -> torch.Tensor:
-    """log_softmax(logits)[target] in fp32, for logits [rows, positions,
-    vocab] or [positions, vocab] and targets of the leading shape. Slices are
-    views of the logits, upcast one at a time. Differentiable."""
+def logit_divisor(temperature: float) -> float:
+    """What logits are divided by for the log-probabilities of sampling at
+    ``temperature``: itself, or 1 for greedy decoding (0)."""
+    return temperature if temperature > 0 else 1.0
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, slice_tokens: int = LOGPROB_SLICE_TOKENS,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature)[target] in fp32, for logits [rows,
+    positions, vocab] or [positions, vocab] and targets of the leading shape.
+    Slices are views of the logits, upcast (and scaled) one at a time.
+    Differentiable."""
+    divisor = logit_divisor(temperature)
     if logits.dim() == 2:
-        return _row_token_logprobs(logits, targets, slice_tokens)
-    rows = [_row_token_logprobs(row, row_targets, slice_tokens) for row, row_targets in zip(logits, targets)]
+        return _row_token_logprobs(logits, targets, slice_tokens, divisor)
+    rows = [_row_token_logprobs(row, row_targets, slice_tokens, divisor) for row, row_targets in zip(logits, targets)]
     return torch.stack(rows) if rows else logits.new_zeros(targets.shape, dtype=torch.float32)
 
 
-def _row_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, slice_tokens: int) -> torch.Tensor:
+def _row_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, slice_tokens: int,
+                        divisor: float = 1.0) -> torch.Tensor:
     """One row [positions, vocab], ``slice_tokens`` positions at a time."""
-    slices = [torch.log_softmax(logits[start:start + slice_tokens].float(), dim=-1)
+    slices = [torch.log_softmax(_scaled(logits[start:start + slice_tokens].float(), divisor), dim=-1)
               .gather(-1, targets[start:start + slice_tokens, None]).squeeze(-1)
               for start in range(0, len(targets), slice_tokens)]
     return torch.cat(slices) if slices else logits.new_zeros(0, dtype=torch.float32)
 
 
-def packed_response_logprobs(model, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _scaled(logits: torch.Tensor, divisor: float) -> torch.Tensor:
+    return logits if divisor == 1.0 else logits / divisor
+
+
+def packed_response_logprobs(model, batch: Mapping[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
     """``response_logprobs`` with every row's real tokens packed into one row
     (no padding): the same values, [n, Lr], differentiable. Positions restart
     at each sequence and no attention mask is passed, from which transformers
@@ -104,7 +122,7 @@ def packed_response_logprobs(model, batch: Mapping[str, torch.Tensor]) -> torch.
     device = model.device
     ids = ids.to(device)
     logits, _ = model.forward(ids[None], None, positions.to(device)[None], use_cache=False)
-    next_logprobs = token_logprobs(logits[0, :-1], ids[1:])
+    next_logprobs = token_logprobs(logits[0, :-1], ids[1:], temperature=temperature)
     # Response token j of a row sits at start + prompt + j and is predicted one position earlier.
     first = (starts + prompt_lengths - 1).to(device)
     index = first[:, None] + torch.arange(response_mask.shape[1], device=device)[None]

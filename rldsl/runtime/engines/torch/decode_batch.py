@@ -16,7 +16,8 @@ every row in flight again (prompt and tokens so far) under the new weights,
 so the next token's distribution and the KV cache are wholly the new
 version's, as when a partial rollout is resubmitted. Each step records the
 version that computed the distribution its tokens were drawn from and the
-log-probability of each drawn token (temperature 1, before top-p).
+log-probability of each drawn token (at the sampling temperature, before
+top-p).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from rldsl.runtime.engines.torch.kv_cache import (
     left_pad_time,
     select_rows,
 )
-from rldsl.runtime.engines.torch.common import encode_prompts, positions_from_mask
+from rldsl.runtime.engines.torch.common import encode_prompts, logit_divisor, positions_from_mask
 from rldsl.runtime.protocols import (
     FIELD_PROMPT_IDS,
     FIELD_PROMPT_MASK,
@@ -57,7 +58,7 @@ class DecodeRequest:
     tokens: list[torch.Tensor] = field(default_factory=list)  # one [rows] tensor per step
     masks: list[torch.Tensor] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # per step: the weights its tokens were drawn with
-    logprobs: list[torch.Tensor] = field(default_factory=list)  # per step: [rows] log p(token), temperature 1
+    logprobs: list[torch.Tensor] = field(default_factory=list)  # per step: [rows] log p(token) at the temperature
 
     def batch(self) -> Batch:
         return {
@@ -83,8 +84,10 @@ class DecodeBatch:
 
     After ``step`` raises, the batch is inconsistent: ``abort()`` it."""
 
-    def __init__(self, model, max_new_tokens: int, sample: Sampler, end_ids: torch.Tensor | None = None):
+    def __init__(self, model, max_new_tokens: int, sample: Sampler, end_ids: torch.Tensor | None = None,
+                 temperature: float = 1.0):
         self.model = model
+        self._logit_divisor = logit_divisor(temperature)
         self.max_new_tokens = max_new_tokens
         self._end_ids = end_ids if end_ids is not None else torch.tensor([model.eos_id])  # EOS and stop tokens
         self.version = 0  # the weights the running cache and logits were computed with
@@ -129,7 +132,8 @@ class DecodeBatch:
         logits = self._logits.float()
         chosen = self._sample(logits, [(rows, request.sampler) for request, rows in slices])
         tokens = torch.where(self._alive, chosen.to(self._alive.device), 0)
-        drawn = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None].to(logits.device)).squeeze(1)
+        drawn = torch.log_softmax(logits / self._logit_divisor, dim=-1)
+        drawn = drawn.gather(1, tokens[:, None].to(logits.device)).squeeze(1)
         for request, rows in slices:
             request.tokens.append(tokens[rows])
             request.masks.append(self._alive[rows].long())

@@ -6,12 +6,12 @@
 that requests join and leave between steps (``decode_batch.py``).
 
 Behaviour logprobs are the log-probabilities of the sampled tokens under the
-model's own distribution at temperature 1 without top-p truncation, i.e. the
-same quantity the trainer computes with ``response_logprobs``. They are
-recomputed with that very function after sampling, so with unchanged weights
-the trainer's importance ratio is 1 up to float rounding (not merely close:
-the same code on the same tensors). Temperature and top-p shape only which
-tokens are drawn.
+model's distribution at the sampling temperature without top-p truncation,
+i.e. the same quantity the trainer computes with ``response_logprobs`` at
+that temperature. They are recomputed with that very function after
+sampling, so with unchanged weights the trainer's importance ratio is 1 up to
+float rounding (not merely close: the same code on the same tensors). Top-k
+and top-p shape only which tokens are drawn.
 
 ``interrupts``: a weight version may be applied with rows in flight (``update
 = interrupt``): the running batch is prefilled again under the new weights
@@ -153,7 +153,7 @@ class TorchGenerator(WeightReceiver):
         }
 
     def _new_decode_batch(self) -> DecodeBatch:
-        return DecodeBatch(self.model, self.max_new_tokens, self._sample, self.end_ids)
+        return DecodeBatch(self.model, self.max_new_tokens, self._sample, self.end_ids, self.temperature)
 
     def _admit_into(self, decoding: DecodeBatch, requests) -> list[int]:
         self.require_consistent_weights()
@@ -172,7 +172,7 @@ class TorchGenerator(WeightReceiver):
         batch, rows = request.batch(), request.rows
         if set(request.versions) == {self.version}:
             with torch.no_grad():
-                batch[FIELD_BEHAVIOUR_LOGPROBS] = response_logprobs(self.model, batch).cpu()
+                batch[FIELD_BEHAVIOUR_LOGPROBS] = response_logprobs(self.model, batch, self.temperature).cpu()
         else:
             batch[FIELD_BEHAVIOUR_LOGPROBS] = request.step_logprobs().float()
             batch[FIELD_TOKEN_VERSIONS] = torch.tensor(request.versions, dtype=torch.long).expand(rows, -1).clone()

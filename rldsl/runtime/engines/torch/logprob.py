@@ -22,12 +22,14 @@ class TorchLogprob(WeightReceiver):
     stage does, exactly like a generator. With ``tokens_per_forward`` the
     rows of a forward are chosen by token budget, as in the trainer. With
     ``offload`` the weights stay in host memory between calls (offload.py);
-    pushes are copied into them there.
+    pushes are copied into them there. ``temperature``: the generators'
+    sampling temperature, which the log-probabilities are taken at.
     """
 
     def __init__(self, model, rows_per_forward: int | None = None, tokens_per_forward: int = 0,
-                 offload: bool = False):
+                 offload: bool = False, temperature: float = 1.0):
         self.model = model
+        self.temperature = temperature
         self.rows_per_forward = rows_per_forward
         self.tokens_per_forward = tokens_per_forward
         self.offload = offload
@@ -43,7 +45,7 @@ class TorchLogprob(WeightReceiver):
         with on_device_for_call(self):
             if self.tokens_per_forward:
                 return self._budgeted_logprobs(batch)
-            chunks = [response_logprobs(self.model, chunk).cpu()
+            chunks = [response_logprobs(self.model, chunk, self.temperature).cpu()
                       for chunk in split_rows(batch, self.rows_per_forward)]
             return torch.cat(chunks) if chunks else torch.zeros(0, 0)
 
@@ -55,6 +57,6 @@ class TorchLogprob(WeightReceiver):
 
     def _budgeted_logprobs(self, batch: Batch) -> torch.Tensor:
         groups = forward_rows(batch, None, self.tokens_per_forward)
-        results = ((rows, packed_response_logprobs(self.model, trim_padding(take_rows(batch, rows))))
+        results = ((rows, packed_response_logprobs(self.model, trim_padding(take_rows(batch, rows)), self.temperature))
                    for rows in groups)
         return scatter_rows(results, *batch[FIELD_RESPONSE_IDS].shape)

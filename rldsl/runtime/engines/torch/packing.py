@@ -84,6 +84,25 @@ def forward_rows(batch: Mapping[str, torch.Tensor], rows_per_forward: int | None
     return [list(range(start, min(start + step, size))) for start in range(0, size, step)]
 
 
+def concat_rows(batches: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One batch of the rows of ``batches``, in order: the prompt fields
+    padded on the left to the widest, every other per-token field on the
+    right; padding is masked, so each row's logprobs are unchanged."""
+    if len(batches) == 1:
+        return dict(batches[0])
+    out = {}
+    for name in batches[0]:
+        values = [batch[name] for batch in batches]
+        if values[0].dim() == 1:
+            out[name] = torch.cat(values)
+            continue
+        width = max(value.shape[1] for value in values)
+        left = name in (FIELD_PROMPT_IDS, FIELD_PROMPT_MASK)
+        out[name] = torch.cat([torch.nn.functional.pad(value, (width - value.shape[1], 0) if left else
+                                                       (0, width - value.shape[1])) for value in values])
+    return out
+
+
 def take_rows(batch: Mapping[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
     index = torch.tensor(rows, dtype=torch.long)
     return {name: value[index.to(value.device)] for name, value in batch.items()}

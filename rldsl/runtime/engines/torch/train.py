@@ -62,8 +62,10 @@ import torch
 import torch.distributed as dist
 
 from rldsl.runtime.engines.policy_loss import (
+    EXTREME_STATS,
     STAT_NAMES,
     PolicyLossConfig,
+    engine_mismatch_stats,
     merge_stats,
     no_stats,
     policy_loss,
@@ -82,6 +84,7 @@ from rldsl.runtime.protocols import (
     FIELD_ADVANTAGE,
     FIELD_BEHAVIOUR_LOGPROBS,
     FIELD_REF_LOGPROBS,
+    FIELD_VERSION,
     Batch,
     StepResult,
     trained_tokens,
@@ -109,8 +112,10 @@ class TorchTrainer:
         lr_schedule: LRSchedule | None = None,
         process_group=None,
         offload: bool = True,
+        temperature: float = 1.0,
     ):
         self.model = model
+        self.temperature = temperature  # the generators' sampling temperature: logprobs are taken at it
         self.offload = offload
         self.offloaded = Offloaded()
         self.loss = loss if isinstance(loss, PolicyLossConfig) else PolicyLossConfig(**(loss or {}))
@@ -329,22 +334,27 @@ class TorchTrainer:
         """The batch as the forward saw it (trimmed when packed) and its response logprobs."""
         if self.tokens_per_forward:
             batch = trim_padding(batch)
-            return batch, packed_response_logprobs(self.model, batch)
-        return batch, response_logprobs(self.model, batch)
+            return batch, packed_response_logprobs(self.model, batch, self.temperature)
+        return batch, response_logprobs(self.model, batch, self.temperature)
 
     def _loss_sums(self, batch: Batch, proximal: torch.Tensor | None = None):
         batch, logprobs = self._logprobs(batch)
         device = logprobs.device
         ref = batch.get(FIELD_REF_LOGPROBS)
-        return policy_loss(
+        behaviour, mask = batch[FIELD_BEHAVIOUR_LOGPROBS].to(device), trained_tokens(batch).to(device)
+        result = policy_loss(
             logprobs,
-            batch[FIELD_BEHAVIOUR_LOGPROBS].to(device),
+            behaviour,
             batch[FIELD_ADVANTAGE].to(device),
-            trained_tokens(batch).to(device),  # an environment's tokens are context, not trained
+            mask,  # an environment's tokens are context, not trained
             self.loss,
             None if ref is None else ref.to(device),
             None if proximal is None else proximal.to(device),
         )
+        if FIELD_VERSION in batch and (proximal is not None or not self._taken):  # the step's first weights
+            start = logprobs.detach() if proximal is None else proximal.to(device)
+            result.stats.update(engine_mismatch_stats(start, behaviour, mask, batch[FIELD_VERSION] == self.version))
+        return result
 
     def _zero_grads(self) -> None:
         for param in self.parameters:
@@ -356,13 +366,14 @@ class TorchTrainer:
     def _global_sums(self) -> dict[str, float]:
         """Sums over data-parallel ranks; the extremes by a MAX (a minimum as the max of its negation)."""
         values = torch.tensor([self._sums[name] for name in SUMMED_STATS], dtype=torch.float64)
-        extremes = torch.tensor([self._sums["mismatch_ratio_max"], -self._sums["mismatch_ratio_min"]],
+        signs = [1.0 if combine is max else -1.0 for combine in EXTREME_STATS.values()]
+        extremes = torch.tensor([sign * self._sums[name] for sign, name in zip(signs, EXTREME_STATS)],
                                 dtype=torch.float64)
         if self._data_parallel():
             dist.all_reduce(values, group=self.process_group)
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.process_group)
         return {**dict(zip(SUMMED_STATS, values.tolist())),
-                "mismatch_ratio_max": float(extremes[0]), "mismatch_ratio_min": -float(extremes[1])}
+                **{name: sign * float(value) for sign, name, value in zip(signs, EXTREME_STATS, extremes)}}
 
     def _reduce_and_scale_grads(self, count: float) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]

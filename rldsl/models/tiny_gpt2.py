@@ -1,4 +1,10 @@
-"""``builtin:tiny-lm`` as a stock Hugging Face GPT-2 (``GPT2LMHeadModel``).
+"""``builtin:tiny-lm`` as a stock Hugging Face GPT-2 (``GPT2LMHeadModel``),
+and ``builtin:tiny-gpt2``: the builtin model with one attention head of 64
+(``TINY_GPT2_SHAPE``) kept in that form, which every engine loads by path:
+vLLM (its CPU attention takes no head under 64 wide), transformers, the torch
+engines (as an `hf:` model). rldsl writes it (``save_gpt2``); nothing is
+downloaded. The exporter (`rldsl export`) writes a tiny-lm run with the same
+mapping.
 
 The two compute the same function, term by term:
 
@@ -35,6 +41,8 @@ from rldsl.models.tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS, UNK, CharToken
 
 ARCHITECTURE = "GPT2LMHeadModel"
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which tiny-lm uses
+TINY_GPT2 = "builtin:tiny-gpt2"
+TINY_GPT2_SHAPE = {"d_model": 128, "n_heads": 2}  # TinyLMConfig overrides: heads 64 wide
 
 
 def tiny_config_of(state: dict[str, torch.Tensor]) -> TinyLMConfig:
@@ -107,3 +115,18 @@ def save_char_tokenizer(out: Path) -> None:
     wrapped = PreTrainedTokenizerFast(tokenizer_object=model, bos_token=BOS, eos_token=EOS, pad_token=PAD,
                                       unk_token=UNK)
     wrapped.save_pretrained(out)
+
+
+def save_gpt2(model, out: Path) -> Path:
+    """``model`` (a tiny-lm ``CausalLM``) as a Hugging Face GPT-2 directory in
+    ``out``: config.json, the weights, the character tokenizer."""
+    from transformers import GenerationConfig, GPT2LMHeadModel
+
+    config = TinyLMConfig(**model.config)
+    gpt2 = GPT2LMHeadModel(gpt2_config(config))
+    gpt2.load_state_dict(tiny_to_gpt2(model.module.state_dict(), config))
+    out.mkdir(parents=True, exist_ok=True)
+    gpt2.save_pretrained(out)
+    GenerationConfig.from_model_config(gpt2.config).save_pretrained(out)
+    save_char_tokenizer(out)
+    return out

@@ -138,6 +138,11 @@ class ContinuousBatcher:
             self._raise_weight_error()
         self.run_idle(lambda engine: self._refresh_engine(buckets, version))
 
+    @property
+    def interrupts(self) -> bool:
+        """Whether a staged version is applied with rows in flight (``update = interrupt``)."""
+        return self._interrupts
+
     def run_idle(self, function: Callable[[Any], Any]) -> Any:
         """``function(engine)`` on the decode thread once no rows are in flight
         (e.g. greedy evaluation); its result, or its exception."""

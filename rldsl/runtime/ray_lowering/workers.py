@@ -142,10 +142,15 @@ class GeneratorWorker(StageWorker, WeightGroupMember):
 
     def receive_stream(self, version: int) -> dict:
         """A collective push: once the rows in flight have ended, every
-        bucket is applied in place as it arrives; decoding resumes after."""
+        bucket is applied in place as it arrives; decoding resumes after.
+        Under ``update = interrupt`` the buckets are staged as they arrive
+        and the version lands with the rows in flight (as from the store)."""
         self._member_group()  # a replacement not yet in the group says so at once
         with self.tracer.span("weight receive", version=version, transport="collective") as args:
-            stats = self.batcher.run_idle(lambda engine: self._receive_into(engine, version))
+            if self.batcher.interrupts:
+                stats = self._receive_into(self.batcher, version)
+            else:
+                stats = self.batcher.run_idle(lambda engine: self._receive_into(engine, version))
             args.update(stats)
         return stats
 

@@ -166,11 +166,31 @@ def start_engine(model_path: str, options: VLLMOptions, seed: int) -> AsyncVLLM:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # workers must not fork a CUDA parent
     if options.spans_nodes:
         _share_ray_address()
+    ranks = options.tp * options.pp
+    if ranks > 1 and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        binding = cpu_thread_binding(sorted(os.sched_getaffinity(0)), ranks)
+        if binding:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
     try:
         import vllm  # noqa: F401
     except ImportError as error:
         raise ImportError(INSTALL_HINT) from error
     return AsyncVLLM.start(options.engine_args(model_path, seed))
+
+
+def cpu_thread_binding(cores: Sequence[int], ranks: int) -> str | None:
+    """vLLM's CPU build binds each worker's threads to a NUMA node of its own
+    and refuses more workers than nodes (one node on a laptop): each worker
+    gets an equal run of ``cores`` instead (``VLLM_CPU_OMP_THREADS_BIND``,
+    e.g. "0-3|4-7"); None when there are fewer cores than workers or the
+    runs would not be contiguous."""
+    share = len(cores) // ranks
+    if share == 0:
+        return None
+    runs = [cores[rank * share:(rank + 1) * share] for rank in range(ranks)]
+    if any(run[-1] - run[0] != len(run) - 1 for run in runs):
+        return None
+    return "|".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 def _share_ray_address() -> None:

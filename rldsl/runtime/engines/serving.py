@@ -242,6 +242,14 @@ class EventLoopThread:
     def run(self, coroutine) -> Any:
         return self.submit(coroutine).result()
 
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop and its thread (a daemon thread still running native
+        code while the interpreter finalises can crash it)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.loop.close()
+
 
 def then(future: Future, convert: Callable[[Any], Any]) -> Future:
     """A future holding ``convert(result)`` of ``future``, or its error."""

@@ -184,6 +184,7 @@ class AsyncVLLM:
         self.loop.run(self._cancel_output_handler())
         engine, self.engine = self.engine, None
         engine.shutdown()  # and released now: at interpreter exit vLLM's __del__ would shut down a torn-down module
+        self.loop.close()
 
     async def _cancel_output_handler(self) -> None:
         handler = getattr(self.engine, "output_handler", None)

@@ -104,7 +104,7 @@ def test_vllm_sleeps_at_the_plans_level():
 
     calls = []
 
-    class FakeLLM:
+    class FakeLLM:  # only records the level: vLLM's sleep mode needs CUDA, its CPU build refuses it
         def sleep(self, level=1):
             calls.append(level)
 

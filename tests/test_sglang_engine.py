@@ -30,7 +30,10 @@ from rldsl.runtime.protocols import GenerationEngine, LogprobEngine, Prompt
 from tests.test_help_texts import BASE, GPU_CLUSTER
 
 class FakeTokenizer:
-    """A character tokenizer: SGLang needs CUDA, so these tests drive its API shape without a model."""
+    """A character tokenizer: SGLang has no CPU build here, so these tests drive its API shape
+    without a model. The fake engine below still differs from SGLang in two ways:
+    it honours ``sampling_seed`` always (SGLang only with deterministic inference on) and answers a
+    request whole (SGLang streams per child)."""
     eos_id, bos_id = 2, 1
 
     def encode(self, text, add_bos=False, add_eos=False):

@@ -63,6 +63,14 @@ def top_p_refusal(top_p: float) -> str | None:
     return None
 
 
+def min_tokens_refusal(min_new_tokens: int, max_new_tokens: int) -> str | None:
+    """RLP106: a response cannot hold more tokens than its limit (vLLM's SamplingParams refuses it too)."""
+    if min_new_tokens > max_new_tokens:
+        return (f"min_new_tokens = {min_new_tokens} is more than max_new_tokens = {max_new_tokens}: no response "
+                "can be both")
+    return None
+
+
 VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses a hotter one (its _verify_args)
 
 
@@ -146,7 +154,8 @@ def _models(pipe: PipelinePlan) -> list[tuple[str, str]]:
 def _sampling(pipe: PipelinePlan) -> list[tuple[str, str]]:
     out = [("RLP106", f"stage `{s.name}`: {why}") for s in pipe.stages_of("generate")
            for why in [top_p_refusal(s.settings.get("top_p", 1.0)),
-                       temperature_refusal(s.engine.name if s.engine else None, s.settings.get("temperature", 1.0))]
+                       temperature_refusal(s.engine.name if s.engine else None, s.settings.get("temperature", 1.0)),
+                       min_tokens_refusal(s.settings.get("min_new_tokens", 0), s.settings.get("max_new_tokens", 64))]
            if why]
     return out + [("RLP312", f"stage `{s.name}`: {why}") for s in pipe.stages_of("train")
                   for why in [clip_refusal((s.settings.get("loss") or {}).get("clip", 0.2))] if why]

@@ -1,6 +1,7 @@
-"""`top_k` and `stop_token_ids` on a generate stage: the torch engine draws
-only among the k most likely tokens and ends a row on a stop token; vLLM and
-SGLang get them in their own sampling parameters; the plan carries them."""
+"""`top_k`, `stop_token_ids` and `min_new_tokens` on a generate stage: the
+torch engine draws only among the k most likely tokens, ends a row on a stop
+token and not before the fewest tokens; vLLM and SGLang get them in their own
+sampling parameters; the plan carries them."""
 
 from __future__ import annotations
 
@@ -64,6 +65,44 @@ def test_greedy_evaluation_stops_on_the_stop_tokens_too():
     assert len(stopped[0]) < len(unstopped[0])  # it did stop early
 
 
+def test_no_response_ends_before_min_new_tokens_and_its_logprobs_are_those_it_was_drawn_from():
+    from rldsl.runtime.engines.torch.common import encode_prompts, positions_from_mask
+
+    model = small_model()
+    forward = model.forward
+
+    def eos_prone(*args, **kwargs):  # an untrained model almost never ends: make EOS likely
+        logits, cache = forward(*args, **kwargs)
+        return logits.index_add(-1, torch.tensor([model.eos_id]), torch.full((*logits.shape[:-1], 1), 4.0)), cache
+
+    model.forward = eos_prone
+    free = TorchGenerator(model, max_new_tokens=12, temperature=1.5).generate(PROMPTS, 8, seed=1)
+    assert free["response_mask"].sum(dim=1).min() < 6  # without the floor, some end early
+    held = TorchGenerator(model, max_new_tokens=12, temperature=1.5, min_new_tokens=6).generate(PROMPTS, 8, seed=1)
+    assert held["response_mask"].sum(dim=1).min() >= 6
+    assert not torch.isin(held["response_ids"][:, :5], torch.tensor([model.eos_id])).any()
+    # the logprobs are the model's own, as the trainer computes them (not renormalised without EOS)
+    ids, mask = encode_prompts(model.tokenizer, [p.text for p in PROMPTS], model.device)
+    logits, _ = model.forward(ids, mask, positions_from_mask(mask))
+    expected = torch.log_softmax(logits[:, -1].float() / 1.5, dim=-1).repeat_interleave(8, dim=0)
+    expected = expected.gather(1, held["response_ids"][:, :1]).squeeze(1)
+    assert torch.allclose(held["behaviour_logprobs"][:, 0], expected, atol=1e-5)
+    # evaluation is not held back
+    assert TorchGenerator(model, max_new_tokens=12, min_new_tokens=12).generate_greedy(PROMPTS) == \
+        TorchGenerator(model, max_new_tokens=12).generate_greedy(PROMPTS)
+
+
+def test_min_new_tokens_above_max_new_tokens_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        TorchGenerator(small_model(), max_new_tokens=4, min_new_tokens=5)
+    text = (ROOT / "pipelines" / "grpo_async.rlp").read_text().replace(
+        "  max_new_tokens = 8\n", "  max_new_tokens = 8\n  min_new_tokens = 9\n", 1)
+    (found,) = compile_source(text, "x.rlp").diagnostics
+    assert found.code == "RLP106" and "more than max_new_tokens = 8" in found.message
+
+
 def test_the_serving_engines_receive_them():
     options = sampling_options(4, 64, 1.0, 0.9, 7, top_k=100, stop_token_ids=(128009,))
     assert options["top_k"] == 100 and options["stop_token_ids"] == [128009]
@@ -71,6 +110,8 @@ def test_the_serving_engines_receive_them():
     params = sampling_params(64, 1.0, 0.9, 7, top_k=100, stop_token_ids=(128009,))
     assert params["top_k"] == 100 and params["stop_token_ids"] == [128009]
     assert sampling_params(64, 1.0, 0.9, 7)["top_k"] == -1 and "stop_token_ids" not in sampling_params(64, 1.0, 0.9, 7)
+    assert sampling_options(4, 64, 1.0, 0.9, 7, min_new_tokens=16)["min_tokens"] == 16  # vLLM's name
+    assert sampling_params(64, 1.0, 0.9, 7, min_new_tokens=16)["min_new_tokens"] == 16  # SGLang's
 
 
 def test_the_plan_carries_them_and_old_plans_sample_as_before():
@@ -82,6 +123,8 @@ def test_the_plan_carries_them_and_old_plans_sample_as_before():
     assert sampling_settings(rollout)["top_k"] == 20 and sampling_settings(rollout)["stop_token_ids"] == (5, 6)
     del rollout.settings["top_k"], rollout.settings["stop_token_ids"]  # a plan.json written before the keys
     assert sampling_settings(rollout)["top_k"] == 0 and sampling_settings(rollout)["stop_token_ids"] == ()
+    del rollout.settings["min_new_tokens"]
+    assert sampling_settings(rollout)["min_new_tokens"] == 0
 
 
 def test_truncated_mask_leaves_out_only_responses_cut_before_they_ended():

@@ -286,16 +286,20 @@ def test_on_real_vllm_a_push_between_requests_waits_for_the_group_in_flight(vllm
 
 @pytest.mark.ray
 def test_a_generation_bound_run_with_interrupt_journals_per_token_versions_and_the_audit_proves_them(tmp_path):
-    """One group in flight at a time, responses that run to 64 tokens and a
-    fast trainer: the generator is busy whenever a version arrives, so some
-    groups change weights mid-generation."""
+    """Two groups in flight (one decodes while the next is dispatched), every
+    response 48 tokens long (EOS held back) and 2 samples a prompt:
+    generation is the bottleneck, so the generator decodes whenever a version
+    arrives and groups change weights mid-generation."""
     from tests.runs import rldsl_here
 
     run_dir = tmp_path / "run"
-    overrides = ["rollout.update=interrupt", "rollout.concurrency=1", "rollout.max_new_tokens=64",
-                 "rollout.temperature=3.0", "actor.micro_batch=64", "actor.prompts_per_step=8"]
+    overrides = ["rollout.update=interrupt", "rollout.concurrency=2", "rollout.max_new_tokens=48",
+                 "rollout.min_new_tokens=48", "rollout.samples_per_prompt=2", "actor.micro_batch=16",
+                 "actor.prompts_per_step=8"]
     args = [a for o in overrides for a in ("--set", o)]
-    # 5 pushes; measured: 2 or 3 of them land while a group decodes
+    # 5 pushes; measured, the generator is busy 96-99% of the run and the trainer 38-55%; 4 or 5 of the
+    # pushes land mid-group, idle or beside a process spinning a core (with one group in flight: 1 of 5
+    # beside it, as the next group's dispatch leaves the generator idle)
     run = rldsl_here("run", "pipelines/grpo_async.rlp", "--steps", "6", *args, "--run-dir", str(run_dir))
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / JOURNAL_FILE).read_text().splitlines()]

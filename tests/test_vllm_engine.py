@@ -43,7 +43,7 @@ def test_building_an_engine_without_vllm_says_how_to_install(monkeypatch):
 
 def test_requests_ask_for_n_samples_each_tokens_logprob_and_a_seed():
     assert ve.sampling_options(8, 16, 0.7, 1.0, 5, top_k=0, stop_token_ids=[3]) == {
-        "n": 8, "max_tokens": 16, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "stop_token_ids": [3], "seed": 5,
+        "n": 8, "max_tokens": 16, "min_tokens": 0, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "stop_token_ids": [3], "seed": 5,
         "logprobs": 0, "detokenize": False}
 
 

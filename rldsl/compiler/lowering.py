@@ -172,6 +172,7 @@ def _fit_responses(ctx: Context, decl: Decl, stage: StagePlan) -> StagePlan:
     cap = response_cap(ctx, decl)
     if cap is not None:
         stage.settings["max_new_tokens"] = cap
+        stage.settings["min_new_tokens"] = min(stage.settings.get("min_new_tokens", 0), cap)
     return stage
 
 

@@ -179,6 +179,8 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
         **_GPU_PLACEMENT,
         "samples_per_prompt": Key(Int(low=1), REQUIRED, "responses sampled per prompt (the GRPO group size)"),
         "max_new_tokens": Key(Int(low=1), 64, "response length limit in tokens"),
+        "min_new_tokens": Key(Int(low=0), 0, "the fewest tokens a response has: EOS and stop tokens are held back "
+                                             "until then (held-out evaluation is not held back)"),
         "temperature": Key(Float(low=0), 1.0, "sampling temperature"),
         "top_p": Key(Fraction(), 1.0, "nucleus sampling share"),
         "top_k": Key(Int(low=0), 0, "sample among the k most likely tokens (0: all)"),

@@ -72,7 +72,7 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        _KEYS),
     _r("RLP106", ERROR, "value out of range",
        "A number outside what the key accepts (a negative count, a fraction above 100%, `top_p = 0`, which "
-       "keeps no token and every engine refuses, a `temperature` above 2 on vLLM, which refuses it). A number past ±1e18 is one such finding: its key holds no "
+       "keeps no token and every engine refuses, a `temperature` above 2 on vLLM, which refuses it, a `min_new_tokens` above `max_new_tokens`). A number past ±1e18 is one such finding: its key holds no "
        "value and every other finding of the file is still reported.",
        "stage generate rollout { model = policy  samples_per_prompt = 0 }",
        _KEYS),

@@ -1,7 +1,8 @@
 """What `rldsl run` would refuse before it starts, found by `check` with the
 launcher's own predicates (rldsl/launch_rules.py): an engine that loads a
 Hugging Face checkpoint, or a chat template, on a model that is none
-(RLP112); `top_p = 0` (RLP106); a loss `clip` of 1 (RLP312); a sim
+(RLP112); `top_p = 0`, a vLLM temperature above 2 and a `min_new_tokens` above
+`max_new_tokens` (RLP106); a loss `clip` of 1 (RLP312); a sim
 generator asked for text (RLP116); a logprob stage on GPUs another
 pipeline shares (RLP513). Each finding is the launcher's refusal, with its
 caret on the setting that causes it. Responses past the builtin model's
@@ -17,7 +18,7 @@ from rldsl.compiler.schema import ENGINES
 from rldsl.compiler.types import arg_span
 from rldsl.launch_rules import (
     BUILTIN_CONTEXT, BUILTIN_TINY, UNKNOWN_PROMPT_TOKENS, chat_template_refusal, checkpoint_refusal, clip_refusal,
-    context_refusal, longest_prompt, response_limit, shared_logprob_refusal, temperature_refusal, textless_refusal,
+    context_refusal, longest_prompt, min_tokens_refusal, response_limit, shared_logprob_refusal, temperature_refusal, textless_refusal,
     top_p_refusal,
 )
 from rldsl.plan import evaluates_held_out
@@ -77,6 +78,16 @@ def check_temperature(ctx: Context) -> list[Diagnostic]:
                        help="sample at `temperature = 2.0` or below (1.0: the model's own distribution)")
             for gen in ctx.pipe.stages_of("generate") if gen.valid("temperature")
             for why in [temperature_refusal(_engine(gen), gen["temperature"])] if why]
+
+
+def check_min_tokens(ctx: Context) -> list[Diagnostic]:
+    """RLP106: a `min_new_tokens` above the stage's `max_new_tokens`."""
+    return [Diagnostic("RLP106", ERROR, f"{ctx.label(gen.name)}: {why}", gen.span_of("min_new_tokens"),
+                       help=f"hold responses to at most `max_new_tokens = {gen['max_new_tokens']}` tokens, or "
+                            "raise `max_new_tokens`",
+                       edit=(gen.span_of("min_new_tokens"), str(gen["max_new_tokens"])))
+            for gen in ctx.pipe.stages_of("generate") if gen.valid("min_new_tokens", "max_new_tokens")
+            for why in [min_tokens_refusal(gen["min_new_tokens"], gen["max_new_tokens"])] if why]
 
 
 def check_clip(ctx: Context) -> list[Diagnostic]:
@@ -220,5 +231,5 @@ def check_shared_logprob(ctx: Context) -> list[Diagnostic]:
     return out
 
 
-PASSES = (check_checkpoints, check_top_p, check_temperature, check_clip, check_text, check_context)
+PASSES = (check_checkpoints, check_top_p, check_temperature, check_min_tokens, check_clip, check_text, check_context)
 PLACED_PASSES = (check_shared_logprob,)

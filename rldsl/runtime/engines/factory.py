@@ -58,7 +58,8 @@ def sampling_settings(stage: StagePlan) -> dict:
     settings = stage.settings
     return {"max_new_tokens": settings["max_new_tokens"], "temperature": settings["temperature"],
             "top_p": settings["top_p"], "top_k": settings.get("top_k", 0),
-            "stop_token_ids": tuple(settings.get("stop_token_ids", ()))}
+            "stop_token_ids": tuple(settings.get("stop_token_ids", ())),
+            "min_new_tokens": settings.get("min_new_tokens", 0)}
 
 
 def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int):
@@ -67,6 +68,7 @@ def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int):
         from rldsl.runtime.engines.sim import SimGenerator
 
         return SimGenerator(_sim_latency(stage), seed=seed, max_new_tokens=stage.settings.get("max_new_tokens", 16),
+                            min_new_tokens=stage.settings.get("min_new_tokens", 0),
                             streaming=True)  # groups finish independently, as on vLLM's and SGLang's async engines
     if name == "torch":
         from rldsl.runtime.engines.torch.generate import TorchGenerator

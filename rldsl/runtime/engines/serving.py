@@ -185,11 +185,12 @@ class ServingGeneration:
     and ``decode`` over the subclass's ``generate_groups``."""
 
     def _set_sampling(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int = 0,
-                      stop_token_ids: Sequence[int] = ()) -> None:
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise ValueError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
+                      stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0) -> None:
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or not 0 <= min_new_tokens <= max_new_tokens:
+            raise ValueError("temperature must be >= 0, top_p in (0, 1], top_k >= 0 and min_new_tokens in "
+                             "[0, max_new_tokens]")
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        self.top_k, self.stop_token_ids = top_k, tuple(stop_token_ids)
+        self.top_k, self.stop_token_ids, self.min_new_tokens = top_k, tuple(stop_token_ids), min_new_tokens
 
     def generate(self, prompts: list[Prompt], samples_per_prompt: int, seed: int) -> Batch:
         """Rows prompt-major; each prompt's samples are seeded from ``seed``."""

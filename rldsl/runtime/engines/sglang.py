@@ -66,11 +66,11 @@ INSTALL_HINT = "the sglang engine needs SGLang on a GPU machine: pip install 'sg
 
 
 def sampling_params(max_new_tokens: int, temperature: float, top_p: float, seed: int | None, top_k: int = 0,
-                    stop_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+                    stop_token_ids: Sequence[int] = (), min_new_tokens: int = 0) -> dict[str, Any]:
     """SGLang's sampling-parameter dict for one sample (``n`` stays 1: each
     sample is its own request with its own seed; ``top_k`` 0 is SGLang's -1)."""
-    params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k or -1,
-              "n": 1}
+    params = {"max_new_tokens": max_new_tokens, "min_new_tokens": min_new_tokens, "temperature": temperature,
+              "top_p": top_p, "top_k": top_k or -1, "n": 1}
     if stop_token_ids:
         params["stop_token_ids"] = list(stop_token_ids)
     if seed is not None:
@@ -86,15 +86,16 @@ def sample_seeds(seed: int, prompts: int, samples_per_prompt: int) -> list[list[
 
 
 def expanded_requests(prompt_ids: Sequence[Sequence[int]], samples_per_prompt: int, seed: int, max_new_tokens: int,
-                      temperature: float, top_p: float, top_k: int = 0,
-                      stop_token_ids: Sequence[int] = ()) -> tuple[list[list[int]], list[dict]]:
+                      temperature: float, top_p: float, top_k: int = 0, stop_token_ids: Sequence[int] = (),
+                      min_new_tokens: int = 0) -> tuple[list[list[int]], list[dict]]:
     """``input_ids`` and ``sampling_params`` lists, prompt-major: every prompt
     repeated ``samples_per_prompt`` times, each sample with its own seed."""
     inputs, params = [], []
     for ids, seeds in zip(prompt_ids, sample_seeds(seed, len(prompt_ids), samples_per_prompt)):
         for sample_seed in seeds:
             inputs.append(list(ids))
-            params.append(sampling_params(max_new_tokens, temperature, top_p, sample_seed, top_k, stop_token_ids))
+            params.append(sampling_params(max_new_tokens, temperature, top_p, sample_seed, top_k, stop_token_ids,
+                                          min_new_tokens))
     return inputs, params
 
 
@@ -227,8 +228,9 @@ class SGLangGenerator(ServingGeneration, _SGLangEngine):
     """``protocols.GenerationEngine`` over SGLang (each sample its own request and seed)."""
 
     def __init__(self, engine, tokenizer, options: SGLangOptions = SGLangOptions(), *, max_new_tokens: int = 64,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = ()):
-        self._set_sampling(max_new_tokens, temperature, top_p, top_k, stop_token_ids)
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = (),
+                 min_new_tokens: int = 0):
+        self._set_sampling(max_new_tokens, temperature, top_p, top_k, stop_token_ids, min_new_tokens)
         super().__init__(engine, tokenizer, options)
 
     @classmethod
@@ -247,7 +249,7 @@ class SGLangGenerator(ServingGeneration, _SGLangEngine):
             if not isinstance(ids, ValueError):
                 request_inputs, request_params = expanded_requests(ids, n, seed, self.max_new_tokens,
                                                                    self.temperature, self.top_p, self.top_k,
-                                                                   self.stop_token_ids)
+                                                                   self.stop_token_ids, self.min_new_tokens)
                 inputs += request_inputs
                 params += request_params
         outputs = iter(self._generate(inputs, params))

@@ -66,13 +66,15 @@ WORKER_EXTENSION = "rldsl.runtime.engines.vllm_worker.BucketLoader"
 
 
 def sampling_options(samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float,
-                     seed: int | None, top_k: int = 0, stop_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+                     seed: int | None, top_k: int = 0, stop_token_ids: Sequence[int] = (),
+                     min_new_tokens: int = 0) -> dict[str, Any]:
     """``SamplingParams`` arguments for one prompt: ``n`` samples, and the
     log-probability of each sampled token (``logprobs = 0``: none besides it).
-    ``top_k`` 0 is vLLM's -1 (every token)."""
-    return {"n": samples_per_prompt, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-            "top_k": top_k or -1, "stop_token_ids": list(stop_token_ids), "seed": seed, "logprobs": 0,
-            "detokenize": False}
+    ``top_k`` 0 is vLLM's -1 (every token); ``min_tokens`` holds back EOS and
+    the stop tokens, and the processed logprobs are those of that distribution."""
+    return {"n": samples_per_prompt, "max_tokens": max_new_tokens, "min_tokens": min_new_tokens,
+            "temperature": temperature, "top_p": top_p, "top_k": top_k or -1, "stop_token_ids": list(stop_token_ids),
+            "seed": seed, "logprobs": 0, "detokenize": False}
 
 
 def batch_from_samples(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sequence[Sample]],
@@ -250,8 +252,8 @@ class VLLMGenerator(ServingGeneration, _VLLMEngine):
 
     def __init__(self, llm: AsyncVLLM, tokenizer, options: VLLMOptions = VLLMOptions(), *, max_new_tokens: int = 64,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = (),
-                 make_sampling_params=None):
-        self._set_sampling(max_new_tokens, temperature, top_p, top_k, stop_token_ids)
+                 min_new_tokens: int = 0, make_sampling_params=None):
+        self._set_sampling(max_new_tokens, temperature, top_p, top_k, stop_token_ids, min_new_tokens)
         super().__init__(llm, tokenizer, options)
         self._make_sampling_params = make_sampling_params or _sampling_params
 
@@ -274,9 +276,11 @@ class VLLMGenerator(ServingGeneration, _VLLMEngine):
         return then(self.llm.submit(ids, params), lambda samples: batch_from_samples(ids, samples, n, version))
 
     def _params(self, n: int, seed: int | None, temperature: float | None = None):
+        """A rollout's sampling; with ``temperature`` given, an evaluation's (never held back from EOS)."""
+        min_new_tokens = self.min_new_tokens if temperature is None else 0
         temperature = self.temperature if temperature is None else temperature
         return self._make_sampling_params(**sampling_options(n, self.max_new_tokens, temperature, self.top_p, seed,
-                                                             self.top_k, self.stop_token_ids))
+                                                             self.top_k, self.stop_token_ids, min_new_tokens))
 
     def generate_groups(self, requests: Sequence[tuple[Sequence[Prompt], int, int]]) -> list[Batch | ValueError]:
         """One batch per ``(prompts, samples_per_prompt, seed)`` request, all

@@ -60,9 +60,11 @@ class SimGenerator(Timed):
 
     def __init__(self, latency: Latency = Latency(), vocab_size: int = 64, prompt_len: int = 8,
                  max_new_tokens: int = 16, fail_prob: float = 0.0, seed: int = 0,
-                 per_group: float | None = None, streaming: bool = False, longest_in_wave: bool = False) -> None:
+                 per_group: float | None = None, streaming: bool = False, longest_in_wave: bool = False,
+                 min_new_tokens: int = 0) -> None:
         super().__init__(latency, seed)
         self.vocab_size, self.prompt_len, self.max_new_tokens = vocab_size, prompt_len, max_new_tokens
+        self.min_new_tokens = max(1, min(min_new_tokens, max_new_tokens))  # every sim response has a token
         self.fail_prob = fail_prob
         self.per_group = self.PER_GROUP_SHARE * latency.typical if per_group is None else per_group
         if self.per_group < 0:
@@ -162,7 +164,7 @@ class SimGenerator(Timed):
         rng = torch.Generator().manual_seed(seed)
         prompt_lens = torch.randint(1, self.prompt_len + 1, (len(prompts),), generator=rng)
         prompt_lens = prompt_lens.repeat_interleave(samples_per_prompt)  # a group shares its prompt
-        response_lens = torch.randint(1, self.max_new_tokens + 1, (rows,), generator=rng)
+        response_lens = torch.randint(self.min_new_tokens, self.max_new_tokens + 1, (rows,), generator=rng)
         columns_p = torch.arange(self.prompt_len)
         prompt_mask = (columns_p >= self.prompt_len - prompt_lens[:, None]).long()  # left-padded
         response_mask = (torch.arange(self.max_new_tokens) < response_lens[:, None]).long()  # right-padded

@@ -18,6 +18,11 @@ version's, as when a partial rollout is resubmitted. Each step records the
 version that computed the distribution its tokens were drawn from and the
 log-probability of each drawn token (at the sampling temperature, before
 top-p).
+
+Until a request has ``min_new_tokens`` tokens its rows cannot end: EOS and
+the stop tokens are never drawn. The recorded log-probabilities stay the
+model's own, as the trainer computes them (vLLM's processed logprobs are those
+of the distribution without them; its mismatch metrics show the gap).
 """
 
 from __future__ import annotations
@@ -85,10 +90,10 @@ class DecodeBatch:
     After ``step`` raises, the batch is inconsistent: ``abort()`` it."""
 
     def __init__(self, model, max_new_tokens: int, sample: Sampler, end_ids: torch.Tensor | None = None,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, min_new_tokens: int = 0):
         self.model = model
         self._logit_divisor = logit_divisor(temperature)
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
         self._end_ids = end_ids if end_ids is not None else torch.tensor([model.eos_id])  # EOS and stop tokens
         self.version = 0  # the weights the running cache and logits were computed with
         self._sample = sample
@@ -130,7 +135,8 @@ class DecodeBatch:
         position. Returns the ids of the requests that left."""
         slices = list(self._slices())
         logits = self._logits.float()
-        chosen = self._sample(logits, [(rows, request.sampler) for request, rows in slices])
+        chosen = self._sample(self._held_from_ending(logits, slices),
+                              [(rows, request.sampler) for request, rows in slices])
         tokens = torch.where(self._alive, chosen.to(self._alive.device), 0)
         drawn = torch.log_softmax(logits / self._logit_divisor, dim=-1)
         drawn = drawn.gather(1, tokens[:, None].to(logits.device)).squeeze(1)
@@ -148,6 +154,18 @@ class DecodeBatch:
         if self._requests:
             self._advance(tokens)
         return [request.request_id for request in ended]
+
+    def _held_from_ending(self, logits: torch.Tensor, slices) -> torch.Tensor:
+        """``logits`` with EOS and the stop tokens at -inf on the rows of
+        requests that have fewer than ``min_new_tokens`` tokens."""
+        young = [rows for request, rows in slices if len(request.tokens) < self.min_new_tokens]
+        if not young:
+            return logits
+        logits = logits.clone()
+        end_ids = self._end_ids.to(logits.device)
+        for rows in young:
+            logits[rows, end_ids] = float("-inf")
+        return logits
 
     def take(self, request_id: int) -> DecodeRequest:
         """An ended request (its rows' fields: ``batch()``, versions and logprobs per step)."""

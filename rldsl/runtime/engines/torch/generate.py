@@ -51,11 +51,13 @@ class TorchGenerator(WeightReceiver):
     interrupts = True  # rows in flight resume under new weights (ContinuousBatcher, update = interrupt)
 
     def __init__(self, model, max_new_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, stop_token_ids: tuple[int, ...] = ()):
-        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise ValueError("need max_new_tokens >= 1, temperature >= 0, top_p in (0, 1] and top_k >= 0")
+                 top_k: int = 0, stop_token_ids: tuple[int, ...] = (), min_new_tokens: int = 0):
+        if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1 or top_k < 0 \
+                or not 0 <= min_new_tokens <= max_new_tokens:
+            raise ValueError("need max_new_tokens >= 1, temperature >= 0, top_p in (0, 1], top_k >= 0 and "
+                             "min_new_tokens in [0, max_new_tokens]")
         self.model = model
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
         self.temperature = temperature
         self.top_p = top_p
         self.top_k = top_k
@@ -153,7 +155,8 @@ class TorchGenerator(WeightReceiver):
         }
 
     def _new_decode_batch(self) -> DecodeBatch:
-        return DecodeBatch(self.model, self.max_new_tokens, self._sample, self.end_ids, self.temperature)
+        return DecodeBatch(self.model, self.max_new_tokens, self._sample, self.end_ids, self.temperature,
+                           self.min_new_tokens)
 
     def _admit_into(self, decoding: DecodeBatch, requests) -> list[int]:
         self.require_consistent_weights()

@@ -49,15 +49,12 @@ class SharedEngine:
 
     def long_generator(self, max_new_tokens: int = 100):
         """A generator on the same vLLM whose responses all run to ``max_new_tokens``
-        (vLLM's ``ignore_eos``): groups still decoding when a test acts on them."""
-        from vllm import SamplingParams
-
+        (``min_new_tokens``, vLLM's ``min_tokens``): groups still decoding when a test acts on them."""
         from rldsl.runtime.engines.vllm import VLLMGenerator
 
         engine = self.generator
         return VLLMGenerator(engine.llm, engine.tokenizer, engine.options, max_new_tokens=max_new_tokens,
-                             temperature=engine.temperature,
-                             make_sampling_params=lambda **options: SamplingParams(**options, ignore_eos=True))
+                             min_new_tokens=max_new_tokens, temperature=engine.temperature)
 
     def wait_for_tokens(self, count: int, timeout: float = 60.0) -> None:
         """Until ``count`` more tokens have streamed back."""

@@ -94,3 +94,16 @@ def test_a_run_logs_to_mlflow(sim_run_with_overrides):
     assert [step for step, _ in _mlflow_history(run_dir, "run/samples_per_s")] == [1, 2, 3, 4, 5]
     assert not (run_dir / "tensorboard").exists()  # only what `log` names
     assert len([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]) >= 3
+
+
+@pytest.mark.ray
+def test_tensorboard_holds_the_final_evaluation_that_summary_json_reports(torch_run):
+    """The loggers close after the run's final evaluation, not before it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(torch_run.run_dir / "tensorboard"))
+    events.Reload()
+    logged = {event.step: event.value for event in events.Scalars("eval/accuracy")}
+    evals = {e["step"]: e["accuracy"] for e in torch_run.summary["evals"]}
+    assert sorted(evals) == [0, torch_run.summary["steps"]]  # at the start and at the end
+    assert logged == pytest.approx(evals)

@@ -240,6 +240,7 @@ class Driver:
         finally:
             with self.signals.shielded():
                 for pipeline in running:
+                    pipeline.progress.close()  # after the final evaluation (complete) or a stop's last steps
                     pipeline.close_trace(timeout_s=min(10.0, self.signals.time_left(keep_s=8.0)))
         if failures:
             raise failures[0]

@@ -64,7 +64,7 @@ class MetricLoggers:
         events from it on; MLflow keeps both values of a re-trained step
         (its history is per step and time); W&B ignores steps it has seen
         (its steps only increase), so it resumes after the highest."""
-        self.backends = {}
+        self.backends, self.closed = {}, False
         for backend in backends:
             try:
                 self.backends[backend] = _OPEN[backend](Path(run_dir), name, config or {}, first_step)
@@ -73,6 +73,9 @@ class MetricLoggers:
                             backend, type(error).__name__, error)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
+        if self.closed:  # a record after the run's last: say so rather than drop it silently
+            log.warning("metrics at step %d after the loggers closed are not logged: %s", step, sorted(scalars))
+            return
         for backend, sink in list(self.backends.items()):
             try:
                 sink.log(scalars, step)
@@ -86,7 +89,7 @@ class MetricLoggers:
                 sink.close()
             except Exception:  # noqa: BLE001 - closing is best effort
                 pass
-        self.backends = {}
+        self.backends, self.closed = {}, True
 
 
 class _TensorBoard:

@@ -50,15 +50,15 @@ class Progress:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
+        """The live view ends; the loggers stay open for what follows (the
+        final evaluation, a stop's last steps) until ``close``."""
         if self.live is not None:
             self.live.update(self._render())
             self.live.__exit__(exc_type, *exc)
-            self.live = None  # steps recorded after this (a stop's last ones) print as lines
-        if exc_type is None or not issubclass(exc_type, KeyboardInterrupt):
-            self.close()  # a stop signal: the stop records its last steps first, then closes (stopping.py)
+            self.live = None  # steps recorded after this print as lines
 
     def close(self) -> None:
-        """Flush and close the metric loggers, once."""
+        """Flush and close the metric loggers, once: after the run's last record."""
         if not self._closed:
             self._closed = True
             self.loggers.close()

@@ -65,6 +65,7 @@ def test_a_local_run_listens_on_loopback_only_and_keeps_its_files_private(tmp_pa
         time.sleep(1.0)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
+    assert "Token authentication is enabled" not in err  # Ray's default, not repeated on every run
     assert len(sockets) >= 10, sockets  # Ray's services, every worker, TransferQueue: the listing saw the run
     exposed = {f"{ip}:{port}": name for (ip, port), name in sockets.items() if not is_loopback(ip)}
     assert not exposed, f"listening beyond loopback: {exposed}"

@@ -170,6 +170,7 @@ def start_ray(
     if address in (None, "", "local"):
         restore = _set_environ({**env, **loopback_env()})  # worker processes inherit it
         restore_ray = _ray_on_loopback()
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_DEFAULT_AUTH_NOTICE)
         cpus = logical_cpus_needed() if num_cpus is None else num_cpus
         try:
             ray.init(
@@ -198,6 +199,18 @@ def start_ray(
     except (ConnectionError, RuntimeError, SystemExit) as error:  # Ray exits the process if GCS never answers
         raise ClusterError(f"could not join the Ray cluster at {address!r}: {error}. {_ADDRESS_HINT}") from None
     return RaySession(address, namespace, False, True)
+
+
+class _DefaultAuthNotice(logging.Filter):
+    """Ray's notice, on every local start, that it chose its own default
+    (token authentication): true of every run, so not repeated to the user.
+    Its notice that authentication is *disabled* still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+_DEFAULT_AUTH_NOTICE = _DefaultAuthNotice()  # one instance: adding it again is a no-op
 
 
 def _remember_local(gcs_address: str | None) -> None:

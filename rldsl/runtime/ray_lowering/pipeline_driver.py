@@ -70,11 +70,15 @@ class PipelineDriver(PipelineEvaluations):
         if self.trainer_engine not in ("torch", "fsdp") or not model.source.startswith("builtin:"):
             return  # local models load in the actors; their errors are reported per stage
         from rldsl.runtime.engines.factory import load_policy
+        from rldsl.runtime.engines.torch.warmstart import cache_dir
 
-        started = time.monotonic()
-        self.say(f"loading {model.source} (the first run builds a cached warm start)")
+        started, cached = time.monotonic(), _entries(cache_dir())
+        self.say(f"loading {model.source}")
         load_policy(model, self.pipe, self.pipe.run.seed)
-        self.say(f"model ready in {time.monotonic() - started:.1f}s")
+        built = _entries(cache_dir()) - cached
+        how = (f"its warm start built and cached in {cache_dir()}: later runs load it" if built
+               else "its warm start from the cache")
+        self.say(f"model ready in {time.monotonic() - started:.1f}s ({how})")
 
     def create_actors(self, spec: dict, reservation) -> None:
         """One actor per stage rank, GPU ranks in their bundle of ``reservation``
@@ -405,3 +409,8 @@ def _logged_config(pipe: PipelinePlan) -> dict:
     return {"pipeline": pipe.name, "trainer_engine": train.engine.name, "prompts_per_step": pipe.batch.prompts_per_step,
             "samples_per_prompt": pipe.batch.samples_per_prompt, "max_lag": pipe.staleness.max_lag,
             **{f"train.{k}": v for k, v in train.settings.items() if isinstance(v, (int, float, str, bool))}}
+
+
+def _entries(directory: Path) -> set[str]:
+    """The names in ``directory`` (none when it does not exist yet)."""
+    return {path.name for path in directory.iterdir()} if directory.is_dir() else set()

@@ -57,6 +57,20 @@ def _compile_overridden(path: Path, want_plan: bool, overrides: list[str]):
     return result
 
 
+def _pipeline_files(paths: list[str]) -> list[str]:
+    """``paths`` with each directory replaced by the `.rlp` files under it, sorted."""
+    files = []
+    for path in paths:
+        if not Path(path).is_dir():
+            files.append(path)
+            continue
+        found = sorted(str(p) for p in Path(path).rglob("*.rlp") if p.is_file())
+        if not found:
+            _usage_error(f"{path} holds no .rlp file", "give a .rlp file, or a directory with some under it")
+        files += found
+    return files
+
+
 def _usage_error(message: str, help_text: str | None = None):
     print(f"error: {message}", file=sys.stderr)
     if help_text:
@@ -93,7 +107,7 @@ def cmd_check(args) -> int:
 
     from rldsl.compiler.diagnostics import render_text, to_json, to_sarif
 
-    results = [_compile(path, want_plan=False, overrides=args.overrides) for path in args.files]
+    results = [_compile(path, want_plan=False, overrides=args.overrides) for path in _pipeline_files(args.files)]
     if args.format == "json":
         payload = [to_json(r.diagnostics, r.filename) for r in results]
         print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
@@ -124,8 +138,8 @@ def cmd_fmt(args) -> int:
 
     from rldsl.compiler.fmt import format_source_by_code
 
-    changed = 0
-    for path in args.files:
+    changed, files = 0, _pipeline_files(args.files)
+    for path in files:
         result = _compile(path, want_plan=False)
         if result.program is None:  # a syntax error: nothing can be rewritten safely
             _print_diagnostics(result, args)
@@ -143,6 +157,9 @@ def cmd_fmt(args) -> int:
     if changed and not args.fix:
         print(f"{changed} file(s) would change; `rldsl fmt --fix` rewrites them", file=sys.stderr)
         return EXIT_FINDINGS
+    unchanged = len(files) - changed
+    if unchanged:
+        print(f"{unchanged} file{'s' * (unchanged != 1)} already in the current language and layout")
     return EXIT_OK
 
 
@@ -311,14 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check", parents=[common, settable], help="prove a pipeline file sane")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("files", nargs="+", metavar="FILE", help="pipeline files, or directories to check every .rlp under")
     p.add_argument("--format", choices=("text", "json", "sarif"), default="text")
     p.add_argument("--strict", action="store_true", help="warnings fail too (exit 1)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("fmt", parents=[common], help="rewrite files to the current language (renamed settings, "
                                                      "old meanings, regular layout), comments kept")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("files", nargs="+", metavar="FILE", help="pipeline files, or directories of them")
     p.add_argument("--fix", action="store_true", help="write the files (default: show the diff, exit 1 if any)")
     p.set_defaults(func=cmd_fmt)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import socket
+import stat
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -408,6 +409,8 @@ def test_a_real_run_exports_its_last_checkpoint(torch_run, tmp_path):
     exported = rldsl_here("export", str(run_dir), "--out", str(out))
     assert exported.returncode == 0, exported.stderr[-4000:]
     assert TORCH_STEPS == 2 and "exported v000002" in exported.stdout
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # shareable like the rest
     model = build_tiny_lm(seed=0)
     saved = torch.load(trainer_dir(run_dir, 2) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
     model.module.load_state_dict(saved["model"])

@@ -72,10 +72,14 @@ def test_fmt_command_checks_then_fixes(tmp_path):
     shown = rldsl("fmt", str(path), cwd=tmp_path)
     assert shown.returncode == 1 and "+  loss = grpo(clip = 0.2, agg = seq_mean_token_mean)" in shown.stdout
     assert path.read_text() == OLD  # without --fix nothing is written
-    fixed = rldsl("fmt", "--fix", str(path), cwd=tmp_path)
+    fixed = rldsl("fmt", "--fix", str(tmp_path), cwd=tmp_path)  # a directory: every .rlp under it
     assert fixed.returncode == 0 and "(1 renamed setting)" in fixed.stdout
-    assert rldsl("fmt", str(path), cwd=tmp_path).returncode == 0
-    assert rldsl("check", "--strict", str(path), cwd=tmp_path).returncode == 0
+    clean = rldsl("fmt", str(path), cwd=tmp_path)
+    assert clean.returncode == 0 and "1 file already in the current language and layout" in clean.stdout
+    assert rldsl("check", "--strict", str(tmp_path), cwd=tmp_path).returncode == 0
+    (tmp_path / "empty").mkdir()
+    empty = rldsl("check", str(tmp_path / "empty"), cwd=tmp_path)
+    assert empty.returncode == 2 and "holds no .rlp file" in empty.stderr
 
 
 def test_fmt_refuses_a_file_it_cannot_parse(tmp_path):
@@ -87,5 +91,6 @@ def test_fmt_refuses_a_file_it_cannot_parse(tmp_path):
 
 
 def test_shipped_pipelines_are_formatted():
-    result = rldsl("fmt", *sorted(str(p) for p in (ROOT / "pipelines").glob("*.rlp")), cwd=ROOT)
+    result = rldsl("fmt", "pipelines", cwd=ROOT)
     assert result.returncode == 0, result.stdout
+    assert f"{len(list((ROOT / 'pipelines').glob('*.rlp')))} files already in the current language" in result.stdout

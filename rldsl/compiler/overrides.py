@@ -18,6 +18,8 @@ end), so every finding's line number is the file's own.
 
 from __future__ import annotations
 
+import difflib
+
 import re
 
 from rldsl.compiler import ast
@@ -147,8 +149,10 @@ def _find(tree: ast.SourceFile, where: list[str], override: str):
     if target in SINGLETON_BLOCKS:
         return pipelines[0], next((b for b in blocks if b.kind.text == target), None)
     names = sorted({b.head[-1].text for b in blocks if len(b.head) > 1})
-    raise OverrideError(f"`--set {override}`: no stage, model or dataset named `{target}` (declared: "
-                        f"{', '.join(names)}; blocks: {', '.join(SINGLETON_BLOCKS)})")
+    close = difflib.get_close_matches(target, [*names, *SINGLETON_BLOCKS], n=1)
+    raise OverrideError(f"`--set {override}`: no stage, model or dataset named `{target}` "
+                        + (f"(did you mean `{close[0]}`?) " if close else "")
+                        + f"(declared: {', '.join(names)}; blocks: {', '.join(SINGLETON_BLOCKS)})")
 
 
 def _only(blocks: list[ast.Block], override: str) -> ast.Block:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import torch
@@ -51,7 +52,17 @@ def save_model(out: Path, config, state: dict[str, torch.Tensor], max_shard_size
     model.save_pretrained(out, max_shard_size=max_shard_size)
     if not (out / "generation_config.json").exists():
         transformers.GenerationConfig.from_model_config(config).save_pretrained(out)
+    _weights_readable_like_the_rest(out)
     return type(model).__name__
+
+
+def _weights_readable_like_the_rest(out: Path) -> None:
+    """The weight files get the mode of the export's other files (``config.json``:
+    0644 under the usual umask): safetensors writes them through a private
+    temporary file (0600), so a model shared with others would not load."""
+    mode = stat.S_IMODE((out / "config.json").stat().st_mode)
+    for path in out.glob("*.safetensors"):
+        path.chmod(mode)
 
 
 def _dtype_of(state: dict[str, torch.Tensor]) -> torch.dtype:

@@ -145,7 +145,7 @@ class StopSignals:
 
 def stop_pipelines(running: list, signals: StopSignals, interrupt: RunInterrupted, resume_command: str) -> int:
     """The graceful stop of every running pipeline (PipelineDriver); returns the exit code."""
-    again = "Ctrl-C" if interrupt.signum == signal.SIGINT else "a second signal"
+    again = "a second Ctrl-C" if interrupt.signum == signal.SIGINT else "a second signal"
     _say(f"{interrupt}: stopping after the trainer call in flight, then a checkpoint, within "
          f"{signals.grace_s:g}s ({again} skips the checkpoint)")
     saved: set[str] = set()

@@ -69,7 +69,8 @@ def test_torch_pipeline_trains_and_evaluates(torch_run):
     assert summary["steps"] == TORCH_STEPS and summary["version"] == TORCH_STEPS
     assert 0.0 <= summary["eval_start"] <= 1.0 and 0.0 <= summary["eval_end"] <= 1.0
     assert summary["ledger"]["trained"] == TORCH_STEPS * 16 * 8
-    assert "held-out accuracy" in torch_run.stderr
+    assert "held-out accuracy" in torch_run.stdout and "run directory:" in torch_run.stdout  # results: stdout
+    assert "step 1/2" in torch_run.stderr and "step 1/2" not in torch_run.stdout  # progress: stderr
 
 
 def test_mini_batches_rloo_packing_and_warmup_learn(rloo_tis_run):

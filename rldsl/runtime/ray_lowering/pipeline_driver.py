@@ -60,7 +60,12 @@ class PipelineDriver(PipelineEvaluations):
         return sum(len(s.ranks) for s in self.pipe.stages) + 1 + self.pipe.has_evaluator  # + controller, evaluator
 
     def say(self, text: str) -> None:
+        """Progress and notes: stderr."""
         print(f"{self.prefix}{text}" if self.prefix else text, file=sys.stderr, flush=True)
+
+    def tell(self, text: str) -> None:
+        """A result the user acts on (how to resume): stdout, with the final table."""
+        print(f"{self.prefix}{text}" if self.prefix else text, flush=True)
 
     # ------------------------------------------------------------ start-up
 

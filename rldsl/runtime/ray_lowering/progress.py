@@ -30,9 +30,12 @@ class Progress:
         self.settings, self.prefix, self.want_live = settings, prefix, live
         self.metrics_path = run_dir / "metrics.jsonl"
         self.loggers = MetricLoggers(log, run_dir, name, config, first_step)
-        self.console = Console(stderr=True)
+        self.console = Console(stderr=True)  # progress, as it happens
         if not self.console.is_terminal:  # logs: one unwrapped line per step
             self.console = Console(stderr=True, width=400)
+        self.results = Console()  # the final table: stdout, as `check`, `plan` and `report` answer
+        if not self.results.is_terminal:
+            self.results = Console(width=120)
         self.live = None
         self.started = time.monotonic()
         self.last: dict = {}
@@ -158,8 +161,8 @@ class Progress:
             rows.append(("held-out accuracy", held_out))
         for name, value in rows:
             table.add_row(name, value)
-        self.console.print(table)
-        self.console.print(f"{self.prefix}run directory: {run_dir}  (summary.json, metrics.jsonl)")
+        self.results.print(table)
+        self.results.print(f"{self.prefix}run directory: {run_dir}  (summary.json, metrics.jsonl)", highlight=False)
 
 
     def _scalars(self, record: dict) -> None:

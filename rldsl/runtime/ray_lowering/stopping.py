@@ -177,7 +177,7 @@ def _say_what_resumes(pipeline, resume_command: str) -> None:
 
     found = latest_complete(pipeline.run_dir)
     if found is not None:
-        pipeline.say(f"interrupted: `{resume_command}` continues from {found.name}")
+        pipeline.tell(f"interrupted: `{resume_command}` continues from {found.name}")
     else:
         pipeline.say("interrupted: no complete checkpoint, so the run cannot be resumed")
 
@@ -220,7 +220,7 @@ def checkpoint_at_stop(pipeline, resume_command: str, signals: StopSignals) -> b
                      "checkpoint stays the one to resume from")
         return False
     if saved:
-        pipeline.say(f"interrupted: checkpoint saved at version {version}; continue with `{resume_command}`")
+        pipeline.tell(f"interrupted: checkpoint saved at version {version}; continue with `{resume_command}`")
     else:
         pipeline.say("interrupted before a step finished in this run: nothing new to checkpoint")
     return saved

@@ -49,6 +49,42 @@ def test_the_schedule_reports_an_evaluation_past_its_deadline_and_stops_waiting(
         ray.kill(slow)
 
 
+def test_a_stop_finishes_the_evaluations_in_flight_within_its_budget_and_skips_the_rest(tmp_path):
+    ray = pytest.importorskip("ray")
+    shared_ray()
+
+    @ray.remote(num_cpus=0)
+    class Evaluator:
+        def evaluate(self, min_version):
+            import time
+            time.sleep(0.1 if min_version == 1 else 30)
+            return {"accuracy": 0.5, "version": min_version, "prompts": 8}
+
+    actor = Evaluator.options(max_concurrency=2).remote()
+    try:
+        schedule = EvaluationSchedule(actor, every=0, total_steps=3)
+        schedule.request(step=1, version=1)
+        schedule.request(step=2, version=2)
+        finished, skipped = schedule.finish_within(3.0)  # returns within the budget, not after 30 s
+        assert [r["step"] for r in finished] == [1] and skipped == [{"step": 2, "version": 2}]
+        assert schedule.pending == [] and [r["step"] for r in schedule.done] == [1]
+    finally:
+        ray.kill(actor)
+
+    # the resume from version 2 asks for the skipped evaluation first
+    import json
+    from types import SimpleNamespace
+
+    from rldsl.runtime.ray_lowering.pipeline_evaluations import PipelineEvaluations
+
+    (tmp_path / "summary.json").write_text(json.dumps({"eval_skipped": skipped + [{"step": 1, "version": 1}]}))
+    asked = []
+    driver = SimpleNamespace(run_dir=tmp_path, evaluations=SimpleNamespace(
+        request=lambda step, version: asked.append((step, version))))
+    PipelineEvaluations.redo_skipped_evaluations(driver, version=2)
+    assert asked == [(2, 2)]  # version 1's weights are gone: not asked
+
+
 @pytest.mark.ray
 def test_an_evaluation_past_its_timeout_ends_the_run_cleanly_and_says_so(tmp_path):
     run, _, summary = run_text(tmp_path, SLOW_EVAL, name="slow_eval.rlp")

@@ -103,13 +103,14 @@ def test_ctrl_c_checkpoints_and_resume_continues_without_retraining(tmp_path):
                                 [(three_steps, signal.SIGINT)], err_text)
     err = err_text.getvalue()
     assert sent == [signal.SIGINT] and proc.returncode == 130, err[-3000:]
-    assert "checkpoint saved at version" in err
+    assert "checkpoint saved at version" in proc.stdout  # how to resume: a result, on stdout
     (checkpoint,) = sorted((run_dir / "checkpoints").iterdir())[-1:]
     progress = json.loads((checkpoint / "progress.json").read_text())
     version = progress["version"]
     trained = progress["trained_prompts"]
     assert trained["below"] + len(trained["above"]) == version * 16  # every finished step's prompts, once
     stopped = json.loads((run_dir / "summary.json").read_text())  # written on Ctrl-C too
+    assert stopped["evals"][0]["step"] == 0  # the evaluations made (or skipped) before the stop are in it
     assert stopped["exit"] == "stopped" and stopped["ledger"]["trained"] == version * 16 * 8
 
     resumed = rldsl_here("run", "--resume", str(run_dir), "--steps", str(version + 2))  # no signal: in this process

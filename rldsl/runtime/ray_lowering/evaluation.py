@@ -270,6 +270,30 @@ class EvaluationSchedule:
         self.timed_out += [entry for entry in expired if "error" not in entry]
         return finished, expired
 
+    def finish_within(self, seconds: float) -> tuple[list[dict], list[dict]]:
+        """At a stop: the evaluations in flight that answer within ``seconds``
+        (all together), and the ones left, ``{"step", "version"}``: skipped."""
+        import ray
+
+        deadline, finished = self.clock() + seconds, []
+        while self.pending:
+            step, version, ref, _ = self.pending[0]
+            if not ray.wait([ref], timeout=max(0.0, deadline - self.clock()))[0]:
+                break
+            self.pending.pop(0)
+            try:
+                answer = {"step": step, **ray.get(ref)}
+            except ray.exceptions.RayError as error:
+                self._failure(step, version, error, [])
+                continue
+            if not answer.pop("timed_out", False):
+                finished.append(answer)
+        skipped = [{"step": s, "version": v} for s, v, _, _ in self.pending] + \
+                  [{"step": s, "version": v} for s, v in self._unanswered]
+        self.pending, self._unanswered = [], []
+        self.done += finished
+        return finished, skipped
+
     def _actor_died(self, step: int, version: int, ref, error: BaseException, expired: list[dict]) -> bool:
         """The evaluator died: the driver replaces it, training goes on; its
         requests wait for the replacement. True: stop collecting."""

@@ -218,6 +218,8 @@ class PipelineDriver(PipelineEvaluations):
                                  first_step=self.resume["steps_done"] + 1 if self.resume else None)
         if self.evaluations and self.evaluations.at_start and not self.resume:
             self.evaluations.request(step=0, version=0)
+        if self.evaluations and self.resume:
+            self.redo_skipped_evaluations(self.resume["version"])
         self.result_ref = self.controller.run.remote()
         self.traces = TraceCollector(self.run_dir, self._traced_actors(), self.pipe.name)
         return True
@@ -333,7 +335,7 @@ class PipelineDriver(PipelineEvaluations):
                 time.sleep(0.1)
 
     def write_summary(self, summary: dict | None = None, error: BaseException | None = None,
-                      stop: dict | None = None, timeout_s: float = 30.0) -> dict:
+                      stop: dict | None = None, timeout_s: float = 30.0, evaluations: dict | None = None) -> dict:
         """summary.json, on every exit path: ``summary`` or else the
         controller's (it answers after a failure too), how the run ended
         (``error``: what ended it on the driver's side; ``stop``: the signal
@@ -344,6 +346,10 @@ class PipelineDriver(PipelineEvaluations):
         summary = summary if summary is not None else self._controller_summary(timeout_s)
         if summary is not None:
             summary.setdefault("wall_clock_s", time.monotonic() - self.started)
+            if evaluations:  # a stop's: those finished, and those skipped
+                summary.update(evaluation_summary(evaluations["done"], summary.get("steps", 0)))
+                if evaluations["skipped"]:
+                    summary["eval_skipped"] = evaluations["skipped"]
             if self.scheduler is not None:
                 summary["gpu_sharing"] = self._lease_figures(timeout_s)
         self.summary = write_summary(self.run_dir, summary, self.pipe.name, root_cause(error) if error else None,

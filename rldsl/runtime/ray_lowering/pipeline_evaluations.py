@@ -73,6 +73,42 @@ class PipelineEvaluations:
     def _has_evaluator_actor(self) -> bool:
         return bool(self.evaluations) and self.evaluations.actor is not None
 
+    def finish_evaluations(self, timeout_s: float) -> dict:
+        """At a stop: the evaluations in flight, finished within ``timeout_s``
+        and shown; those still running are said and recorded as skipped.
+        Returns ``{"done", "skipped"}`` for summary.json."""
+        if not self.evaluations:
+            return {}
+        finished, skipped = self.evaluations.finish_within(timeout_s)
+        for result in finished:
+            self._show_result(result, said=True)
+        for entry in skipped:
+            self.say(f"eval @ step {entry['step']} (weights v{entry['version']}) was still running at the stop: "
+                     "skipped; a resume from that version evaluates it first")
+        return {"done": self.evaluations.done, "skipped": skipped}
+
+    def redo_skipped_evaluations(self, version: int) -> None:
+        """A resume: the evaluations the stop skipped at the weights it resumes from, asked first."""
+        path = self.run_dir / "summary.json"
+        try:
+            skipped = json.loads(path.read_text()).get("eval_skipped", [])
+        except (OSError, ValueError):
+            return
+        for entry in skipped:
+            if entry.get("version") == version:
+                self.evaluations.request(step=entry["step"], version=version)
+
+    def _show_result(self, result: dict, said: bool) -> None:
+        self.progress.eval(result["step"], result["accuracy"], version=result["version"],
+                           on=result.get("on", "evaluator"))
+        text = (f"eval @ step {result['step']}: held-out accuracy {result['accuracy']:.3f} "
+                f"({result['prompts']} prompts, weights v{result['version']}"
+                + (f" on generator replica {result['replica']})" if "replica" in result else ")"))
+        if said:
+            self.say(text)
+        else:
+            self.progress.note(text)
+
     def _show_evaluations(self, wait: bool = False) -> None:
         from rldsl.runtime.ray_lowering.evaluation import describe_timeout
 
@@ -85,15 +121,7 @@ class PipelineEvaluations:
         for entry in expired:
             self.say(describe_timeout(entry))
         for result in results:
-            self.progress.eval(result["step"], result["accuracy"], version=result["version"],
-                               on=result.get("on", "evaluator"))
-            text = (f"eval @ step {result['step']}: held-out accuracy {result['accuracy']:.3f} "
-                    f"({result['prompts']} prompts, weights v{result['version']}"
-                    + (f" on generator replica {result['replica']})" if "replica" in result else ")"))
-            if result["step"] == 0 or wait:
-                self.say(text)
-            else:
-                self.progress.note(text)
+            self._show_result(result, said=result["step"] == 0 or wait)
 
 
 def previous_evals(run_dir: Path) -> list[dict]:

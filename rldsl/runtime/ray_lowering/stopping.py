@@ -231,7 +231,11 @@ def _write_what_is_left(pipeline, signals: StopSignals, interrupt: RunInterrupte
     budget = max(1.0, signals.time_left(keep_s=3.0) / 2)
     with contextlib.suppress(Exception):
         pipeline.drain_steps(timeout_s=budget)
-    pipeline.write_summary(stop=stop_record(pipeline, interrupt, resume_command), timeout_s=budget)
+    evaluations = {}
+    with contextlib.suppress(Exception):
+        evaluations = pipeline.finish_evaluations(timeout_s=budget / 2)
+    pipeline.write_summary(stop=stop_record(pipeline, interrupt, resume_command), timeout_s=budget,
+                           evaluations=evaluations)
     if pipeline.progress is not None:
         pipeline.progress.close()
 

@@ -109,14 +109,19 @@ def test_the_summary_reports_no_change_it_did_not_measure():
     assert evaluation_summary([], 25) == {} and accuracy_change([], 25) is None
 
 
-def test_the_final_table_without_a_start_evaluation(tmp_path, capsys):
+def test_the_final_table_without_a_start_evaluation_and_with_drops(tmp_path, capsys):
     pipe = small_plan()
     progress = Progress(settings_from_plan(pipe), tmp_path, live=False, log=())
-    summary = {"steps": 25, "ledger": {"generated": 800, "trained": 800, "dropped": {}}, "max_lag": 1,
-               "samples_per_s": 10.0, "wall_clock_s": 80.0, "train_loop_s": 70.0,
+    summary = {"steps": 25, "ledger": {"generated": 800, "trained": 788,
+                                       "dropped": {"reward_invalid": 8, "environment_tokenization": 4}},
+               "max_lag": 1, "samples_per_s": 10.0, "wall_clock_s": 80.0, "train_loop_s": 70.0,
                **evaluation_summary([{"step": 20, "accuracy": 0.5}], 25)}
     progress.final_table(summary, tmp_path)
-    assert "0.500 at step 20 (the only evaluation)" in capsys.readouterr().err
+    shown = capsys.readouterr().out  # the results: stdout
+    assert "0.500 at step 20 (the only evaluation)" in shown
+    # each drop reason says what it means
+    assert "dropped 8 as reward_invalid: the reward returned something that is not a finite number" in shown
+    assert "dropped 4 as environment_tokenization: the conversation re-tokenized differently" in shown
 
 
 def test_the_default_evaluation_prompts_are_the_first_sources_eval_split():

@@ -39,6 +39,35 @@ RUN_FINISHED = "run_finished"  # generated after the last step needed it
 RUN_STOPPED = "run_stopped"  # in the open step when the run was stopped (Ctrl-C)
 
 
+# What each drop means, as the end of a run says it (docs/runtime.md#accounting has them all).
+DROP_MEANINGS = {
+    TOO_STALE: "generated with weights older than max_lag allows",
+    REWARD_FAILED: "the reward call failed as a whole (its worker lost, or the function no longer imports)",
+    REWARD_RAISED: "the reward function raised, or its process died",
+    REWARD_TIMEOUT: "the reward overran the stage's `timeout` and its process was killed",
+    REWARD_INVALID: "the reward returned something that is not a finite number (for a judge: text it could not "
+                    "parse)",
+    LOGPROB_FAILED: "a logprob call failed",
+    GENERATION_FAILED: "a generation call failed",
+    STEP_ABORTED: "a failed call aborted its step",
+    WORKER_DIED: "its actor died and no replacement could redo the work",
+    ZERO_VARIANCE: "every sample of its group had the same reward (dynamic sampling)",
+    STALE_LOGPROBS: "its logprobs came from other weights than the ones that generated it",
+    STEP_SKIPPED: "its step took no optimizer step (no tokens, or an fp16 overflow)",
+    RUN_FINISHED: "generated after the last step needed it",
+    RUN_STOPPED: "in the open step when the run was stopped",
+    "environment_raised": "the environment's reset or step raised, or returned something malformed",
+    "environment_timeout": "an environment call overran its timeout",
+    "environment_died": "the process running an environment call died",
+    "environment_tokenization": "the conversation re-tokenized differently from the tokens generated turn by "
+                                "turn (a chat template that rewrites history, or a non-canonical split)",
+}
+
+
+def drop_meaning(reason: str) -> str:
+    return DROP_MEANINGS.get(reason, "see docs/runtime.md#accounting")
+
+
 class LedgerError(AssertionError):
     """Some sample was not accounted for exactly once."""
 

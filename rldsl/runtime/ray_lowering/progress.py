@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+from rldsl.runtime.control.ledger import drop_meaning
 from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.ray_lowering.evaluation import accuracy_change
 
@@ -162,6 +163,8 @@ class Progress:
         for name, value in rows:
             table.add_row(name, value)
         self.results.print(table)
+        for reason, count in ledger["dropped"].items():  # why, once per reason; journal.jsonl has each sample's
+            self.results.print(f"{self.prefix}dropped {count} as {reason}: {drop_meaning(reason)}", highlight=False)
         self.results.print(f"{self.prefix}run directory: {run_dir}  (summary.json, metrics.jsonl)", highlight=False)
 
 

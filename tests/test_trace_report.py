@@ -115,14 +115,19 @@ def test_report_of_a_run_with_one_evaluation_shows_no_change(tmp_path, capsys):
     assert "held-out accuracy: 0.500 (step 3), the only evaluation" in capsys.readouterr().out
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+def chromium() -> str:
+    """A Chromium on the PATH now (asked when the test runs, not when it is collected), or a skip."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if found is None:
+        pytest.skip("no Chromium (apt-get install chromium): the browser test needs one")
+    return found
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (apt-get install chromium): the browser test needs one")
 def test_the_html_report_renders_in_a_headless_browser(tmp_path):
+    browser = chromium()
     path = run_dir(tmp_path)
     write_report(path, html=True)
-    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=15000",
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=15000",
                           "--dump-dom", (path / "report.html").as_uri()], capture_output=True, text=True,
                          timeout=120).stdout
     head = dom[:dom.index("<head>")]

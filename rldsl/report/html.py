@@ -60,9 +60,13 @@ def _figures(data: ReportData) -> list:
                            xaxis_title="seconds since the first traced call", yaxis_range=[0, 1.05])
         centres = [(a + b) / 2 for a, b in zip(data.time_edges, data.time_edges[1:])]
         gpus = go.Figure(go.Heatmap(z=list(data.gpu_busy.values()), x=centres, y=list(data.gpu_busy),
-                                    colorscale="Greens", zmin=0, zmax=1, colorbar={"title": "busy"}))
+                                    colorscale="Greens", zmin=0, zmax=1,
+                                    # the title beside the bar, not above it: a strip a few rows high has
+                                    # no height to spare for both
+                                    colorbar={"title": {"text": "busy", "side": "right"}, "thickness": 14,
+                                              "len": 1.0, "tickvals": [0, 0.5, 1]}))
         gpus.update_layout(title="GPU utilisation: share of each GPU's time some stage was active",
-                           height=140 + 40 * len(data.gpu_busy), yaxis={"autorange": "reversed"})
+                           height=200 + 40 * len(data.gpu_busy), yaxis={"autorange": "reversed"})
         figures += [busy, gpus, _timeline(data)]
     return figures
 

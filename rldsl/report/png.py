@@ -7,6 +7,7 @@ from pathlib import Path
 from rldsl.report.data import NESTED_PREFIX, ReportData
 
 _COLUMNS = 2
+_TITLE_INCHES = 0.3  # the figure's title and subtitle, above every panel
 
 
 def write_png(data: ReportData, path: Path) -> Path:
@@ -19,9 +20,10 @@ def write_png(data: ReportData, path: Path) -> Path:
     trace_rows = 3 if data.time_edges else 0  # stage busy, per-GPU strip, timeline
     heights = [1.0] * curve_rows + ([1.1, 0.25 + 0.18 * len(data.gpu_busy), 0.4 + 0.16 * len(data.timeline)]
                                     if trace_rows else [])
-    fig = plt.figure(figsize=(13, 2.4 * sum(heights) + 1.0))
+    height = 2.4 * sum(heights) + 1.0
+    fig = plt.figure(figsize=(13, height))
     grid = fig.add_gridspec(len(heights), _COLUMNS, height_ratios=heights)
-    fig.suptitle(f"{data.title}\n{data.subtitle}", fontsize=12)
+    fig.suptitle(f"{data.title}\n{data.subtitle}", fontsize=12, y=1 - 0.08 / height, va="top")
     panels = list(data.curves.items())
     for index, (name, series) in enumerate(panels):
         ax = fig.add_subplot(grid[index // _COLUMNS, index % _COLUMNS])
@@ -38,7 +40,7 @@ def write_png(data: ReportData, path: Path) -> Path:
     ax.set_xlabel("lag", fontsize=8)
     if trace_rows:
         _trace_panels(fig, grid, curve_rows, data)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - _TITLE_INCHES / height))  # the two-line title keeps its own band
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path

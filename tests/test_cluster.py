@@ -108,6 +108,24 @@ def test_unreachable_address_fails_fast_with_a_clear_message():
     assert f"127.0.0.1:{port}" in result.stdout and "ray start --head" in result.stdout
 
 
+def test_a_local_ray_that_does_not_start_is_one_clear_error(monkeypatch):
+    def timed_out(**_):
+        raise Exception("The current node timed out during startup. This could happen because some of the "
+                        "raylet failed to startup or the GCS has become overloaded.")
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", timed_out)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(os, "getloadavg", lambda: (18.5, 17.0, 12.0))
+    with pytest.raises(ClusterError) as raised:
+        cluster.start_ray(num_cpus=2)
+    message = str(raised.value)
+    assert message.startswith("the local Ray did not start: The current node timed out during startup.")
+    assert "busy (load 18.5 on" in message and "Run the same command again" in message
+    assert "\n" not in message and calls == ["shutdown"]  # one line; nothing half-started left
+
+
 def test_ray_session_cleans_up_and_shuts_down_on_ctrl_c(monkeypatch):
     calls = []
     monkeypatch.setattr(cluster, "start_ray", lambda *args: RaySession("fake:1", "ns", True, True))

@@ -98,6 +98,33 @@ def test_a_named_metric_and_one_that_fails(tmp_path):
     assert score([["2", "3"]], [Prompt(0, "1+1=", "2")], EvalMetric(exact)) == {"accuracy": 0.5, "pass_at_k": 1.0}
 
 
+def test_an_evaluation_reward_that_hangs_is_killed_at_its_timeout_and_spins_nowhere(tmp_path):
+    """The metric runs in reward processes: the hung response's process is
+    killed and replaced at the timeout; no thread of this process spins on."""
+    import threading
+    import time
+
+    import psutil
+
+    _, pipe = compiled(tmp_path, 'dataset prompts { source = "builtin:arith"  eval_metric = '
+                                 '"tests.reward_fns:hang_on_hang" }')
+    pipe.stage("score").settings["timeout"] = 1.0
+    metric = EvalMetric(pipe)
+    try:
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        threads = threading.active_count()
+        started = time.monotonic()
+        result = score([["2", "hang", "3"]], [Prompt(0, "1+1=", "2")], metric)
+        assert time.monotonic() - started < 5  # the timeout (1 s), not the hang (60 s)
+        assert result == {"accuracy": 1 / 3, "pass_at_k": 1.0, "failed": 1}
+        time.sleep(0.5)
+        spinning = [p for p in psutil.Process().children(recursive=True) if p.pid not in before
+                    and p.cpu_percent(interval=0.2) > 50]
+        assert not spinning and threading.active_count() <= threads
+    finally:
+        metric.close()
+
+
 @pytest.mark.parametrize("metric", ['"nope"', '"a b:c"'])
 def test_a_malformed_metric_is_a_finding(tmp_path, metric):
     text = DEFAULT.replace('eval_size = 128', f'eval_size = 128  eval_metric = {metric}')

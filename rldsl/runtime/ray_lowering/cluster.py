@@ -181,10 +181,12 @@ def start_ray(
                 include_dashboard=False,
                 log_to_driver=False,
             )
-        except BaseException:  # e.g. Ctrl-C half-way: do not leave a half-started Ray behind
+        except BaseException as error:  # e.g. Ctrl-C half-way: do not leave a half-started Ray behind
             ray.shutdown()
             restore_ray()
             restore()
+            if isinstance(error, Exception):
+                raise ClusterError(_local_start_failure(error)) from None
             raise
         _remember_local(ray.get_runtime_context().gcs_address)
         session = RaySession(_local_gcs, namespace, True, True, local=True)
@@ -211,6 +213,16 @@ class _DefaultAuthNotice(logging.Filter):
 
 
 _DEFAULT_AUTH_NOTICE = _DefaultAuthNotice()  # one instance: adding it again is a no-op
+
+
+def _local_start_failure(error: Exception) -> str:
+    """One line for a local Ray that did not start (Ray waits a fixed 30 s for its own processes)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    busy = (f"; the machine is busy (load {load:.1f} on {cores} cores), which can outlast Ray's own 30 s start wait"
+            if load > cores else "")
+    return (f"the local Ray did not start: {lines[0] if lines else type(error).__name__}{busy}. Run the same "
+            "command again (nothing was started); if it keeps failing, `ray start --head` shows Ray's own error")
 
 
 def _remember_local(gcs_address: str | None) -> None:

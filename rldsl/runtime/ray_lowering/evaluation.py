@@ -65,8 +65,11 @@ def score(responses: list[list[str]], prompts: list, metric=None) -> dict:
     metric could not score (counted as 0)."""
     from rldsl.rewards import exact_match
 
-    metric = metric or (lambda response, prompt: (exact_match(response, prompt.answer, prompt.text), None))
-    scored = [[metric(r, p) for r in group] for group, p in zip(responses, prompts)]
+    if isinstance(metric, EvalMetric):  # the run's own: every response at once, in its killable processes
+        scored = metric.score_groups(responses, prompts)
+    else:
+        metric = metric or (lambda response, prompt: (exact_match(response, prompt.answer, prompt.text), None))
+        scored = [[metric(r, p) for r in group] for group, p in zip(responses, prompts)]
     rewards = [[value or 0.0 for value, _ in group] for group in scored]
     total = sum(len(group) for group in rewards)
     out = {"accuracy": sum(map(sum, rewards)) / max(total, 1),
@@ -78,29 +81,52 @@ def score(responses: list[list[str]], prompts: list, metric=None) -> dict:
 class EvalMetric:
     """The dataset's `eval_metric`: the pipeline's reward functions (summed)
     or one `module:function`, each bounded by the reward stage's timeout; a
-    response the metric cannot score counts 0 and is reported as failed."""
+    response the metric cannot score counts 0 and is reported as failed.
+
+    The functions run in reward processes (reward_pool.py), as the reward
+    stage's do: one that hangs is killed at the timeout and replaced, never
+    left spinning in a thread nobody can stop."""
+
+    PROCESSES = 2  # per function: a hung response holds one, the other goes on
 
     def __init__(self, pipe: PipelinePlan):
-        from rldsl.rewards import load_reward
+        from rldsl.runtime.reward_pool import RewardPool
 
         named = pipe.datasets[0].options.get("eval_metric") or "reward"
         rewards = [s for s in pipe.stages if s.kind == "reward"]
         self.specs = [s.settings["fn"] for s in rewards] if named == "reward" else [named]
         self.specs = self.specs or ["rldsl.rewards:exact_match"]
         self.name = "reward" if named == "reward" else named.partition("@")[0]
-        self.functions = [load_reward(spec) for spec in self.specs]
         self.timeout_s = float(rewards[0].settings.get("timeout", 10.0)) if rewards else 10.0
+        self.pools = [RewardPool(spec, self.PROCESSES, self.timeout_s) for spec in self.specs]
+        for pool in self.pools:
+            pool.wait_ready()  # a function that does not import fails here, as before
+
+    def score_groups(self, responses: list[list[str]], prompts: list) -> list[list[tuple[float | None, str | None]]]:
+        """Per prompt, ``(value, None)`` or ``(None, why)`` for each of its responses."""
+        from rldsl.runtime.protocols import RewardFailure
+
+        samples = [(r, p.answer, p.text) for group, p in zip(responses, prompts) for r in group]
+        totals: list[tuple[float | None, str | None]] = [(0.0, None)] * len(samples)
+        for pool in self.pools:
+            for index, result in enumerate(pool.score(samples)):
+                value, reason = totals[index]
+                if reason is None:
+                    totals[index] = ((None, result.detail or result.reason) if isinstance(result, RewardFailure)
+                                     else (value + float(result), None))
+        scored, start = [], 0
+        for group in responses:
+            scored.append(totals[start:start + len(group)])
+            start += len(group)
+        return scored
 
     def __call__(self, response: str, prompt) -> tuple[float | None, str | None]:
-        from rldsl.rewards import safe_reward
+        (result,), = self.score_groups([[response]], [prompt])
+        return result
 
-        total = 0.0
-        for function in self.functions:
-            value, reason = safe_reward(function, response, prompt.answer, prompt.text, self.timeout_s)
-            if reason is not None:
-                return None, reason
-            total += value
-        return total, None
+    def close(self) -> None:
+        for pool in self.pools:
+            pool.close()
 
 
 class Evaluator:

@@ -47,28 +47,56 @@ def listening_sockets(root_pid: int) -> dict[tuple[str, int], str]:
     return found
 
 
+def _descendants(pid: int) -> list:
+    """Every process under ``pid`` now, with its start time (a reused pid is not the same process)."""
+    out = []
+    for process in psutil.Process(pid).children(recursive=True):
+        try:
+            out.append((process, process.create_time()))
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _still(process, started: float) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE and process.create_time() == started
+    except psutil.NoSuchProcess:
+        return False
+
+
 def is_loopback(ip: str) -> bool:
     address = ipaddress.ip_address(ip.split("%")[0])
     mapped = getattr(address, "ipv4_mapped", None)
     return (mapped or address).is_loopback
 
 
-def test_a_local_run_listens_on_loopback_only_and_keeps_its_files_private(tmp_path):
+def test_a_local_run_listens_on_loopback_only_keeps_its_files_private_and_leaves_no_process(tmp_path):
+    """Watched while it trains, then killed with SIGKILL: no process of its
+    Ray is alive 10 s later (its reaper ends them)."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "rldsl", "run", "pipelines/sim_chaos.rlp", "--steps", "3",
+    proc = subprocess.Popen([sys.executable, "-m", "rldsl", "run", "pipelines/sim_chaos.rlp", "--steps", "200",
                              "--run-dir", str(run_dir)], cwd=ROOT, env=user_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     sockets: dict[tuple[str, int], str] = {}
+    metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
         sockets.update(listening_sockets(proc.pid))
+        if metrics.exists() and metrics.read_text().count('"lag_histogram"') >= 3:
+            break
         time.sleep(1.0)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.poll() is None, proc.communicate()[1][-3000:]  # still training
+    run_processes = _descendants(proc.pid)
+    proc.kill()  # SIGKILL: the driver shuts nothing down itself
+    _, err = proc.communicate(timeout=60)
     assert "Token authentication is enabled" not in err  # Ray's default, not repeated on every run
     assert len(sockets) >= 10, sockets  # Ray's services, every worker, TransferQueue: the listing saw the run
     exposed = {f"{ip}:{port}": name for (ip, port), name in sockets.items() if not is_loopback(ip)}
     assert not exposed, f"listening beyond loopback: {exposed}"
+    time.sleep(10)
+    alive = [f"{p.pid} {p.name()}" for p, started in run_processes if _still(p, started)]
+    assert not alive, f"alive 10 s after SIGKILL of rldsl run: {alive}"
     assert stat.S_IMODE(run_dir.stat().st_mode) & 0o077 == 0
     token_file = Path.home() / ".ray" / "auth_token"
     if token_file.exists():

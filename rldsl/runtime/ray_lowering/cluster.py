@@ -189,6 +189,9 @@ def start_ray(
                 raise ClusterError(_local_start_failure(error)) from None
             raise
         _remember_local(ray.get_runtime_context().gcs_address)
+        from rldsl.runtime.ray_lowering.reaper import start_reaper
+
+        start_reaper()  # Ray's processes end with this one, however it ends (a SIGKILL included)
         session = RaySession(_local_gcs, namespace, True, True, local=True)
         session.add_cleanup(restore)
         session.add_cleanup(restore_ray)

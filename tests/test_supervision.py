@@ -102,13 +102,16 @@ def test_killed_stateless_actors_are_replaced_and_the_run_finishes(tmp_path):
 
 
 @pytest.mark.ray
-def test_a_killed_trainer_rank_without_a_checkpoint_ends_the_run_with_a_named_error(tmp_path):
-    result, run_dir = run_and_kill(tmp_path, "actor-0")
+@pytest.mark.parametrize(("victim", "named"), [("actor-0", "trainer rank 0 of `actor` died"),
+                                               ("controller", "the controller died: its process ended")])
+def test_a_killed_trainer_rank_or_controller_without_a_checkpoint_ends_the_run_with_a_named_error(tmp_path, victim,
+                                                                                                  named):
+    result, run_dir = run_and_kill(tmp_path, victim)
     assert result.returncode == 3, result.stderr[-3000:]
-    assert "trainer rank 0 of `actor` died" in result.stderr
+    assert named in result.stderr and "OOM" not in result.stderr  # what died, not Ray's list of guesses
     assert "Traceback" not in result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["exit"] == "failed" and "trainer rank 0" in summary["error"]
+    assert summary["exit"] == "failed" and named in summary["error"]
     audited = audit(run_dir)
     assert audited.returncode == 0, audited.stdout + audited.stderr  # what did happen is consistent, if unfinished
 

@@ -38,6 +38,11 @@ class TrainerLost(StepFailed):
     (resume it from the last checkpoint)."""
 
 
+class ControllerLost(StepFailed):
+    """The controller's process died (killed, out of memory, crashed): the
+    run ends with the steps and checkpoints it made."""
+
+
 class SchedulerLost(RuntimeError):
     """The cluster's GPU lease scheduler is gone: no pipeline sharing GPUs can
     know whose turn it is, so each stops (the run's summary names it)."""

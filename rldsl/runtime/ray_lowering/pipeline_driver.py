@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rldsl.plan import PipelinePlan
+from rldsl.runtime.control.errors import ControllerLost
 from rldsl.runtime.control.settings import RunSettings
 from rldsl.runtime.ray_lowering.actor_process import run_actor
 from rldsl.runtime.ray_lowering.cluster import ACTOR_NUM_CPUS
@@ -253,7 +254,7 @@ class PipelineDriver(PipelineEvaluations):
         import ray
 
         done, _ = ray.wait([self.result_ref], timeout=0)
-        report = ray.get(self.controller.progress.remote(self._seen))
+        report = self._from_controller(self.controller.progress.remote(self._seen))
         for record in report["steps"]:
             self._record_step(record)
             if self.evaluations and self.evaluations.due(record["step"]):
@@ -264,6 +265,16 @@ class PipelineDriver(PipelineEvaluations):
         self._show_recoveries(report)
         self.traces.poll()
         return bool(done)
+
+    def _from_controller(self, ref):
+        """A controller call's answer; its death said as such (Ray's own text guesses at causes)."""
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as error:
+            raise ControllerLost(f"{self.prefix}the controller died: its process ended "
+                                 f"({_exit_detail(error)})") from None
 
     def _record_step(self, record: dict) -> None:
         self.progress.step(record)  # written before counted: a stop signal in between repeats it, never loses it
@@ -292,7 +303,7 @@ class PipelineDriver(PipelineEvaluations):
         StepFailed), the final evaluation, summary.json and the final table."""
         import ray
 
-        summary = ray.get(self.result_ref)
+        summary = self._from_controller(self.result_ref)
         said = save_final_checkpoint(self, summary["version"])  # every finished run can be exported
         if said:
             self.say(said)
@@ -425,3 +436,11 @@ def _logged_config(pipe: PipelinePlan) -> dict:
 def _entries(directory: Path) -> set[str]:
     """The names in ``directory`` (none when it does not exist yet)."""
     return {path.name for path in directory.iterdir()} if directory.is_dir() else set()
+
+
+def _exit_detail(error) -> str:
+    """Ray's one-line account of how an actor's process ended, without its list of guesses."""
+    text = " ".join(str(error).split())
+    start = text.find("Worker exit detail:")
+    detail = text[start + len("Worker exit detail:"):] if start >= 0 else text
+    return detail.split(". Some common causes")[0].strip().rstrip(".") or type(error).__name__

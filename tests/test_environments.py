@@ -17,7 +17,7 @@ from rldsl.runtime.engines.torch.train import TorchTrainer
 from rldsl.runtime.environments import DROP_REASONS, EpisodeStatus, episode_rewards
 from rldsl.runtime.environments.conversation import split_turn, transcript
 from rldsl.runtime.environments.episodes import EpisodeRunner
-from rldsl.runtime.environments.host import EnvironmentHost
+from rldsl.runtime.environments.host import CallFailure, EnvironmentHost
 from rldsl.runtime.environments.protocol import EnvironmentLoadError
 
 
@@ -148,6 +148,31 @@ FLAKY = """
                 return "obs", "not a number", True
             return "", 1.0, True
 """
+
+
+def test_a_hung_call_hands_its_process_slot_off_so_the_other_calls_go_on():
+    """One slot, a 4 s timeout: the hung step waits out its deadline in its
+    own process while the other episodes' steps run in a fresh one."""
+    import time
+
+    host = EnvironmentHost(f"flaky:Flaky@{_module_dir('flaky', FLAKY)}", 4.0, 1)
+    try:
+        states = {answer: host.call(("reset", "1+1=", answer))[1] for answer in ("hang", "ok")}
+        started, finished = time.monotonic(), {}
+
+        def step(answer: str, index: int) -> None:
+            reply = host.call(("step", states[answer], [], "2"))
+            finished[(answer, index)] = (time.monotonic() - started, reply)
+
+        calls = [("hang", 0)] + [("ok", i) for i in range(6)]
+        list(host._pool.map(lambda call: step(*call), calls))
+    finally:
+        host.close()
+    ok_times = [t for (answer, _), (t, _) in finished.items() if answer == "ok"]
+    assert max(ok_times) < 3.0, ok_times  # not behind the hung call's 4 s
+    hung_time, hung_reply = finished[("hang", 0)]
+    assert isinstance(hung_reply, CallFailure) and hung_reply.status == EpisodeStatus.TIMEOUT and hung_time >= 4.0
+    assert host.handed_off_total == 1
 
 
 def test_a_crashing_or_hanging_environment_drops_only_its_sample(model):

@@ -5,6 +5,12 @@ processes (process.py), with the environment's state pickled in and out, so
 any process can run any call. A call that overruns ``timeout_s`` has its
 process killed, a process that dies is reaped; either way only that call's
 episode fails (``EpisodeStatus``) and a fresh process takes the slot.
+
+A call that runs long (a tenth of the timeout, at least ``HAND_OFF_MIN_S``)
+hands its slot off: it waits out its deadline in its own process while the
+slot takes the next call in a fresh one, as the reward pool does, so a hung
+call costs its own episode and never the other episodes' calls. At most
+``HANDED_OFF_PER_PROCESS`` calls per slot wait out a deadline at once.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ from rldsl.runtime.reward_child import child_env
 from rldsl.runtime.reward_process import FrameBuffer, write_frame
 
 STARTUP_TIMEOUT_S = 120.0  # importing the environment's module may be slow; it is not a call's timeout
+HAND_OFF_SHARE = 0.1  # of the timeout a call runs in its slot before the slot is handed off
+HAND_OFF_MIN_S = 0.5  # ... and never sooner: most calls take milliseconds, a fresh process ~0.2 s
+HANDED_OFF_PER_PROCESS = 4  # calls waiting out their deadline outside the slots, per slot at most
 
 
 @dataclass(frozen=True)
@@ -57,12 +66,22 @@ class _Child:
             text = reply[1] if isinstance(reply, tuple) else f"environment {spec!r}: its process {reply}"
             raise EnvironmentLoadError(text)
 
-    def call(self, message, timeout_s: float | None):
+    def call(self, message, timeout_s: float | None, hand_off: tuple[float, object] | None = None):
+        """The answer, or a ``CallFailure``. ``hand_off``: ``(after_s, release)``,
+        ``release()`` called once the call has run ``after_s`` unanswered."""
         try:
             write_frame(self._to_child, message)
         except OSError:
             return CallFailure(EpisodeStatus.DIED, f"the environment process died ({self.kill()})")
-        reply = self.receive(None if not timeout_s else time.monotonic() + timeout_s)
+        deadline = None if not timeout_s else time.monotonic() + timeout_s
+        reply = "timed out"
+        if hand_off is not None and deadline is not None:
+            after_s, release = hand_off
+            reply = self.receive(min(deadline, time.monotonic() + after_s))
+            if reply == "timed out" and time.monotonic() < deadline:
+                release()
+        if reply == "timed out":
+            reply = self.receive(deadline)
         if reply == "timed out":
             self.kill()
             return CallFailure(EpisodeStatus.TIMEOUT, f"no answer within the {timeout_s:g}s timeout; "
@@ -102,22 +121,48 @@ class _Child:
 class EnvironmentHost:
     def __init__(self, spec: str, timeout_s: float | None, processes: int):
         self.spec, self.timeout_s = spec, timeout_s
-        self._slots = threading.Semaphore(max(1, processes))
+        self._processes = processes = max(1, processes)
+        self._slots = threading.Semaphore(processes)
         self._lock = threading.Lock()
         self._idle: list[_Child] = [_Child(spec)]  # the first at once: an environment that does not load fails here
-        self._pool = ThreadPoolExecutor(max(1, processes), thread_name_prefix="environment-call")
+        self._handed_off, self._max_handed_off = 0, HANDED_OFF_PER_PROCESS * processes
+        self.handed_off_total = 0  # calls that gave their slot up (for tests and diagnostics)
+        self._pool = ThreadPoolExecutor(processes + self._max_handed_off, thread_name_prefix="environment-call")
 
     def call(self, message):
         """The child's answer tuple, or a ``CallFailure``."""
-        with self._slots:
+        self._slots.acquire()
+        holding = [True]
+
+        def release() -> None:  # this call runs long: its slot takes the next call in a fresh process
+            with self._lock:
+                if self._handed_off >= self._max_handed_off:
+                    return
+                self._handed_off += 1
+                self.handed_off_total += 1
+            holding[0] = False
+            self._slots.release()
+
+        try:
             with self._lock:
                 child = self._idle.pop() if self._idle else None
             child = child if child is not None and child.alive else _Child(self.spec)
-            reply = child.call(message, self.timeout_s)
+            hand_off = (max(HAND_OFF_MIN_S, HAND_OFF_SHARE * self.timeout_s), release) if self.timeout_s else None
+            reply = child.call(message, self.timeout_s, hand_off)
             if not isinstance(reply, CallFailure):
                 with self._lock:
-                    self._idle.append(child)
+                    keep = len(self._idle) < self._processes  # a handed-off call's process is one too many
+                    if keep:
+                        self._idle.append(child)
+                if not keep:
+                    child.kill()
             return reply
+        finally:
+            if holding[0]:
+                self._slots.release()
+            else:
+                with self._lock:
+                    self._handed_off -= 1
 
     def map(self, messages: list) -> list:
         """Every call, in parallel over the processes; answers in order."""

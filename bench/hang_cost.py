@@ -11,7 +11,7 @@ side in one invocation.
   holding a CPU, on 2% of the samples (by a hash of the response and
   prompt), the reward stage's `timeout = 5s`.
 
-    python bench/hang_cost.py [--steps 10]
+    python bench/hang_cost.py [--steps 10] [--only environment|reward]
 
 Prints each run's training loop (summary.json `train_loop_s`), the samples
 each dropped, and the ratio to its clean run.
@@ -74,6 +74,7 @@ def run(pipeline_text: str, directory: Path, name: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--only", choices=("environment", "reward"), help="one case alone")
     args = parser.parse_args()
     multiturn = (ROOT / "pipelines" / "multiturn_arith.rlp").read_text()
     default = (ROOT / "pipelines" / "grpo_async.rlp").read_text()
@@ -89,6 +90,8 @@ def main() -> None:
         print("| user code | clean | with hangs | ratio | dropped with hangs |")
         print("|---|---:|---:|---:|---:|")
         for name, (clean_text, hanging_text) in cases.items():
+            if args.only and name != args.only:
+                continue
             assert clean_text != hanging_text, name
             clean = run(clean_text, directory, f"{name}-clean", args.steps)
             hanging = run(hanging_text, directory, f"{name}-hangs", args.steps)

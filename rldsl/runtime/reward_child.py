@@ -151,10 +151,22 @@ def timeout_failure(timeout_s: float) -> RewardFailure:
     return RewardFailure(REWARD_TIMEOUT, f"no result within the {timeout_s:g}s timeout; its process was killed")
 
 
+def lowest_priority(pid: int) -> None:
+    """A handed-off process (it will serve nothing more) runs at nice 19: a
+    hang that spins gets only the CPU that the run's own work leaves, not a
+    core of a small machine until its deadline."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
+    except OSError:  # gone already, or a platform without it: it is killed at its deadline anyway
+        pass
+
+
 def watch_handed_off(child: RewardChild, deadline: float, timeout_s: float, record: Callable[[object], None],
                      done: Callable[[RewardChild], None]) -> threading.Thread:
     """A thread that waits for the one sample ``child`` is running until
-    ``deadline``, records its result, kills the process and calls ``done``."""
+    ``deadline``, records its result, kills the process and calls ``done``;
+    meanwhile the process runs at the lowest priority."""
+    lowest_priority(child.process.pid)
 
     def watch() -> None:
         try:

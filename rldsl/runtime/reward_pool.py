@@ -311,7 +311,8 @@ class _Slot:
             self.pool.requeue(chunk)
             return
         for position, index in enumerate(chunk.indices):
-            reply = self._answer(child, functools.partial(chunk.call.record, index))
+            reply = self._answer(child, functools.partial(chunk.call.record, index),
+                                 more=position + 1 < len(chunk.indices))
             if reply is _HANDED_OFF:  # the process keeps this sample; the rest go to a new one
                 self._replace_child()
                 self.pool.requeue(chunk.rest(position + 1))
@@ -321,10 +322,11 @@ class _Slot:
                 return
             chunk.call.record(index, reply_result(reply))
 
-    def _answer(self, child: RewardChild, record):
+    def _answer(self, child: RewardChild, record, more: bool = False):
         """The running sample's answer, ``TIMED_OUT`` or ``DIED``; or
-        ``_HANDED_OFF`` when it ran long while other work waited and the pool
-        took its process over (``record`` then gets its result later)."""
+        ``_HANDED_OFF`` when it ran long while other work waited (``more``:
+        the rest of its own chunk) and the pool took its process over
+        (``record`` then gets its result later)."""
         timeout_s = self.pool.timeout_s
         if timeout_s is None:
             return child.receive(None)
@@ -332,7 +334,7 @@ class _Slot:
         deadline, patience = started + timeout_s, self.pool.hand_off_after()
         reply = child.receive(started + patience)
         while reply is TIMED_OUT and time.monotonic() < deadline:
-            if self.pool.work_waiting() and self.pool.hand_off(child, deadline, record):
+            if (more or self.pool.work_waiting()) and self.pool.hand_off(child, deadline, record):
                 self.child = None
                 return _HANDED_OFF
             reply = child.receive(min(deadline, time.monotonic() + min(patience, _POLL_S)))

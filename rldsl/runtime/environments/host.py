@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from rldsl.runtime.environments.protocol import EnvironmentLoadError, EpisodeStatus
-from rldsl.runtime.reward_child import child_env
+from rldsl.runtime.reward_child import child_env, lowest_priority
 from rldsl.runtime.reward_process import FrameBuffer, write_frame
 
 STARTUP_TIMEOUT_S = 120.0  # importing the environment's module may be slow; it is not a call's timeout
@@ -78,8 +78,8 @@ class _Child:
         if hand_off is not None and deadline is not None:
             after_s, release = hand_off
             reply = self.receive(min(deadline, time.monotonic() + after_s))
-            if reply == "timed out" and time.monotonic() < deadline:
-                release()
+            if reply == "timed out" and time.monotonic() < deadline and release():
+                lowest_priority(self.process.pid)  # handed off: it serves nothing more once it answers
         if reply == "timed out":
             reply = self.receive(deadline)
         if reply == "timed out":
@@ -134,14 +134,15 @@ class EnvironmentHost:
         self._slots.acquire()
         holding = [True]
 
-        def release() -> None:  # this call runs long: its slot takes the next call in a fresh process
+        def release() -> bool:  # this call runs long: its slot takes the next call in a fresh process
             with self._lock:
                 if self._handed_off >= self._max_handed_off:
-                    return
+                    return False
                 self._handed_off += 1
                 self.handed_off_total += 1
             holding[0] = False
             self._slots.release()
+            return True
 
         try:
             with self._lock:
@@ -151,7 +152,7 @@ class EnvironmentHost:
             reply = child.call(message, self.timeout_s, hand_off)
             if not isinstance(reply, CallFailure):
                 with self._lock:
-                    keep = len(self._idle) < self._processes  # a handed-off call's process is one too many
+                    keep = holding[0] and len(self._idle) < self._processes  # a handed-off one runs niced: not kept
                     if keep:
                         self._idle.append(child)
                 if not keep:

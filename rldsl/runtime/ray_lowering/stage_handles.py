@@ -219,8 +219,14 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
 
 
 def reward_calls_per_worker(stage) -> int:
-    """Calls a reward worker serves at once: one per reward process it owns."""
-    return int(stage.settings.get("processes", 1))
+    """Calls a reward worker serves at once: one per reward process it owns,
+    and one more for each sample its processes may hand off (reward_pool.py):
+    a call waiting out a hung sample's deadline does not hold back the calls
+    behind it, whose chunks queue for the pool's processes meanwhile."""
+    from rldsl.runtime.reward_pool import HANDED_OFF_PER_PROCESS
+
+    processes = int(stage.settings.get("processes", 1))
+    return processes * (1 + HANDED_OFF_PER_PROCESS)
 
 
 class _FreeWorkers:

@@ -165,6 +165,29 @@ def test_a_generator_replica_that_cannot_be_replaced_is_retired_and_the_run_goes
     assert calls_after_loss == [1]  # retired after its loss: nothing more is sent to it
 
 
+def test_a_rank_lost_for_good_is_recorded_once_and_said_once(capsys):
+    """What `retired` means to the user: a line and a summary entry, once per rank."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rldsl.runtime.control.errors import WorkerLost
+    from rldsl.runtime.ray_lowering.pipeline_driver import PipelineDriver
+    from rldsl.runtime.ray_lowering.supervision import ActorSpec, Supervisor
+
+    spec = ActorSpec("rollout", "generate", 1, object, (), {"name": "rollout-1"}, False)  # not replaceable
+    supervisor = Supervisor({"rollout": [spec, spec]}, {"rollout": ["actor-0", "dead"]})
+    for _ in range(2):  # two callers saw the death
+        with pytest.raises(WorkerLost):
+            asyncio.run(supervisor.replace("rollout", 1, "dead", RuntimeError("ActorDiedError: killed")))
+    assert supervisor.losses == [{"stage": "rollout", "rank": 1, "cause": "RuntimeError: ActorDiedError: killed"}]
+    driver = SimpleNamespace(traces=SimpleNamespace(replace=lambda *a: None), _recoveries_shown=0, _losses_shown=0,
+                             prefix="", say=lambda text: print(text))
+    for _ in range(2):  # two polls
+        PipelineDriver._show_recoveries(driver, {"recoveries": [], "losses": supervisor.losses})
+    said = capsys.readouterr().out
+    assert said.count("lost: rollout-1 died and could not be replaced") == 1 and "the run goes on" in said
+
+
 TORCH_WITH_EVALUATION = """
 pipeline chaos
 cluster { nodes = 1  gpus_per_node = 2 }

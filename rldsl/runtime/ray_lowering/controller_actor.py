@@ -114,6 +114,8 @@ class ControllerActor:
         summary = self.controller.summary()
         summary["steps"] += self.step_offset
         summary["recoveries"] = [vars(r) for r in self.supervisor.recoveries]
+        if self.supervisor.losses:
+            summary["lost_workers"] = list(self.supervisor.losses)
         summary["weight_transport"] = self._transport_figures()
         if self.journal_file is not None and self.journal_file.repairs:  # a torn line mended before appending
             summary["journal_repairs"] = list(self.journal_file.repairs)
@@ -186,6 +188,7 @@ class ControllerActor:
         """Every replaced actor so far (the driver shows the new ones) and the
         new handles, so the driver drains the replacements' traces."""
         return {"recoveries": [vars(r) for r in self.supervisor.recoveries],
+                "losses": list(self.supervisor.losses),
                 "replaced": dict(self.supervisor.replaced_handles)}
 
     def trace(self) -> list[dict]:

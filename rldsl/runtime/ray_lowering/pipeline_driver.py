@@ -56,6 +56,7 @@ class PipelineDriver(PipelineEvaluations):
         self.summary: dict | None = None  # what summary.json says, once written
         self._evaluator_given_up = False
         self._recoveries_shown = 0
+        self._losses_shown = 0
 
     def actor_count(self) -> int:
         return sum(len(s.ranks) for s in self.pipe.stages) + 1 + self.pipe.has_evaluator  # + controller, evaluator
@@ -297,6 +298,11 @@ class PipelineDriver(PipelineEvaluations):
             self.say(f"recovered: {recovery['stage']}-{recovery['rank']} died ({recovery['cause']}); "
                      f"a new actor took its place in {recovery['seconds']:.1f}s and the work it held was redone")
         self._recoveries_shown = len(recoveries)
+        losses = report.get("losses", [])
+        for loss in losses[self._losses_shown:]:
+            self.say(f"lost: {loss['stage']}-{loss['rank']} died and could not be replaced ({loss['cause']}); "
+                     "the run goes on without it (its work is dropped as worker_died)")
+        self._losses_shown = len(losses)
 
     def complete(self) -> int:
         """The controller's summary (its error raised as PipelineStalled /

@@ -62,13 +62,15 @@ class Supervisor:
 
     ``on_replaced(spec, actor)`` runs after a replacement is ready and before
     any call reaches it (weights from the host cache); ``recoveries`` lists
-    every replacement, for the run's messages and summary."""
+    every replacement, ``losses`` every rank that died and could not be
+    replaced, for the run's messages and summary."""
 
     def __init__(self, specs: dict[str, list[ActorSpec]], actors: dict[str, list]) -> None:
         self.specs = specs
         self.actors = {name: list(handles) for name, handles in actors.items()}
         self.on_replaced: Callable[[ActorSpec, Any], Awaitable[None]] | None = None
         self.recoveries: list[Recovery] = []
+        self.losses: list[dict] = []  # {"stage", "rank", "cause"}: a rank gone for good, said once
         self.replaced_handles: dict[str, Any] = {}  # actor name -> its newest handle, for the driver
         self._replacing: dict[tuple[str, int], asyncio.Task] = {}
 
@@ -89,7 +91,7 @@ class Supervisor:
             return await getattr(replacement, method).remote(*args)
         except Exception as error:
             if _is_actor_death(error):
-                raise WorkerLost(stage, rank, f"its replacement died too: {_short(error)}") from None
+                raise self._lost(stage, rank, f"its replacement died too: {_short(error)}") from None
             raise
 
     async def replace(self, stage: str, rank: int, dead: Any, cause: BaseException) -> Any:
@@ -98,7 +100,7 @@ class Supervisor:
             return self.actor(stage, rank)  # another caller already replaced it
         spec = self.specs[stage][rank]
         if not spec.replaceable:
-            raise WorkerLost(stage, rank, _short(cause))
+            raise self._lost(stage, rank, _short(cause))
         key = (stage, rank)
         if key not in self._replacing:
             self._replacing[key] = asyncio.ensure_future(self._start_replacement(spec, cause))
@@ -122,11 +124,18 @@ class Supervisor:
             if self.on_replaced is not None:
                 await self.on_replaced(spec, actor)
         except Exception as error:  # noqa: BLE001 - any failure to rebuild is the same loss
-            raise WorkerLost(spec.stage, spec.rank, f"{_short(cause)}; no replacement: {_short(error)}") from None
+            raise self._lost(spec.stage, spec.rank, f"{_short(cause)}; no replacement: {_short(error)}") from None
         self.actors[spec.stage][spec.rank] = actor
         self.replaced_handles[spec.options.get("name", name)] = actor
         self.recoveries.append(Recovery(spec.stage, spec.rank, _short(cause), time.monotonic() - started))
         return actor
+
+
+    def _lost(self, stage: str, rank: int, detail: str) -> WorkerLost:
+        """The loss of a rank, recorded once per rank, as the error its callers get."""
+        if not any(loss["stage"] == stage and loss["rank"] == rank for loss in self.losses):
+            self.losses.append({"stage": stage, "rank": rank, "cause": detail})
+        return WorkerLost(stage, rank, detail)
 
 
 async def _ready(actor) -> None:

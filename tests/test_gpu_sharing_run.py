@@ -46,7 +46,9 @@ pytestmark = [pytest.mark.ray]
 
 
 def test_a_dead_gpu_scheduler_stops_every_pipeline_with_a_named_error(tmp_path):
-    result, run_dir = run_and_kill(tmp_path, "gpu-scheduler", text=SHARED, metrics="a/metrics.jsonl")
+    # killed once both pipelines have 2 steps (taking turns, either may be a step behind the other)
+    result, run_dir = run_and_kill(tmp_path, "gpu-scheduler", text=SHARED,
+                                   metrics=("a/metrics.jsonl", "b/metrics.jsonl"))
     stderr = result.stderr
     assert result.returncode == 3, stderr[-3000:]
     assert "GPU lease scheduler actor `gpu-scheduler` died" in stderr

@@ -136,3 +136,4 @@ def test_a_run_keeps_its_overrides_and_a_resume_reuses_them(sim_run_with_overrid
     resumed = rldsl_here("run", "--resume", str(run_dir))  # its newest checkpoint holds every step: nothing starts
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "nothing to do: 5 of 5 steps are done" in resumed.stderr  # the resumed run kept steps = 5
+    assert "starting Ray" not in resumed.stderr  # decided from run.json and the checkpoint alone

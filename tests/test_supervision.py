@@ -24,18 +24,19 @@ CHAOS = (ROOT / "pipelines" / "sim_chaos.rlp").read_text()
 
 
 def run_and_kill(tmp_path: Path, victims: str | list[str], checkpoint_every: int = 0, text: str | None = None,
-                 steps: int = STEPS, kill_after: int = 2, args: tuple[str, ...] = (), metrics: str = "metrics.jsonl"):
+                 steps: int = STEPS, kill_after: int = 2, args: tuple[str, ...] = (),
+                 metrics: str | tuple[str, ...] = "metrics.jsonl"):
     """`rldsl run ARGS` on the session's Ray; each of ``victims`` (actor names) killed in turn, the first once
-    ``kill_after`` steps are in ``metrics`` (of the run directory), each next one that many steps after the
-    one before was replaced."""
+    ``kill_after`` steps are in ``metrics`` (of the run directory; several: in each), each next one that many
+    steps after the one before was replaced."""
     victims = [victims] if isinstance(victims, str) else victims
     source, run_dir = tmp_path / "chaos.rlp", tmp_path / "run"
     source.write_text(text or CHAOS.replace("steps = 600", f"steps = {steps}")
                       .replace("checkpoint_every = 25", f"checkpoint_every = {checkpoint_every}"))
     killed = []
     shared_ray()  # up before the killer looks for its victims
-    killer = threading.Thread(target=_kill_in_turn, args=(run_dir / metrics, victims, killed, kill_after),
-                              daemon=True)
+    files = [run_dir / name for name in ((metrics,) if isinstance(metrics, str) else metrics)]
+    killer = threading.Thread(target=_kill_in_turn, args=(files, victims, killed, kill_after), daemon=True)
     killer.start()
     result = rldsl_here("run", str(source), "--run-dir", str(run_dir), *args)
     killer.join(timeout=5)
@@ -43,16 +44,16 @@ def run_and_kill(tmp_path: Path, victims: str | list[str], checkpoint_every: int
     return result, run_dir
 
 
-def _kill_in_turn(metrics: Path, victims: list[str], killed: list, every: int, timeout_s: float = 180) -> None:
+def _kill_in_turn(metrics: list[Path], victims: list[str], killed: list, every: int, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     after = 0  # steps done when the last victim's replacement was up
     for victim in victims:
-        _wait(lambda: _steps(metrics) >= after + every, deadline)
+        _wait(lambda: min(_steps(path) for path in metrics) >= after + every, deadline)
         ray.kill(ray.get_actor(victim))
         killed.append(victim)
         if victim != victims[-1]:  # the supervisor names a replacement NAME~1
             _wait(lambda: _exists(f"{victim}~1"), deadline)
-            after = _steps(metrics)
+            after = min(_steps(path) for path in metrics)
 
 
 def _steps(metrics: Path) -> int:

@@ -84,7 +84,7 @@ class PipelineEvaluations:
             self._show_result(result, said=True)
         for entry in skipped:
             self.say(f"eval @ step {entry['step']} (weights v{entry['version']}) was still running at the stop: "
-                     "skipped; a resume from that version evaluates it first")
+                     f"skipped (a resume from a checkpoint of version {entry['version']} evaluates it first)")
         return {"done": self.evaluations.done, "skipped": skipped}
 
     def redo_skipped_evaluations(self, version: int) -> None:

@@ -8,8 +8,9 @@ which then linger for about a minute. The reaper is a small process of its
 own session (a signal to the driver does not reach it) that, while the
 driver and Ray's head processes live, keeps a list of every process under
 those; once the driver is gone or Ray has shut down, it sends each one still
-alive SIGTERM, then SIGKILL after a short wait, and exits. It touches only those processes (a pid is checked
-against its start time, so a reused pid is never hit).
+alive SIGTERM, then SIGKILL after a short wait, and exits. It touches only
+those processes (a pid is checked against its start time, so a reused pid
+is never hit).
 
     python -m rldsl.runtime.ray_lowering.reaper DRIVER_PID HEAD_PID...
 """

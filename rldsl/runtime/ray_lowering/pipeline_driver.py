@@ -21,7 +21,7 @@ from rldsl.runtime.ray_lowering.final_checkpoint import save_final_checkpoint
 from rldsl.runtime.ray_lowering.pipeline_evaluations import PipelineEvaluations, previous_evals
 from rldsl.runtime.ray_lowering.progress import Progress, rewind_metrics
 from rldsl.runtime.ray_lowering.stage_handles import reward_calls_per_worker
-from rldsl.runtime.ray_lowering.supervision import ActorSpec, root_cause
+from rldsl.runtime.ray_lowering.supervision import ActorSpec, exit_detail, root_cause
 from rldsl.runtime.ray_lowering.trace import TraceCollector
 
 
@@ -275,7 +275,7 @@ class PipelineDriver(PipelineEvaluations):
             return ray.get(ref)
         except ray.exceptions.RayActorError as error:
             raise ControllerLost(f"{self.prefix}the controller died: its process ended "
-                                 f"({_exit_detail(error)})") from None
+                                 f"({exit_detail(error)})") from None
 
     def _record_step(self, record: dict) -> None:
         self.progress.step(record)  # written before counted: a stop signal in between repeats it, never loses it
@@ -307,8 +307,6 @@ class PipelineDriver(PipelineEvaluations):
     def complete(self) -> int:
         """The controller's summary (its error raised as PipelineStalled /
         StepFailed), the final evaluation, summary.json and the final table."""
-        import ray
-
         summary = self._from_controller(self.result_ref)
         said = save_final_checkpoint(self, summary["version"])  # every finished run can be exported
         if said:
@@ -442,11 +440,3 @@ def _logged_config(pipe: PipelinePlan) -> dict:
 def _entries(directory: Path) -> set[str]:
     """The names in ``directory`` (none when it does not exist yet)."""
     return {path.name for path in directory.iterdir()} if directory.is_dir() else set()
-
-
-def _exit_detail(error) -> str:
-    """Ray's one-line account of how an actor's process ended, without its list of guesses."""
-    text = " ".join(str(error).split())
-    start = text.find("Worker exit detail:")
-    detail = text[start + len("Worker exit detail:"):] if start >= 0 else text
-    return detail.split(". Some common causes")[0].strip().rstrip(".") or type(error).__name__

@@ -156,3 +156,11 @@ def root_cause(err: BaseException) -> str:
     cause = cause or err
     lines = [line for line in str(cause).strip().splitlines() if line.strip()]
     return f"{type(cause).__name__}: {lines[-1] if lines else ''}"
+
+
+def exit_detail(error) -> str:
+    """Ray's one-line account of how an actor's process ended, without its list of guesses."""
+    text = " ".join(str(error).split())
+    start = text.find("Worker exit detail:")
+    detail = text[start + len("Worker exit detail:"):] if start >= 0 else text
+    return detail.split(". Some common causes")[0].strip().rstrip(".") or type(error).__name__

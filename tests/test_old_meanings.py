@@ -20,6 +20,7 @@ from rldsl.compiler.driver import compile_source
 from rldsl.compiler.fmt import format_source
 from rldsl.compiler.old_meanings import KEPT_MEANINGS
 from tests.runs import rldsl_here
+from tests.test_fence import POLICY_LOGPROB
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -90,22 +91,9 @@ def test_fmt_fix_writes_the_sync_and_says_so(tmp_path):
     assert rldsl_here("check", "--strict", str(path)).returncode == 0
 
 
-SIM_SCORER = """
-pipeline fenced
-cluster { nodes = 1  gpus_per_node = 2 }
-model policy { source = "builtin:tiny-lm" }
-dataset prompts { source = "builtin:arith" }
-stage generate rollout {
-  model = policy  engine = sim(latency = 20ms)  gpus = 1  samples_per_prompt = 4  logprobs = false
-}
-stage reward score { fn = "rldsl.rewards:exact_match" }
-stage logprob behaviour { model = policy  engine = sim(latency = 30ms)  colocate = actor }
-stage train actor { model = policy  engine = sim(latency = 20ms)  gpus = 1  prompts_per_step = 4  micro_batch = 4 }
-stage sync weights { from = actor  to = rollout }
-flow prompts -> rollout -> score -> behaviour -> actor
-staleness { max_lag = 1 }
-run { steps = 6  watchdog = 60s  eval_every = 0 }
-"""
+# test_fence's pipeline with its scorer left out of the sync, as old files wrote it
+SIM_SCORER = POLICY_LOGPROB.replace("to = [rollout, behaviour]", "to = rollout").replace("steps = 8", "steps = 6")
+assert SIM_SCORER.count("to = rollout") == 1 and "steps = 6" in SIM_SCORER  # the sync no longer reaches the scorer
 
 
 @pytest.mark.ray

@@ -58,18 +58,17 @@ class EvalSampling:
         return self.temperature == 0
 
 
-def score(responses: list[list[str]], prompts: list, metric=None) -> dict:
+def score(responses: list[list[str]], prompts: list, metric: "EvalMetric | None" = None) -> dict:
     """``accuracy``: the metric (exact match by default) averaged over every
     response; ``pass_at_k``: the share of prompts with at least one response
     scoring full marks (1 or more) among its k; ``failed``: responses the
     metric could not score (counted as 0)."""
     from rldsl.rewards import exact_match
 
-    if isinstance(metric, EvalMetric):  # the run's own: every response at once, in its killable processes
+    if metric is not None:  # the run's own: every response at once, in its killable processes
         scored = metric.score_groups(responses, prompts)
     else:
-        metric = metric or (lambda response, prompt: (exact_match(response, prompt.answer, prompt.text), None))
-        scored = [[metric(r, p) for r in group] for group, p in zip(responses, prompts)]
+        scored = [[(exact_match(r, p.answer, p.text), None) for r in group] for group, p in zip(responses, prompts)]
     rewards = [[value or 0.0 for value, _ in group] for group in scored]
     total = sum(len(group) for group in rewards)
     out = {"accuracy": sum(map(sum, rewards)) / max(total, 1),
@@ -119,10 +118,6 @@ class EvalMetric:
             scored.append(totals[start:start + len(group)])
             start += len(group)
         return scored
-
-    def __call__(self, response: str, prompt) -> tuple[float | None, str | None]:
-        (result,), = self.score_groups([[response]], [prompt])
-        return result
 
     def close(self) -> None:
         for pool in self.pools:

@@ -24,19 +24,13 @@ class Progress:
         what they call and record the run; ``first_step``: a resumed run's
         (the steps from there on are trained again, so the loggers drop
         what they hold of them)."""
-        from rich.console import Console
-
         from rldsl.runtime.ray_lowering.loggers import MetricLoggers
 
         self.settings, self.prefix, self.want_live = settings, prefix, live
         self.metrics_path = run_dir / "metrics.jsonl"
         self.loggers = MetricLoggers(log, run_dir, name, config, first_step)
-        self.console = Console(stderr=True)  # progress, as it happens
-        if not self.console.is_terminal:  # logs: one unwrapped line per step
-            self.console = Console(stderr=True, width=400)
-        self.results = Console()  # the final table: stdout, as `check`, `plan` and `report` answer
-        if not self.results.is_terminal:
-            self.results = Console(width=120)
+        self.console = _console(stderr=True, log_width=400)  # progress; in a log, one unwrapped line per step
+        self.results = _console(stderr=False, log_width=120)  # the final table: stdout, as `check` and `plan`
         self.live = None
         self.started = time.monotonic()
         self.last: dict = {}
@@ -172,6 +166,14 @@ class Progress:
         from rldsl.runtime.ray_lowering.loggers import step_scalars
 
         self.loggers.log(step_scalars(record), record["step"])
+
+
+def _console(stderr: bool, log_width: int):
+    """A rich console on stderr or stdout, ``log_width`` wide when it is no terminal."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=log_width)
 
 
 def _hist(histogram: dict) -> str:

@@ -179,6 +179,24 @@ def make_batch(shape: hmw.LlamaShape) -> dict:
     return batch
 
 
+def reference_logprobs(megatron, shape, weights, batch) -> torch.Tensor:
+    """The batch's response logprobs under ``weights``, one forward, no DDP."""
+    model = megatron.build_gpt_model(shape, megatron.transformer_config(shape, "fp32"))
+    megatron.load_hf_weights(model, weights, shape)
+    packed = megatron.pack_rows(batch, "cpu")
+    with torch.no_grad():
+        return megatron.response_logprobs_from_logits(megatron.forward_logits(model, packed), packed)
+
+
+def engine_mismatch(trainer_logprobs, batch, same_version: torch.Tensor) -> dict[str, float]:
+    """``mismatch/...`` as the torch trainer reports it, computed over the whole batch at once."""
+    on = (batch["response_mask"] > 0) & same_version[:, None]
+    delta = (trainer_logprobs - batch["behaviour_logprobs"]).double()[on]
+    return {"mismatch/tokens": float(on.sum()), "mismatch/abs_diff_mean": float(delta.abs().mean()),
+            "mismatch/abs_diff_max": float(delta.abs().max()),
+            "mismatch/kl": float((torch.exp(delta) - 1 - delta).mean())}
+
+
 def reference_gradients(megatron, shape, weights, batch, config, device="cpu") -> dict[str, torch.Tensor]:
     """One forward/backward over the whole batch of the normalised loss, no DDP."""
     model = megatron.build_gpt_model(shape, megatron.transformer_config(shape, "fp32")).to(device)
@@ -481,6 +499,8 @@ def _parallel_worker(rank: int, port: int, results: dict):
                                        overlap_grad_reduce=overlap)
                 dp_size = parallel_state.get_data_parallel_world_size()
                 rows = DP2_MICROBATCHES[parallel_state.get_data_parallel_rank()] if dp_size == 2 else [(0, 4), (4, 10)]
+                # step 1's rows generated at version 1 are on the trainer's own weights (lr 0: version 0's)
+                batch["version"] = torch.arange(ROWS) % 2
                 for step in range(2):
                     trainer.begin_train_step(step)
                     for start, stop in rows:
@@ -509,6 +529,11 @@ def test_data_tensor_and_pipeline_parallel_gradients_and_export_on_two_ranks(meg
     shape = PARALLEL_SHAPE
     weights, batch = random_hf_weights(shape, seed=1), make_batch(shape)
     expected = reference_gradients(megatron, shape, weights, batch, PolicyLossConfig(kl=0.05))
+    logprobs = reference_logprobs(megatron, shape, weights, batch)
+    mismatch = engine_mismatch(logprobs, batch, torch.arange(ROWS) % 2 == 1)
+    # the ratio pi_trainer / pi_generator of the last step over every token: its extremes
+    ratio = torch.exp(logprobs - batch["behaviour_logprobs"])[batch["response_mask"] > 0]
+    ratio_extremes = float(ratio.max()), float(ratio.min())
     with mp.Manager() as manager:
         shared = manager.dict()
         mp.spawn(_parallel_worker, args=(port, shared), nprocs=2, join=True)
@@ -527,3 +552,8 @@ def test_data_tensor_and_pipeline_parallel_gradients_and_export_on_two_ranks(meg
         assert exported.keys() == weights.keys() and all(torch.equal(exported[n], weights[n]) for n in weights)
         assert metrics == results[(*layout, 1)][3]  # every rank reports the same global metrics
         assert metrics["tokens"] == float(batch["response_mask"].sum())
+        # the generator's logprobs against the trainer's: sums over dp ranks, extremes by max over dp and pp
+        for name, value in mismatch.items():
+            assert metrics[name] == pytest.approx(value, rel=1e-5), (layout, name)
+        assert metrics["mismatch_ratio_max"] == pytest.approx(ratio_extremes[0], rel=1e-5), layout
+        assert metrics["mismatch_ratio_min"] == pytest.approx(ratio_extremes[1], rel=1e-5), layout

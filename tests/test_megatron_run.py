@@ -135,6 +135,9 @@ def test_megatron_dp2_trainer_and_tp2_reference_push_into_vllm_on_policy_checkpo
     # step: the pushed (HF-named, converted) weights are the ones vLLM generated with
     ratios = [s["trainer"]["mean_ratio"] for s in steps]
     assert all(abs(r - 1.0) < RATIO_TOLERANCE for r in ratios), ratios
+    # the same, token by token: every row is on the trainer's weights (mismatch/..., as the torch trainer reports)
+    same_weights = [(s["trainer"]["mismatch/tokens"], s["trainer"]["mismatch/abs_diff_max"]) for s in steps]
+    assert all(tokens > 0 and largest < RATIO_TOLERANCE for tokens, largest in same_weights), same_weights
     assert steps[-1]["trainer"]["kl"] > 0  # the tp = 2 reference wrote ref_logprobs and the policy moved off them
     marker = json.loads((run_dir / "checkpoints" / "v000002" / "trainer.json").read_text())
     assert marker == {"engine": "megatron", "ranks": 2, "version": 2}

@@ -8,16 +8,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from rldsl.runtime.engines.policy_loss import EXTREME_STATS, merge_stats, no_stats
 from rldsl.runtime.protocols import Batch, trained_tokens
 
 COUNTS = ("tokens", "sequences")
-# extremes: not reduced here; ``loss_count``: the loss's own count (PolicyLossConfig.count_name)
+# ``loss_count``: the loss's own count (PolicyLossConfig.count_name); ``engine_*``: the generator against
+# the trainer on the same weights (policy_loss.engine_mismatch_stats)
 LOSS_STATS = ("loss_sum", "kl_sum", "clipped_tokens", "dual_clipped_tokens", "capped_tokens", "ratio_sum",
-              "mismatch_kl_sum", "mismatch_k3_sum", "mismatch_ratio_sum", "loss_count")
+              "mismatch_kl_sum", "mismatch_k3_sum", "mismatch_ratio_sum", "engine_tokens", "engine_abs_diff_sum",
+              "engine_k3_sum", "loss_count")
 
 
 def no_sums() -> dict[str, float]:
-    return dict.fromkeys(COUNTS + LOSS_STATS, 0.0)
+    """Zero sums and empty extremes (``EXTREME_STATS``, combined by max / min)."""
+    return {**dict.fromkeys(COUNTS + LOSS_STATS, 0.0), **{name: no_stats()[name] for name in EXTREME_STATS}}
 
 
 def counted(chunks: list[Batch]) -> dict[str, float]:
@@ -50,8 +54,7 @@ class OpenStep:
     failed: bool = False
 
     def add(self, sums: dict[str, float], pipeline_microbatches: int) -> None:
-        for name, value in sums.items():
-            self.sums[name] += value
+        merge_stats(self.sums, sums)
         self.pipeline_microbatches += pipeline_microbatches
 
     def restart_sums(self) -> tuple[dict[str, float], int]:
@@ -63,14 +66,21 @@ class OpenStep:
 
 def global_sums(sums: dict[str, float], device) -> dict[str, float]:
     """Counts summed over data-parallel ranks; loss statistics also over
-    pipeline stages (only the last stage computes the loss)."""
+    pipeline stages (only the last stage computes the loss); the extremes by
+    a MAX over both (a minimum as the max of its negation)."""
     from megatron.core import parallel_state
 
     counts = torch.tensor([sums[name] for name in COUNTS], dtype=torch.float64, device=device)
     stats = torch.tensor([sums[name] for name in LOSS_STATS], dtype=torch.float64, device=device)
+    signs = [1.0 if combine is max else -1.0 for combine in EXTREME_STATS.values()]
+    extremes = torch.tensor([sign * sums[name] for sign, name in zip(signs, EXTREME_STATS)], dtype=torch.float64,
+                            device=device)
     if dist.get_world_size() > 1:
         data_parallel = parallel_state.get_data_parallel_group()
+        pipeline = parallel_state.get_pipeline_model_parallel_group()
         dist.all_reduce(counts, group=data_parallel)
-        dist.all_reduce(stats, group=data_parallel)
-        dist.all_reduce(stats, group=parallel_state.get_pipeline_model_parallel_group())
-    return dict(zip(COUNTS + LOSS_STATS, counts.tolist() + stats.tolist()))
+        for group in (data_parallel, pipeline):
+            dist.all_reduce(stats, group=group)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    return {**dict(zip(COUNTS + LOSS_STATS, counts.tolist() + stats.tolist())),
+            **{name: sign * value for sign, name, value in zip(signs, EXTREME_STATS, extremes.tolist())}}

@@ -64,7 +64,15 @@ from rldsl.runtime.engines.megatron import state as ms
 from rldsl.runtime.engines.megatron.hf_weights import LlamaShape
 from rldsl.runtime.engines.megatron.open_step import LOSS_STATS, OpenStep, counted, global_sums, no_sums
 from rldsl.runtime.engines.megatron.proximal import PROXIMAL, ProximalPass
-from rldsl.runtime.engines.policy_loss import PolicyLossConfig, policy_loss, rollout_metrics, step_metrics
+from rldsl.runtime.engines.policy_loss import (
+    EXTREME_STATS,
+    PolicyLossConfig,
+    engine_mismatch_stats,
+    merge_stats,
+    policy_loss,
+    rollout_metrics,
+    step_metrics,
+)
 from rldsl.runtime.engines.schedule import LRSchedule
 from rldsl.runtime.engines.torch.packing import forward_rows, take_rows, trim_padding
 from rldsl.runtime.protocols import (
@@ -72,6 +80,7 @@ from rldsl.runtime.protocols import (
     FIELD_BEHAVIOUR_LOGPROBS,
     FIELD_REF_LOGPROBS,
     FIELD_RESPONSE_IDS,
+    FIELD_VERSION,
     Batch,
     StepResult,
     trained_tokens,
@@ -302,11 +311,16 @@ class MegatronTrainer(ProximalPass):
         """The schedule's loss function: (un-normalised sum, local count, logged values)."""
         fields = packed.batch
         ref = fields.get(FIELD_REF_LOGPROBS)
-        result = policy_loss(mm.response_logprobs_from_logits(logits, packed), fields[FIELD_BEHAVIOUR_LOGPROBS],
-                             fields[FIELD_ADVANTAGE], trained_tokens(fields), self.loss, ref, fields.get(PROXIMAL))
-        sums["loss_sum"] += float(result.loss_sum.detach())
-        for name in LOSS_STATS[1:]:
-            sums[name] += result.stats[name]
+        logprobs, behaviour, mask = (mm.response_logprobs_from_logits(logits, packed),
+                                     fields[FIELD_BEHAVIOUR_LOGPROBS], trained_tokens(fields))
+        proximal = fields.get(PROXIMAL)
+        result = policy_loss(logprobs, behaviour, fields[FIELD_ADVANTAGE], mask, self.loss, ref, proximal)
+        if FIELD_VERSION in fields and (proximal is not None or not self._open.taken):  # the step's first weights
+            start = logprobs.detach() if proximal is None else proximal.to(logprobs.device)
+            result.stats.update(engine_mismatch_stats(start, behaviour, mask, fields[FIELD_VERSION] == self.version))
+        merge_stats(sums, {"loss_sum": float(result.loss_sum.detach()),
+                           **{name: result.stats[name] for name in (*LOSS_STATS[1:], *EXTREME_STATS)
+                              if name in result.stats}})
         count = torch.tensor(int(result.count), dtype=torch.int, device=logits.device)
         return result.loss_sum, count, {}
 

@@ -16,7 +16,9 @@ import pytest
 
 from tests.runs import rldsl_here
 
-SIM_OVERRIDES = ["run.steps=5", "run.checkpoint_every=1", "run.keep_checkpoints=2", "run.log=[mlflow]"]
+# the lean shape (tests/runs.py LEAN_SIM_ASYNC): none of the tests reading this run is about dp 2
+SIM_OVERRIDES = ["run.steps=5", "run.checkpoint_every=1", "run.keep_checkpoints=2", "run.log=[mlflow]",
+                 "rollout.gpus=1", "actor.gpus=1", "score.workers=1"]
 TORCH_STEPS = 2
 RLOO_STEPS = 5
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,10 +54,11 @@ def sim_run_with_overrides(tmp_path_factory) -> SharedRun:
 
 @pytest.fixture(scope="session")
 def torch_run(tmp_path_factory) -> SharedRun:
-    """`pipelines/grpo_async.rlp` for TORCH_STEPS steps, checkpointed after
-    each: trains and evaluates (test_run_e2e.py), exports (test_export.py)."""
-    return _run(tmp_path_factory.mktemp("torch") / "run", "pipelines/grpo_async.rlp", "--steps", str(TORCH_STEPS),
-                "--set", "run.checkpoint_every=1")
+    """`pipelines/grpo_async.rlp` for TORCH_STEPS steps of its 20-step checkpoint grid: trains and
+    evaluates (test_run_e2e.py), writes its final checkpoint all the same (test_final_checkpoint.py),
+    exports it (test_export.py)."""
+    return _run(tmp_path_factory.mktemp("torch") / "run", "pipelines/grpo_async.rlp", "--set",
+                f"run.steps={TORCH_STEPS}")
 
 
 @pytest.fixture(scope="session")

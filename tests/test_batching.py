@@ -145,7 +145,9 @@ def test_requests_arriving_mid_decode_join_and_leave_one_by_one():
     generator = HookedGenerator(small_model(), on_step, max_new_tokens=8, temperature=0.0)
     batcher = ContinuousBatcher(generator)
     submissions = [Submission(batcher, first)]
-    early, late = submissions[0].result(), submissions[1].result()
+    early = submissions[0].result()
+    assert len(submissions) == 2, f"the first request ended before the second arrived: {early!r}"
+    late = submissions[1].result()
     assert submissions[0].finished_at < submissions[1].finished_at
     assert_same_batch(early, reference(0, first, max_new_tokens=8, temperature=0.0))
     assert_same_batch(late, reference(0, second, max_new_tokens=8, temperature=0.0))

@@ -18,7 +18,7 @@ from rldsl.runtime.ray_lowering.checkpoint import (
     prune_checkpoints,
 )
 
-from tests.runs import rldsl_here
+from tests.runs import LEAN_SIM_ASYNC, rldsl_here
 from tests.shared_runs import SIM_OVERRIDES, copy_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +86,7 @@ def test_a_resume_keeps_the_steps_a_run_in_epochs_was_started_with(tmp_path):
     pipeline = tmp_path / "epochs.rlp"
     pipeline.write_text(text.replace("run { steps = 5", "run { epochs = 1  checkpoint_every = 1"))
     run_dir = tmp_path / "run"
-    first = rldsl_here("run", str(pipeline), "--steps", "4", "--run-dir", str(run_dir))
+    first = rldsl_here("run", str(pipeline), *LEAN_SIM_ASYNC, "--steps", "4", "--run-dir", str(run_dir))
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = rldsl_here("run", "--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
-def _rank(rank: int, store: str, answers) -> None:
+def _rank(rank: int, store: str, answers, answered) -> None:
     import torch.distributed as dist
 
     from rldsl.runtime.ray_lowering.rendezvous import CollectiveTimeout, _set_collective_timeout, collectives_named
@@ -23,8 +23,8 @@ def _rank(rank: int, store: str, answers) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=0.5 if rank == 0 else 30))  # what a late rendezvous leaves
     _set_collective_timeout(dist)
-    if rank == 1:  # a rank that hangs: it never joins the collective
-        time.sleep(8)
+    if rank == 1:  # a rank that hangs: it never joins the collective (until rank 0 has its answer)
+        answered.wait(timeout=8)
         return
     started = time.monotonic()
     try:
@@ -37,11 +37,13 @@ def _rank(rank: int, store: str, answers) -> None:
 
 def test_a_hung_collective_names_its_group_after_the_collective_timeout(tmp_path):
     context = multiprocessing.get_context("spawn")
-    answers = context.Queue()
-    ranks = [context.Process(target=_rank, args=(rank, str(tmp_path / "store"), answers)) for rank in range(2)]
+    answers, answered = context.Queue(), context.Event()
+    ranks = [context.Process(target=_rank, args=(rank, str(tmp_path / "store"), answers, answered))
+             for rank in range(2)]
     for process in ranks:
         process.start()
     message, seconds = answers.get(timeout=60)
+    answered.set()
     for process in ranks:
         process.join(timeout=30)
     assert "process group `demo/actor` timed out on rank 0 of 2 after 2s" in message

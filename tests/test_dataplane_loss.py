@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from tests.runs import release_shared_ray  # noqa: E402
+from tests.runs import lean_chaos, release_shared_ray  # noqa: E402
 from tests.test_supervision import CHAOS, ROOT  # noqa: E402
 
 NAMED_WITHIN_S = 10.0
@@ -73,7 +73,7 @@ class StderrLines:
 @pytest.mark.own_ray
 def test_a_killed_storage_unit_is_named_within_seconds(cluster, tmp_path):
     source, run_dir = tmp_path / "chaos.rlp", tmp_path / "run"
-    source.write_text(CHAOS.replace("steps = 600", "steps = 400").replace("checkpoint_every = 25",
+    source.write_text(lean_chaos(CHAOS).replace("steps = 600", "steps = 400").replace("checkpoint_every = 25",
                                                                           "checkpoint_every = 2"))
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     process = subprocess.Popen([sys.executable, "-m", "rldsl", "run", str(source), "--address", cluster.address,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import rldsl_here, signalled_here
+from tests.runs import LEAN_SIM_ASYNC, rldsl_here, signalled_here
 from tests.shared_runs import RLOO_STEPS, TORCH_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +20,7 @@ def run(args, tmp_path):
 
 def test_a_saved_plan_runs_exactly_and_the_ledger_balances(tmp_path):
     plan = tmp_path / "plan.json"
-    assert rldsl_here("plan", "pipelines/sim_async.rlp", "--out", str(plan)).returncode == 0
+    assert rldsl_here("plan", "pipelines/sim_async.rlp", *LEAN_SIM_ASYNC, "--out", str(plan)).returncode == 0
     proc, run_dir = run(["--plan", str(plan), "--steps", "4"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "plan.json").read_text().strip() == plan.read_text().strip()
@@ -132,7 +132,7 @@ def test_watchdog_stops_a_plan_that_stalls(tmp_path):
     run must stop with the watchdog's words and exit 3, not hang. (An
     impossible buffer is refused before anything starts: test_plan_check.)"""
     plan_path = tmp_path / "plan.json"
-    assert rldsl_here("plan", "pipelines/sim_async.rlp", "--out", str(plan_path)).returncode == 0
+    assert rldsl_here("plan", "pipelines/sim_async.rlp", *LEAN_SIM_ASYNC, "--out", str(plan_path)).returncode == 0
     plan = json.loads(plan_path.read_text())
     trainer = next(s for s in plan["pipelines"][0]["stages"] if s["kind"] == "train")
     trainer["engine"]["args"]["latency"] = 60.0

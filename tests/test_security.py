@@ -94,8 +94,10 @@ def test_a_local_run_listens_on_loopback_only_keeps_its_files_private_and_leaves
     assert len(sockets) >= 10, sockets  # Ray's services, every worker, TransferQueue: the listing saw the run
     exposed = {f"{ip}:{port}": name for (ip, port), name in sockets.items() if not is_loopback(ip)}
     assert not exposed, f"listening beyond loopback: {exposed}"
-    time.sleep(10)
-    alive = [f"{p.pid} {p.name()}" for p, started in run_processes if _still(p, started)]
+    gone_by = time.monotonic() + 10
+    while (alive := [f"{p.pid} {p.name()}" for p, started in run_processes if _still(p, started)]) \
+            and time.monotonic() < gone_by:
+        time.sleep(0.5)
     assert not alive, f"alive 10 s after SIGKILL of rldsl run: {alive}"
     assert stat.S_IMODE(run_dir.stat().st_mode) & 0o077 == 0
     token_file = Path.home() / ".ray" / "auth_token"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import rldsl_here, signalled_here
+from tests.runs import lean_chaos, rldsl_here, signalled_here
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAOS = (ROOT / "pipelines" / "sim_chaos.rlp").read_text()
@@ -36,7 +36,7 @@ SAMPLES_PER_STEP = 4 * 4  # prompts_per_step x samples_per_prompt of sim_chaos
 
 def pipeline(tmp_path: Path, steps: int = STEPS, checkpoint_every: int = 25, train_latency: str = "20ms") -> Path:
     source = tmp_path / "chaos.rlp"
-    source.write_text(CHAOS.replace("steps = 600", f"steps = {steps}")
+    source.write_text(lean_chaos(CHAOS).replace("steps = 600", f"steps = {steps}")
                       .replace("checkpoint_every = 25", f"checkpoint_every = {checkpoint_every}")
                       .replace("engine = sim(latency = 20ms)", f"engine = sim(latency = {train_latency})")
                       .replace("watchdog = 120s", "watchdog = 300s"))

@@ -14,7 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from tests.runs import rldsl_here, shared_ray  # noqa: E402
+from tests.runs import lean_chaos, rldsl_here, shared_ray  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,7 +31,7 @@ def run_and_kill(tmp_path: Path, victims: str | list[str], checkpoint_every: int
     steps after the one before was replaced."""
     victims = [victims] if isinstance(victims, str) else victims
     source, run_dir = tmp_path / "chaos.rlp", tmp_path / "run"
-    source.write_text(text or CHAOS.replace("steps = 600", f"steps = {steps}")
+    source.write_text(text or lean_chaos(CHAOS).replace("steps = 600", f"steps = {steps}")
                       .replace("checkpoint_every = 25", f"checkpoint_every = {checkpoint_every}"))
     killed = []
     shared_ray()  # up before the killer looks for its victims
@@ -87,7 +87,8 @@ VICTIMS = ["rollout-1", "score-0", "reference-0"]
 @pytest.mark.ray
 def test_killed_stateless_actors_are_replaced_and_the_run_finishes(tmp_path):
     """A generator replica, a reward worker and a logprob rank killed in turn, each replaced."""
-    result, run_dir = run_and_kill(tmp_path, VICTIMS, steps=3 * STEPS)
+    text = CHAOS.replace("steps = 600", f"steps = {3 * STEPS}").replace("checkpoint_every = 25", "checkpoint_every = 0")
+    result, run_dir = run_and_kill(tmp_path, VICTIMS, text=text)  # two generator replicas: one is killed
     assert result.returncode == 0, result.stderr[-3000:]
     for victim in VICTIMS:
         assert f"recovered: {victim} died" in result.stderr
@@ -121,7 +122,7 @@ def test_a_killed_trainer_rank_or_controller_without_a_checkpoint_ends_the_run_w
 def test_a_killed_trainer_rank_restarts_the_run_from_its_last_checkpoint(tmp_path):
     """Lost after step 4 with a checkpoint at step 3: the run restarts from it and
     trains step 4 (and any after) again; metrics.jsonl keeps one record for each."""
-    slow_trainer = CHAOS.replace("steps = 600", f"steps = {RESTART_STEPS}").replace("checkpoint_every = 25",
+    slow_trainer = lean_chaos(CHAOS).replace("steps = 600", f"steps = {RESTART_STEPS}").replace("checkpoint_every = 25",
                                                                                      "checkpoint_every = 3")
     slow_trainer = slow_trainer.replace("engine = sim(latency = 20ms)", "engine = sim(latency = 200ms)")
     result, run_dir = run_and_kill(tmp_path, "actor-0", text=slow_trainer, kill_after=4)

@@ -235,33 +235,43 @@ def check_only_layer_gathered(root, index: int) -> None:
     assert layers == {str(index)}, (index, layers)
 
 
-def _worker(rank: int, world_size: int, shard: int, port: int, directory: str, results: dict):
+def _worker(rank: int, world_size: int, shards: tuple[int, ...], port: int, directory: str, results: dict):
+    """Every layout of ``shards`` in turn on one process group (a spawn of the ranks costs seconds)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
-        options = {"shard": shard}
-        assert FsdpTrainer(make_model(), **options).mesh.shape == ((world_size // shard, shard) if shard else
-                                                                   (world_size,))
-        results[rank] = gradient_errors(world_size, rank, **options)
-        built_sharded_on_meta(**options)
-        results[(rank, "lockstep")] = unequal_microbatches_in_lockstep(rank, **options)
-        batch = make_batch(make_model())
-        checkpoint_round_trip(batch, directory, **options)
-        buckets_match_the_model(**options)
-        sleep_and_wake_keep_values(batch, **options)
-        results[(rank, "done")] = True
+        for shard in shards:
+            results[(shard, rank)] = _one_layout(rank, world_size, shard, os.path.join(directory, f"shard{shard}"))
     finally:
         dist.destroy_process_group()
 
 
+def _one_layout(rank: int, world_size: int, shard: int, directory: str) -> dict:
+    options = {"shard": shard}
+    assert FsdpTrainer(make_model(), **options).mesh.shape == ((world_size // shard, shard) if shard else
+                                                               (world_size,))
+    found = {rank: gradient_errors(world_size, rank, **options)}
+    built_sharded_on_meta(**options)
+    found[(rank, "lockstep")] = unequal_microbatches_in_lockstep(rank, **options)
+    batch = make_batch(make_model())
+    checkpoint_round_trip(batch, directory, **options)
+    buckets_match_the_model(**options)
+    sleep_and_wake_keep_values(batch, **options)
+    found[(rank, "done")] = True
+    return found
 
-def run_ranks(world_size: int, shard: int, directory, worker=_worker) -> dict:
+
+def run_ranks(world_size: int, shards: int | tuple[int, ...], directory, worker=_worker) -> dict:
+    """The ranks' results; for several ``shards`` (layouts run one after another) a dict per layout."""
+    layouts = shards if isinstance(shards, tuple) else (shards,)
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(worker, args=(world_size, shard, free_port(), str(directory), results), nprocs=world_size,
+        mp.spawn(worker, args=(world_size, layouts, free_port(), str(directory), results), nprocs=world_size,
                  join=True)
-        return dict(results)
+        per_layout = {shard: {key: value for rank in range(world_size) for key, value in
+                              results.get((shard, rank), {}).items()} for shard in layouts}
+    return per_layout if isinstance(shards, tuple) else per_layout[shards]
 
 
 def assert_all_ranks_exact(results: dict, world_size: int) -> None:
@@ -356,12 +366,18 @@ def test_data_parallel_two_ranks(tmp_path):
     assert_all_ranks_exact(run_ranks(2, 0, tmp_path), 2)
 
 
-def test_data_parallel_four_ranks_full_shard(tmp_path):
-    assert_all_ranks_exact(run_ranks(4, 0, tmp_path), 4)
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> dict:
+    """Four ranks spawned once for both four-rank layouts: full shard (0) and two ranks per copy (2)."""
+    return run_ranks(4, (0, 2), tmp_path_factory.mktemp("four_ranks"))
 
 
-def test_hybrid_sharding_four_ranks_two_per_copy(tmp_path):
-    assert_all_ranks_exact(run_ranks(4, 2, tmp_path), 4)
+def test_data_parallel_four_ranks_full_shard(four_ranks):
+    assert_all_ranks_exact(four_ranks[0], 4)
+
+
+def test_hybrid_sharding_four_ranks_two_per_copy(four_ranks):
+    assert_all_ranks_exact(four_ranks[2], 4)
 
 
 def read_bytes_counted() -> list[int]:
@@ -381,22 +397,24 @@ def read_bytes_counted() -> list[int]:
     return read
 
 
-def _hf_worker(rank: int, world_size: int, shard: int, port: int, directory: str, results: dict):
+def _hf_worker(rank: int, world_size: int, shards: tuple[int, ...], port: int, directory: str, results: dict):
     from safetensors.torch import load_file
 
+    (shard,) = shards
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         read = read_bytes_counted()
         trainer = FsdpTrainer(loading.meta_hf_model(f"hf:{directory}"), shard=shard)
-        results[(rank, "read")] = sum(read)
+        found = {(rank, "read"): sum(read)}
         buckets = list(trainer.weight_buckets(bucket_bytes=8192))
         if rank == 0:
             saved = load_file(os.path.join(directory, "model.safetensors"))
             got = {name: tensor for bucket in buckets for name, tensor in bucket.items()}
-            results["file bytes"] = sum(t.numel() * t.element_size() for t in saved.values())
-            results["equal"] = got.keys() == saved.keys() and all(torch.equal(got[n], saved[n]) for n in saved)
-        results[(rank, "done")] = True
+            found["file bytes"] = sum(t.numel() * t.element_size() for t in saved.values())
+            found["equal"] = got.keys() == saved.keys() and all(torch.equal(got[n], saved[n]) for n in saved)
+        found[(rank, "done")] = True
+        results[(shard, rank)] = found
     finally:
         dist.destroy_process_group()
 

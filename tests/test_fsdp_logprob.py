@@ -92,17 +92,21 @@ def pushed_weights_land_in_the_shards(shard: int) -> None:
     assert torch.allclose(engine.logprobs(batch), expected, atol=1e-6)
 
 
-def _worker(rank: int, world_size: int, shard: int, port: int, directory: str, results: dict):
+def _worker(rank: int, world_size: int, shards: tuple[int, ...], port: int, directory: str, results: dict):
+    """Every layout of ``shards`` in turn on one process group (a spawn of the ranks costs seconds)."""
     # CPU ranks over gloo even where a GPU is visible (several ranks cannot share one GPU over gloo)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
-        sharded_matches_unsharded(shard, results, rank)
-        pushed_weights_land_in_the_shards(shard)
-        if directory:
-            hf_model_read_in_slices(rank, shard, directory, results)
-        results[(rank, "done")] = True
+        for shard in shards:
+            found = {}
+            sharded_matches_unsharded(shard, found, rank)
+            pushed_weights_land_in_the_shards(shard)
+            if directory:
+                hf_model_read_in_slices(rank, shard, directory, found)
+            found[(rank, "done")] = True
+            results[(shard, rank)] = found
     finally:
         dist.destroy_process_group()
 
@@ -121,12 +125,16 @@ def hf_model_read_in_slices(rank: int, shard: int, directory: str, results: dict
     results[(rank, "hf error")] = float((engine.logprobs(batch) - expected).abs().max())
 
 
-def run_ranks(world_size: int, shard: int, directory="") -> dict:
+def run_ranks(world_size: int, shards: int | tuple[int, ...], directory="") -> dict:
+    """The ranks' results; for several ``shards`` (layouts run one after another) a dict per layout."""
+    layouts = shards if isinstance(shards, tuple) else (shards,)
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(world_size, shard, free_port(), str(directory), results), nprocs=world_size,
+        mp.spawn(_worker, args=(world_size, layouts, free_port(), str(directory), results), nprocs=world_size,
                  join=True)
-        return dict(results)
+        per_layout = {shard: {key: value for rank in range(world_size) for key, value in
+                              results.get((shard, rank), {}).items()} for shard in layouts}
+    return per_layout if isinstance(shards, tuple) else per_layout[shards]
 
 
 def assert_sharded(results: dict, world_size: int, copy_ranks: int) -> None:
@@ -154,12 +162,18 @@ def test_two_ranks_shard_the_model_and_match_the_unsharded_logprobs(tmp_path):
     assert all(abs(results[(rank, "read")] - total / 2) < 0.05 * total for rank in (0, 1)), results
 
 
-def test_four_ranks_full_shard():
-    assert_sharded(run_ranks(4, 0), 4, 4)
+@pytest.fixture(scope="module")
+def four_ranks() -> dict:
+    """Four ranks spawned once for both four-rank layouts: full shard (0) and two ranks per copy (2)."""
+    return run_ranks(4, (0, 2))
 
 
-def test_four_ranks_hybrid_two_per_copy():
-    assert_sharded(run_ranks(4, 2), 4, 2)
+def test_four_ranks_full_shard(four_ranks):
+    assert_sharded(four_ranks[0], 4, 4)
+
+
+def test_four_ranks_hybrid_two_per_copy(four_ranks):
+    assert_sharded(four_ranks[2], 4, 2)
 
 
 def test_shard_one_keeps_the_whole_model_per_rank():

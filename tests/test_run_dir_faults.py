@@ -259,3 +259,21 @@ def test_a_run_stopped_by_a_full_disk_audits_and_resumes_with_merged_accounting(
     totals = audit.replay.totals()
     assert (totals["resumes"], totals["steps"], totals["exit"]) == (1, STEPS, "finished")
     assert totals["trained"] == STEPS * 2 * 2  # both segments' samples, the first's included
+
+
+def test_a_full_disk_hit_first_by_the_controller_is_said_in_one_line_without_rays_traceback(capsys):
+    """The controller's RunDirectoryError reaches the driver as Ray's error (a subclass of both,
+    whose text is the remote traceback): what is said is the original's, with its help."""
+    from ray.exceptions import RayTaskError
+
+    from rldsl.runtime.ray_lowering.launch import EXIT_FAILED, _run_directory_failed
+
+    cause = RunDirectoryError("/runs/r/journal.jsonl", errno.ENOSPC, "No space left on device")
+    remote = RayTaskError("ControllerActor.run", "Traceback (most recent call last):\n  File \"controller.py\"",
+                          cause).as_instanceof_cause()
+    assert isinstance(remote, RunDirectoryError) and "pid=" in str(remote)  # the remote traceback
+    assert _run_directory_failed(remote) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == ("error: the run stopped: the run directory /runs/r is full: writing journal.jsonl "
+                                   "failed (ENOSPC: No space left on device)")
+    assert "Traceback" not in err and "pid=" not in err and "= help: free space" in err

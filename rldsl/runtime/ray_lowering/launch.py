@@ -263,7 +263,10 @@ def run_plan(plan: ExecutionPlan, args) -> int:
 
 
 def _run_directory_failed(err) -> int:
-    """A write into the run directory failed: said once, with how to go on."""
+    """A write into the run directory failed: said once, with how to go on. Raised in
+    the controller, ``err`` is also Ray's error, whose text is the remote traceback:
+    what is said is the original's."""
+    err = getattr(err, "cause", None) or err
     print(f"error: the run stopped: {err}", file=sys.stderr)
     print(f"  = help: {err.help}", file=sys.stderr)
     return EXIT_FAILED

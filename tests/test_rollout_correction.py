@@ -378,7 +378,8 @@ RANK_ROWS = {0: [[(0, 3)], [(5, 6), (6, 8)]], 1: [[(3, 5)], [(8, 10)]]}  # per m
 TWO_RANK_OPTIONS = {"loss": PolicyLossConfig(correction="mis"), "lr": 5e-2, "eps": 1e-2}
 
 
-def _two_rank_worker(rank: int, world_size: int, shard: int, port: int, directory: str, results: dict):
+def _two_rank_worker(rank: int, world_size: int, shards: tuple[int, ...], port: int, directory: str, results: dict):
+    """(test_fsdp_engine.run_ranks' worker protocol: this rank's results under ``(shard, rank)``.)"""
     import torch.distributed as dist
 
     from rldsl.runtime.engines.fsdp import FsdpTrainer
@@ -396,8 +397,9 @@ def _two_rank_worker(rank: int, world_size: int, shard: int, port: int, director
                 trainer.optimizer_step(0)
             for start, stop in minibatch:
                 trainer.train_microbatch(0, rows(batch, start, stop))
-        results[(rank, "metrics")] = dict(trainer.finish_train_step(0).metrics)
-        results[(rank, "params")] = [p.full_tensor().detach().cpu() for p in trainer.parameters]
+        metrics = dict(trainer.finish_train_step(0).metrics)
+        results[(shards[0], rank)] = {(rank, "metrics"): metrics,
+                                      (rank, "params"): [p.full_tensor().detach().cpu() for p in trainer.parameters]}
     finally:
         dist.destroy_process_group()
 

@@ -155,13 +155,20 @@ def _one_receiver_dies(group, flag: str):
     import time
     from pathlib import Path
 
+    def wait_for(*names: str) -> None:
+        while not all(Path(f"{flag}.{name}").exists() for name in names):
+            time.sleep(0.05)
+
     group.should_abort = lambda: Path(flag).exists()
+    Path(f"{flag}.formed{group.rank}").touch()
     if group.rank == 2:
-        time.sleep(0.5)  # once every pair is connected
+        wait_for("formed0", "formed1")  # once every rank has its group (a loaded machine forms them late)
+        Path(f"{flag}.died").touch()
         os._exit(0)
     started = time.monotonic()
     if group.rank == 0:
-        time.sleep(1.5)
+        wait_for("died")
+        time.sleep(0.5)  # its sockets closed
         try:
             send_buckets(group, ({"x": torch.ones(2**20)} for _ in range(4)), version=5)
         except RuntimeError as error:

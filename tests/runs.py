@@ -33,6 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 LEAN_SIM_ASYNC = ("--set", "rollout.gpus=1", "--set", "actor.gpus=1", "--set", "score.workers=1")
 
 
+LEAN_SIM_CHAOS = ("--set", "rollout.gpus=[0]", "--set", "score.workers=1")  # lean_chaos, from the command line
+
+
 def lean_chaos(text: str) -> str:
     """`sim_chaos.rlp`'s text with one generator replica and one reward worker (6 actors, not 8)."""
     lean = text.replace("gpus = [0, 1]", "gpus = [0]").replace("workers = 2", "workers = 1")

@@ -21,6 +21,8 @@ import pytest
 psutil = pytest.importorskip("psutil")
 ray = pytest.importorskip("ray")
 
+from tests.runs import LEAN_SIM_CHAOS  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.ray]
 
@@ -76,7 +78,7 @@ def test_a_local_run_listens_on_loopback_only_keeps_its_files_private_and_leaves
     Ray is alive 10 s later (its reaper ends them)."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "rldsl", "run", "pipelines/sim_chaos.rlp", "--steps", "200",
-                             "--run-dir", str(run_dir)], cwd=ROOT, env=user_env(), stdout=subprocess.DEVNULL,
+                             *LEAN_SIM_CHAOS, "--run-dir", str(run_dir)], cwd=ROOT, env=user_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     sockets: dict[tuple[str, int], str] = {}
     metrics = run_dir / "metrics.jsonl"

@@ -64,19 +64,9 @@ def reap(driver_pid: int, head_pids: list[int]) -> int:
     heads = [_process(pid) for pid in head_pids]
     heads = [head for head in heads if head is not None]
     while _alive(driver_pid) and any(_alive(head.pid) for head in heads):
-        for head in heads:
-            _remember(known, [head])
-            try:
-                _remember(known, head.children(recursive=True))
-            except psutil.Error:
-                continue
+        _remember(known, _under(heads))
         time.sleep(POLL_S)
-    # the last look: what the heads still alive started meanwhile
-    for head in heads:
-        try:
-            _remember(known, head.children(recursive=True))
-        except psutil.Error:
-            pass
+    _remember(known, _under(heads))  # the last look: what the heads still alive started meanwhile
     victims = [p for pid, started in known.items() if (p := _process(pid)) is not None and _same(p, started)]
     for process in victims:
         try:
@@ -92,12 +82,31 @@ def reap(driver_pid: int, head_pids: list[int]) -> int:
     return len(victims)
 
 
+def _under(heads: list) -> list:
+    """The heads and every process under them, from one scan of the process
+    table (``Process.children`` scans it once per call: once per head)."""
+    import psutil
+
+    children: dict[int, list] = {}
+    for process in psutil.process_iter(["ppid"]):
+        children.setdefault(process.info["ppid"], []).append(process)
+    found, todo = [], [head for head in heads if head.is_running()]  # a head's pid reused: not ours
+    while todo:
+        process = todo.pop()
+        found.append(process)
+        todo.extend(children.get(process.pid, []))
+    return found
+
+
 def _remember(known: dict[int, float], processes) -> None:
+    """Each new pid with its start time (read once: a pid seen before keeps its first)."""
     import psutil
 
     for process in processes:
+        if process.pid in known:
+            continue
         try:
-            known.setdefault(process.pid, process.create_time())
+            known[process.pid] = process.create_time()
         except psutil.Error:
             pass
 

@@ -17,6 +17,7 @@ weight version it holds.
 from __future__ import annotations
 
 import importlib.util
+import random
 import subprocess
 import sys
 
@@ -32,8 +33,7 @@ from tests.test_help_texts import BASE, GPU_CLUSTER
 class FakeTokenizer:
     """A character tokenizer: SGLang has no CPU build here, so these tests drive its API shape
     without a model. The fake engine below still differs from SGLang in two ways:
-    it honours ``sampling_seed`` always (SGLang only with deterministic inference on) and answers a
-    request whole (SGLang streams per child)."""
+    it answers a request whole (SGLang streams per child)."""
     eos_id, bos_id = 2, 1
 
     def encode(self, text, add_bos=False, add_eos=False):
@@ -47,13 +47,17 @@ EOS = FakeTokenizer.eos_id
 
 
 class FakeSGLangEngine:
-    """Records calls; answers like ``sglang.Engine`` with scripted tokens."""
+    """Records calls; answers like ``sglang.Engine`` with scripted tokens. As SGLang, it honours a
+    request's ``sampling_seed`` only when started with ``enable_deterministic_inference``
+    (``deterministic``); otherwise every sample is a fresh draw, whatever its seed."""
 
-    def __init__(self, eos_after: dict[int, int] | None = None):
+    def __init__(self, eos_after: dict[int, int] | None = None, deterministic: bool = False):
         self.calls = []
         self.weights_version = 0  # bumped by every update_weights_from_tensor
         self.released = False
-        self.eos_after = eos_after or {}  # seed -> tokens before EOS
+        self.eos_after = eos_after or {}  # seed -> tokens before EOS (deterministic only)
+        self.deterministic = deterministic
+        self.draws = random.Random()  # unseeded: what a non-deterministic SGLang samples
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None, audio_data=None,
                  video_data=None, return_logprob=False, logprob_start_len=None, top_logprobs_num=None,
@@ -80,8 +84,10 @@ class FakeSGLangEngine:
         return {"output_ids": list(tokens), "meta_info": meta}
 
     def _tokens(self, ids, params):
-        seed = params.get("sampling_seed", 0)
         limit = params.get("max_new_tokens", 128)
+        if not self.deterministic:
+            return [self.draws.randrange(20, 50) for _ in range(limit)]
+        seed = params.get("sampling_seed", 0)
         tokens = [20 + (seed + len(ids) + self.weights_version + k) % 30 for k in range(limit)]
         stop = self.eos_after.get(seed)
         return tokens[:stop] + [EOS] if stop is not None and stop < limit else tokens
@@ -108,8 +114,10 @@ PROMPTS = [Prompt(0, "ab", "x"), Prompt(1, "abcd", "y")]
 
 
 def make_generator(engine=None, **options):
-    return se.SGLangGenerator(engine or FakeSGLangEngine(), FakeTokenizer(), se.SGLangOptions(**options),
-                              max_new_tokens=4, temperature=0.7, top_p=0.9)
+    """A generator over ``engine`` (default: a fake started as the options say)."""
+    engine = engine or FakeSGLangEngine(deterministic=options.get("deterministic", False))
+    return se.SGLangGenerator(engine, FakeTokenizer(), se.SGLangOptions(**options), max_new_tokens=4,
+                              temperature=0.7, top_p=0.9)
 
 
 def calls(engine, kind):
@@ -147,7 +155,7 @@ def test_each_sample_is_its_own_token_id_request_with_sampling_params_and_a_seed
 
 
 def test_outputs_become_a_prompt_major_batch_with_aligned_logprobs_and_eos_kept():
-    engine = FakeSGLangEngine()
+    engine = FakeSGLangEngine(deterministic=True)  # EOS scripted per seed
     seeds = se.sample_seeds(0, 2, 2)
     engine.eos_after = {seeds[0][0]: 1, seeds[1][1]: 0}
     batch = make_generator(engine).generate(PROMPTS, samples_per_prompt=2, seed=0)
@@ -258,6 +266,19 @@ def test_sleep_and_wake_release_and_resume_the_gpu():
     assert never.calls == []
 
 
+def test_seeds_reproduce_samples_only_with_deterministic_inference():
+    """Each sample's seed is sent either way; SGLang (and the fake) honours it only when the engine
+    was started with `enable_deterministic_inference`, which `sglang(deterministic = true)` asks for."""
+    assert se.SGLangOptions(deterministic=True).engine_kwargs("/m", seed=1)["enable_deterministic_inference"]
+    assert "enable_deterministic_inference" not in se.SGLangOptions().engine_kwargs("/m", seed=1)
+    runs = {}
+    for deterministic in (True, False):
+        batches = [make_generator(deterministic=deterministic).generate(PROMPTS, samples_per_prompt=2, seed=3)
+                   for _ in range(2)]
+        runs[deterministic] = torch.equal(batches[0]["response_ids"], batches[1]["response_ids"])
+    assert runs == {True: True, False: False}
+
+
 @pytest.mark.parametrize(("sleep", "saver", "backup"), [(True, True, True), (1, True, True), (2, True, False),
                                                        (False, False, None)])
 def test_engine_arguments_follow_the_options(sleep, saver, backup):
@@ -308,6 +329,9 @@ def test_the_factory_passes_the_plans_engine_arguments():
     result = compile_source(GPU_CLUSTER.replace("engine = vllm(tp = 2", "engine = sglang(tp = 2"))
     options = factory._sglang_options(result.plan.pipelines[0].stage("rollout"))
     assert options == se.SGLangOptions(tp=2, gpu_memory=0.85, sleep=1, max_model_len=4096, dtype="bf16")
+    text = GPU_CLUSTER.replace("engine = vllm(tp = 2", "engine = sglang(deterministic = true, tp = 2")
+    options = factory._sglang_options(compile_source(text).plan.pipelines[0].stage("rollout"))
+    assert options.deterministic and options.engine_kwargs("/m", seed=0)["enable_deterministic_inference"]
 
 
 def test_sglang_is_rejected_without_gpus_and_for_training():

@@ -65,9 +65,10 @@ ENGINES: dict[str, EngineInfo] = {
     "sglang": EngineInfo(
         ("generate", "logprob"),
         {"tp": Int(low=1), "gpu_memory": Fraction(), "sleep": SleepLevel(), "max_model_len": Int(low=1),
-         "dtype": _DTYPE},
+         "dtype": _DTYPE, "deterministic": Bool()},
         "sleep", True, ("generate", "logprob"),
-        "SGLang's offline engine; `gpu_memory` is the share of each GPU it reserves (`mem_fraction_static`)"),
+        "SGLang's offline engine; `gpu_memory` is the share of each GPU it reserves (`mem_fraction_static`); "
+        "`deterministic` turns on its deterministic inference, without which it ignores each sample's seed"),
     "megatron": EngineInfo(
         ("train", "logprob"),
         {**_PARALLEL, "offload": Bool(), "dtype": _DTYPE, "distributed_optimizer": Bool()},
@@ -91,7 +92,7 @@ ENGINES: dict[str, EngineInfo] = {
 ENGINE_ARG_DEFAULTS = {
     "torch": {"dtype": "fp32", "offload": True},
     "vllm": {"tp": 1, "pp": 1, "gpu_memory": 0.9, "sleep": 1, "dtype": "bf16"},  # sleep: the level
-    "sglang": {"tp": 1, "gpu_memory": 0.9, "sleep": 1, "dtype": "bf16"},  # sleep: the level
+    "sglang": {"tp": 1, "gpu_memory": 0.9, "sleep": 1, "dtype": "bf16", "deterministic": False},  # sleep: the level
     "megatron": {"tp": 1, "pp": 1, "offload": True, "dtype": "bf16", "distributed_optimizer": True},
     "fsdp": {"shard": 0, "offload": True, "dtype": "fp32"},
     "sim": {"latency": 0.01, "tail": 0.0, "tail_factor": 10.0, "jitter": 0.1, "sleep": True},

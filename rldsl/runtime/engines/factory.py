@@ -297,7 +297,8 @@ def _sglang_options(stage: StagePlan):
 
     args = stage.engine.args
     return SGLangOptions(tp=args["tp"], gpu_memory=args["gpu_memory"], sleep=args["sleep"],
-                         max_model_len=args.get("max_model_len"), dtype=args["dtype"])
+                         max_model_len=args.get("max_model_len"), dtype=args["dtype"],
+                         deterministic=args.get("deterministic", False))  # plans saved before it: off
 
 
 def _megatron_parallelism(stage: StagePlan) -> dict:

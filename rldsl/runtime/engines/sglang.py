@@ -12,7 +12,9 @@ without SGLang.
   starts one scheduler process per GPU the actor can see (``tp_size``).
 - Requests are token ids (``input_ids``; the engine starts without its
   tokenizer): one request per sample, each with its own ``sampling_seed``,
-  so a batch does not depend on what SGLang schedules together.
+  so a batch does not depend on what SGLang schedules together; SGLang
+  honours the seed only with ``deterministic`` (its deterministic-inference
+  mode), otherwise each sample is a fresh draw.
 - Behaviour logprobs come from ``return_logprob = True``:
   ``meta_info["output_token_logprobs"]`` holds ``(logprob, token_id, text)``
   per generated token. ``SGLANG_RETURN_ORIGINAL_LOGPROB = 1`` makes them the
@@ -143,6 +145,9 @@ class SGLangOptions:
     max_model_len: int | None = None
     dtype: str = "bf16"
     sleep_level: int = 1  # the level for `sleep = True`
+    # SGLang honours a request's ``sampling_seed`` only in its deterministic-inference mode
+    # (batch-invariant kernels, slower); without it, samples are fresh draws that no seed reproduces
+    deterministic: bool = False
 
     @property
     def level(self) -> int:
@@ -165,6 +170,8 @@ class SGLangOptions:
             kwargs["enable_weights_cpu_backup"] = self.level == 1
         if self.max_model_len:
             kwargs["context_length"] = self.max_model_len
+        if self.deterministic:
+            kwargs["enable_deterministic_inference"] = True
         return kwargs
 
 

@@ -72,7 +72,7 @@ def test_two_pipelines_run_together_each_with_its_own_run_directory(tmp_path):
 
 
 def test_a_stalled_pipeline_fails_the_run_after_the_other_finishes(tmp_path):
-    proc, run_dir = run(tmp_path, train_latency="8s", watchdog="3s")
+    proc, run_dir = run(tmp_path, train_latency="6s", watchdog="3s")  # a call in flight twice the watchdog's time
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "error: the run stopped" in proc.stderr and "no progress" in proc.stderr
     assert summary(run_dir, "fast")["steps"] == 4  # the healthy pipeline ran to its end

@@ -295,7 +295,7 @@ def test_a_generation_bound_run_with_interrupt_journals_per_token_versions_and_t
     run_dir = tmp_path / "run"
     overrides = ["rollout.update=interrupt", "rollout.concurrency=2", "rollout.max_new_tokens=48",
                  "rollout.min_new_tokens=48", "rollout.samples_per_prompt=2", "actor.micro_batch=16",
-                 "actor.prompts_per_step=8"]
+                 "actor.prompts_per_step=8", "prompts.eval_size=0"]  # no evaluation: not what this run is about
     args = [a for o in overrides for a in ("--set", o)]
     # 5 pushes; measured, the generator is busy 96-99% of the run and the trainer 38-55%; 4 or 5 of the
     # pushes land mid-group, idle or beside a process spinning a core (with one group in flight: 1 of 5

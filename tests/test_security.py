@@ -78,8 +78,8 @@ def test_a_local_run_listens_on_loopback_only_keeps_its_files_private_and_leaves
     Ray is alive 10 s later (its reaper ends them)."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "rldsl", "run", "pipelines/sim_chaos.rlp", "--steps", "200",
-                             *LEAN_SIM_CHAOS, "--run-dir", str(run_dir)], cwd=ROOT, env=user_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                             *LEAN_SIM_CHAOS, "--run-dir", str(run_dir)], cwd=ROOT, env=user_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     sockets: dict[tuple[str, int], str] = {}
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300

@@ -122,8 +122,8 @@ def test_a_killed_trainer_rank_or_controller_without_a_checkpoint_ends_the_run_w
 def test_a_killed_trainer_rank_restarts_the_run_from_its_last_checkpoint(tmp_path):
     """Lost after step 4 with a checkpoint at step 3: the run restarts from it and
     trains step 4 (and any after) again; metrics.jsonl keeps one record for each."""
-    slow_trainer = lean_chaos(CHAOS).replace("steps = 600", f"steps = {RESTART_STEPS}").replace("checkpoint_every = 25",
-                                                                                     "checkpoint_every = 3")
+    slow_trainer = lean_chaos(CHAOS).replace("steps = 600", f"steps = {RESTART_STEPS}") \
+        .replace("checkpoint_every = 25", "checkpoint_every = 3")
     slow_trainer = slow_trainer.replace("engine = sim(latency = 20ms)", "engine = sim(latency = 200ms)")
     result, run_dir = run_and_kill(tmp_path, "actor-0", text=slow_trainer, kill_after=4)
     assert result.returncode == 0, result.stderr[-3000:]

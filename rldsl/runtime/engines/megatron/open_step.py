@@ -21,7 +21,8 @@ LOSS_STATS = ("loss_sum", "kl_sum", "clipped_tokens", "dual_clipped_tokens", "ca
 
 def no_sums() -> dict[str, float]:
     """Zero sums and empty extremes (``EXTREME_STATS``, combined by max / min)."""
-    return {**dict.fromkeys(COUNTS + LOSS_STATS, 0.0), **{name: no_stats()[name] for name in EXTREME_STATS}}
+    empty = no_stats()
+    return {**dict.fromkeys(COUNTS + LOSS_STATS, 0.0), **{name: empty[name] for name in EXTREME_STATS}}
 
 
 def counted(chunks: list[Batch]) -> dict[str, float]:

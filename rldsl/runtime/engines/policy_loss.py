@@ -54,6 +54,7 @@ from rldsl.runtime.engines.loss_terms import (
     policy_ratio,
     token_advantages,
 )
+from rldsl.runtime.protocols import FIELD_VERSION
 
 DEFAULT_CONFIG = PolicyLossConfig()
 # Summable statistics of one microbatch, besides the loss sum. ``capped_tokens``: tokens whose weight a
@@ -171,6 +172,19 @@ def no_stats() -> dict[str, float]:
 _EMPTY = {max: float("-inf"), min: float("inf")}
 
 
+def reduce_extremes(sums: dict[str, float], groups, device=None) -> dict[str, float]:
+    """``sums``' extremes (EXTREME_STATS) combined over each process group of
+    ``groups`` by one MAX (a minimum as the max of its negation)."""
+    import torch.distributed as dist
+
+    signs = [1.0 if combine is max else -1.0 for combine in EXTREME_STATS.values()]
+    values = torch.tensor([sign * sums[name] for sign, name in zip(signs, EXTREME_STATS)], dtype=torch.float64,
+                          device=device)
+    for group in groups:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return {name: sign * value for sign, name, value in zip(signs, EXTREME_STATS, values.tolist())}
+
+
 @torch.no_grad()
 def engine_mismatch_stats(trainer: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
                           same_weights: torch.Tensor) -> dict[str, float]:
@@ -185,6 +199,18 @@ def engine_mismatch_stats(trainer: torch.Tensor, behaviour: torch.Tensor, mask: 
     return {"engine_tokens": float(delta.numel()), "engine_abs_diff_sum": float(delta.abs().sum()),
             "engine_k3_sum": float((torch.exp(delta) - 1 - delta).sum()),
             "engine_abs_diff_max": float(delta.abs().max()) if delta.numel() else float("-inf")}
+
+
+def first_weights_mismatch(batch, logprobs: torch.Tensor, proximal: torch.Tensor | None, behaviour: torch.Tensor,
+                           mask: torch.Tensor, version: int, stepped: bool) -> dict[str, float]:
+    """engine_mismatch_stats where the trainer's logprobs are those of the
+    step's first weights (the proximal ones, or the current ones before the
+    step's first optimizer step: ``stepped`` False); {} elsewhere, or for a
+    batch without the rows' versions."""
+    if FIELD_VERSION not in batch or (proximal is None and stepped):
+        return {}
+    start = logprobs.detach() if proximal is None else proximal.to(logprobs.device)
+    return engine_mismatch_stats(start, behaviour, mask, batch[FIELD_VERSION] == version)
 
 
 def _count_on(flags: torch.Tensor, mask: torch.Tensor) -> float:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from rldsl.runtime.engines.policy_loss import EXTREME_STATS, merge_stats, no_stats
+from rldsl.runtime.engines.policy_loss import EXTREME_STATS, merge_stats, no_stats, reduce_extremes
 from rldsl.runtime.protocols import Batch, trained_tokens
 
 COUNTS = ("tokens", "sequences")
@@ -73,15 +73,11 @@ def global_sums(sums: dict[str, float], device) -> dict[str, float]:
 
     counts = torch.tensor([sums[name] for name in COUNTS], dtype=torch.float64, device=device)
     stats = torch.tensor([sums[name] for name in LOSS_STATS], dtype=torch.float64, device=device)
-    signs = [1.0 if combine is max else -1.0 for combine in EXTREME_STATS.values()]
-    extremes = torch.tensor([sign * sums[name] for sign, name in zip(signs, EXTREME_STATS)], dtype=torch.float64,
-                            device=device)
+    groups = []
     if dist.get_world_size() > 1:
-        data_parallel = parallel_state.get_data_parallel_group()
-        pipeline = parallel_state.get_pipeline_model_parallel_group()
-        dist.all_reduce(counts, group=data_parallel)
-        for group in (data_parallel, pipeline):
-            dist.all_reduce(stats, group=group)
-            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+        groups = [parallel_state.get_data_parallel_group(), parallel_state.get_pipeline_model_parallel_group()]
+        dist.all_reduce(counts, group=groups[0])
+    for group in groups:
+        dist.all_reduce(stats, group=group)
     return {**dict(zip(COUNTS + LOSS_STATS, counts.tolist() + stats.tolist())),
-            **{name: sign * value for sign, name, value in zip(signs, EXTREME_STATS, extremes.tolist())}}
+            **reduce_extremes(sums, groups, device)}

@@ -67,7 +67,7 @@ from rldsl.runtime.engines.megatron.proximal import PROXIMAL, ProximalPass
 from rldsl.runtime.engines.policy_loss import (
     EXTREME_STATS,
     PolicyLossConfig,
-    engine_mismatch_stats,
+    first_weights_mismatch,
     merge_stats,
     policy_loss,
     rollout_metrics,
@@ -80,7 +80,6 @@ from rldsl.runtime.protocols import (
     FIELD_BEHAVIOUR_LOGPROBS,
     FIELD_REF_LOGPROBS,
     FIELD_RESPONSE_IDS,
-    FIELD_VERSION,
     Batch,
     StepResult,
     trained_tokens,
@@ -315,9 +314,8 @@ class MegatronTrainer(ProximalPass):
                                      fields[FIELD_BEHAVIOUR_LOGPROBS], trained_tokens(fields))
         proximal = fields.get(PROXIMAL)
         result = policy_loss(logprobs, behaviour, fields[FIELD_ADVANTAGE], mask, self.loss, ref, proximal)
-        if FIELD_VERSION in fields and (proximal is not None or not self._open.taken):  # the step's first weights
-            start = logprobs.detach() if proximal is None else proximal.to(logprobs.device)
-            result.stats.update(engine_mismatch_stats(start, behaviour, mask, fields[FIELD_VERSION] == self.version))
+        result.stats.update(first_weights_mismatch(fields, logprobs, proximal, behaviour, mask, self.version,
+                                                   stepped=bool(self._open.taken)))
         merge_stats(sums, {"loss_sum": float(result.loss_sum.detach()),
                            **{name: result.stats[name] for name in (*LOSS_STATS[1:], *EXTREME_STATS)
                               if name in result.stats}})

@@ -62,13 +62,13 @@ import torch
 import torch.distributed as dist
 
 from rldsl.runtime.engines.policy_loss import (
-    EXTREME_STATS,
     STAT_NAMES,
     PolicyLossConfig,
-    engine_mismatch_stats,
+    first_weights_mismatch,
     merge_stats,
     no_stats,
     policy_loss,
+    reduce_extremes,
     rollout_metrics,
     step_metrics,
 )
@@ -84,7 +84,6 @@ from rldsl.runtime.protocols import (
     FIELD_ADVANTAGE,
     FIELD_BEHAVIOUR_LOGPROBS,
     FIELD_REF_LOGPROBS,
-    FIELD_VERSION,
     Batch,
     StepResult,
     trained_tokens,
@@ -351,9 +350,8 @@ class TorchTrainer:
             None if ref is None else ref.to(device),
             None if proximal is None else proximal.to(device),
         )
-        if FIELD_VERSION in batch and (proximal is not None or not self._taken):  # the step's first weights
-            start = logprobs.detach() if proximal is None else proximal.to(device)
-            result.stats.update(engine_mismatch_stats(start, behaviour, mask, batch[FIELD_VERSION] == self.version))
+        result.stats.update(first_weights_mismatch(batch, logprobs, proximal, behaviour, mask, self.version,
+                                                   stepped=bool(self._taken)))
         return result
 
     def _zero_grads(self) -> None:
@@ -366,14 +364,10 @@ class TorchTrainer:
     def _global_sums(self) -> dict[str, float]:
         """Sums over data-parallel ranks; the extremes by a MAX (a minimum as the max of its negation)."""
         values = torch.tensor([self._sums[name] for name in SUMMED_STATS], dtype=torch.float64)
-        signs = [1.0 if combine is max else -1.0 for combine in EXTREME_STATS.values()]
-        extremes = torch.tensor([sign * self._sums[name] for sign, name in zip(signs, EXTREME_STATS)],
-                                dtype=torch.float64)
-        if self._data_parallel():
-            dist.all_reduce(values, group=self.process_group)
-            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.process_group)
-        return {**dict(zip(SUMMED_STATS, values.tolist())),
-                **{name: sign * float(value) for sign, name, value in zip(signs, EXTREME_STATS, extremes)}}
+        groups = [self.process_group] if self._data_parallel() else []
+        for group in groups:
+            dist.all_reduce(values, group=group)
+        return {**dict(zip(SUMMED_STATS, values.tolist())), **reduce_extremes(self._sums, groups)}
 
     def _reduce_and_scale_grads(self, count: float) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]

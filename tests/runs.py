@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # One generator replica, one trainer rank and one reward worker: for a run whose subject is not several of
 # them. A run's start is mostly its actors importing torch, Ray and TransferQueue (about 1.7 s each on 2
 # cores), so `sim_async` this way (6 actors, not 10) starts in half the time.
-LEAN_SIM_ASYNC = ("--set", "rollout.gpus=1", "--set", "actor.gpus=1", "--set", "score.workers=1")
+LEAN_SIM_ASYNC_SETTINGS = ("rollout.gpus=1", "actor.gpus=1", "score.workers=1")
+LEAN_SIM_ASYNC = tuple(arg for setting in LEAN_SIM_ASYNC_SETTINGS for arg in ("--set", setting))
 
 
 LEAN_SIM_CHAOS = ("--set", "rollout.gpus=[0]", "--set", "score.workers=1")  # lean_chaos, from the command line

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import rldsl_here
+from tests.runs import LEAN_SIM_ASYNC_SETTINGS, rldsl_here
 
-# the lean shape (tests/runs.py LEAN_SIM_ASYNC): none of the tests reading this run is about dp 2
+# the lean shape: none of the tests reading this run is about dp 2
 SIM_OVERRIDES = ["run.steps=5", "run.checkpoint_every=1", "run.keep_checkpoints=2", "run.log=[mlflow]",
-                 "rollout.gpus=1", "actor.gpus=1", "score.workers=1"]
+                 *LEAN_SIM_ASYNC_SETTINGS]
 TORCH_STEPS = 2
 RLOO_STEPS = 5
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,9 @@
 """The SGLang engines, without SGLang.
 
+A fake stands where the real engine cannot run: SGLang's engine needs a
+CUDA GPU (it has no CPU build here, unlike vLLM, whose real CPU build the
+vLLM tests run), so these tests drive its API shape without a model.
+
 `FakeSGLangEngine` follows the parts of ``sglang.Engine`` the engine uses,
 with the signatures and output format of SGLang's source
 (python/sglang/srt/entrypoints/engine.py): ``generate(prompt=None,
@@ -10,8 +14,9 @@ logprob_start_len=None, ...)`` returning one dict per request
 ``update_weights_from_tensor(named_tensors, load_format=None,
 flush_cache=True)`` answering ``(success, message)``, and
 ``release_memory_occupation(tags=None)`` / ``resume_memory_occupation(tags=None)``.
-Its tokens are deterministic: a function of the prompt, the seed and the
-weight version it holds.
+Started deterministic (``enable_deterministic_inference``), its tokens are
+a function of the prompt, the request's seed and the weight version it
+holds; otherwise, as SGLang's, fresh draws whatever the seed.
 """
 
 from __future__ import annotations
@@ -31,9 +36,8 @@ from rldsl.runtime.protocols import GenerationEngine, LogprobEngine, Prompt
 from tests.test_help_texts import BASE, GPU_CLUSTER
 
 class FakeTokenizer:
-    """A character tokenizer: SGLang has no CPU build here, so these tests drive its API shape
-    without a model. The fake engine below still differs from SGLang in two ways:
-    it answers a request whole (SGLang streams per child)."""
+    """A character tokenizer (the engine is started without SGLang's). The fake engine below still
+    differs from SGLang in one way: it answers a request whole (SGLang streams per child)."""
     eos_id, bos_id = 2, 1
 
     def encode(self, text, add_bos=False, add_eos=False):

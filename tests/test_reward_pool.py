@@ -127,8 +127,12 @@ def test_a_crashing_process_drops_only_its_sample(make_pool, timeout_s):
 
 def test_processes_are_reused_not_started_per_call(make_pool):
     pool = make_pool("tests.reward_fns:pid", processes=2)
+    started = set(pool.process_ids())
     seen = {value for _ in range(20) for value in pool.score(samples(*"abcdefgh"))}
-    assert seen == {float(pid) for pid in pool.process_ids()}
+    # Which of the two takes each chunk is the scheduler's choice (a loaded
+    # machine may hand both chunks to one); that no call starts a process is not.
+    assert seen <= {float(pid) for pid in started}
+    assert set(pool.process_ids()) == started and len(started) == 2
 
 
 def test_concurrent_calls_are_served_together(make_pool):

@@ -46,7 +46,7 @@ def test_prompts_are_templated_and_encoded_with_one_bos(chat_model):
     prompt = load_source(pipe, pipe.datasets[0].source, "eval", 0)[0]
     assert prompt.text == f"<bos>[user]{prompt.meta['raw_prompt']}[assistant]"
     tokenizer = load_tokenizer(f"hf:{chat_model}")
-    ids, mask = encode_prompts(tokenizer, [prompt.text])
+    ids, mask = encode_prompts(tokenizer, [prompt])
     tokens = ids[0][mask[0].bool()].tolist()
     assert tokens[0] == tokenizer.bos_id and tokens.count(tokenizer.bos_id) == 1
 

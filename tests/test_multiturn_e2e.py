@@ -18,16 +18,16 @@ def test_multiturn_arith_learns_and_needs_fewer_turns(tmp_path):
     ledger = summary["ledger"]
     assert summary["steps"] == 30
     assert ledger["generated"] == ledger["trained"] + sum(ledger["dropped"].values())
-    assert set(ledger["dropped"]) <= {"environment_tokenization", "environment_raised", "run_finished"}
+    assert set(ledger["dropped"]) <= {"environment_raised", "run_finished"}  # none for a round trip: tokens stay
     assert ledger["trained"] >= 0.99 * 30 * 128
-    # held-out first-turn success rises (0.30 -> 0.56 measured)
+    # held-out first-turn success rises (0.28 -> 0.61 measured)
     assert summary["eval_end"] >= summary["eval_start"] + 0.1, (summary["eval_start"], summary["eval_end"])
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "reward_components" in s]
     turns = [s["reward_components"]["turns"] for s in steps]
     rewards = [s["reward_mean"] for s in steps]
     assert len(turns) == 30 and all(1.0 <= t <= 3.0 for t in turns)
-    # the episodes' reward rises and they need fewer turns (2.6 -> 2.2 and 0.21 -> 0.40 measured)
+    # the episodes' reward rises and they need fewer turns (2.50 -> 2.17 and 0.25 -> 0.41 measured)
     assert sum(turns[-10:]) / 10 < sum(turns[:5]) / 5 - 0.1, turns
     assert sum(rewards[-10:]) / 10 > sum(rewards[:5]) / 5 + 0.05, rewards
     assert " turns " in proc.stderr  # on every step line

@@ -82,7 +82,7 @@ def test_no_response_ends_before_min_new_tokens_and_its_logprobs_are_those_it_wa
     assert held["response_mask"].sum(dim=1).min() >= 6
     assert not torch.isin(held["response_ids"][:, :5], torch.tensor([model.eos_id])).any()
     # the logprobs are the model's own, as the trainer computes them (not renormalised without EOS)
-    ids, mask = encode_prompts(model.tokenizer, [p.text for p in PROMPTS], model.device)
+    ids, mask = encode_prompts(model.tokenizer, PROMPTS, model.device)
     logits, _ = model.forward(ids, mask, positions_from_mask(mask))
     expected = torch.log_softmax(logits[:, -1].float() / 1.5, dim=-1).repeat_interleave(8, dim=0)
     expected = expected.gather(1, held["response_ids"][:, :1]).squeeze(1)

@@ -82,7 +82,7 @@ def test_behaviour_logprobs_equal_trainer_and_logprob_engine():
 
 def test_kv_cache_decoding_matches_full_forward():
     model = small_model()
-    ids, mask = encode_prompts(model.tokenizer, ["12+7=", "reverse abcd:"])
+    ids, mask = encode_prompts(model.tokenizer, [Prompt(0, "12+7=", ""), Prompt(1, "reverse abcd:", "")])
     full_ids = torch.cat([ids, torch.randint(4, 40, (2, 3))], dim=1)
     full_mask = torch.ones_like(full_ids)
     full_mask[:, : ids.shape[1]] = mask

@@ -209,3 +209,35 @@ def test_greedy_evaluation_is_deterministic_and_counts_its_tokens(vllm_engine):
     texts = engine.generate_greedy(PROMPTS)
     assert texts == engine.generate_greedy(PROMPTS) and len(texts) == 2
     assert engine.tokens_decoded > before  # the watchdog's measure of progress moves with vLLM's tokens
+
+
+@needs_vllm
+def test_episodes_run_on_vllm_in_token_space(vllm_engine):
+    """Each later turn hands vLLM the tokens so far as they are (here ones no
+    text round-trips: BOS inside the conversation, each turn's EOS); the
+    model's tokens of every turn carry the logprobs the trainer computes over
+    the whole conversation."""
+    from rldsl.runtime import protocols as p
+    from rldsl.runtime.engines.torch.common import response_logprobs
+    from rldsl.runtime.environments.conversation import TranscriptTurns
+    from rldsl.runtime.environments.episodes import EpisodeRunner
+    from rldsl.runtime.environments.host import EnvironmentHost
+
+    engine = vllm_engine.generator
+    tokenizer = engine.tokenizer
+    ids = (tokenizer.bos_id, *tokenizer.encode("1+1="), tokenizer.bos_id, *tokenizer.encode("2+2="))
+    read = engine.generate([Prompt(0, "ignored", "", ids=ids)], 1, seed=0)
+    assert read["prompt_ids"][0][read["prompt_mask"][0].bool()].tolist() == list(ids)
+
+    host = EnvironmentHost("rldsl.environments:ArithRetry", 10.0, 2)
+    try:
+        runner = EpisodeRunner(ContinuousBatcher(engine), host, TranscriptTurns(tokenizer), tokenizer, 3, 40)
+        batch, failures = runner.run([Prompt(3, "12+19=", "99999")], 4, seed=1)
+    finally:
+        host.close()
+    assert not failures and (batch[p.FIELD_TURNS] >= 2).any()
+    trained = p.trained_tokens(batch).bool()
+    assert (batch[p.FIELD_RESPONSE_MASK].bool() & ~trained).any()  # the environment's tokens are in the response
+    with torch.no_grad():
+        recomputed = response_logprobs(vllm_engine.reference(), batch, TEMPERATURE)
+    assert float((recomputed - batch[p.FIELD_BEHAVIOUR_LOGPROBS])[trained].abs().max()) < 1e-4

@@ -116,6 +116,13 @@ class Prompt:
     text: str
     answer: str  # the reference answer rewards compare against
     meta: Mapping[str, Any] = field(default_factory=dict)
+    # The prompt as tokens, read as they are (a conversation's next turn: the
+    # tokens so far exactly as sampled); None: the engine encodes ``text``.
+    ids: tuple[int, ...] | None = None
+
+    def tokens(self, tokenizer) -> list[int]:
+        """What an engine reads: ``ids`` when given, else ``text`` encoded with BOS."""
+        return list(self.ids) if self.ids is not None else tokenizer.encode(self.text, add_bos=True)
 
 
 @dataclass(frozen=True)

@@ -545,8 +545,7 @@ RULES: dict[str, Rule] = {r.code: r for r in [
     _r("RLP605", ERROR, "environment samples scored by something other than their episode's reward",
        "A sample of a generate stage with an environment is an episode: its reward is the sum of the rewards "
        "its environment gave, read by a reward stage with `fn = \"rldsl.environments:episode_reward\"`, which "
-       "also drops the samples whose episode failed (the environment raised, hung, died, or the conversation "
-       "re-tokenized differently). Any other reward function would score a transcript. Held-out evaluation "
+       "also drops the samples whose episode failed (the environment raised, hung or died). Any other reward function would score a transcript. Held-out evaluation "
        "decodes a single turn, so it needs an `eval_metric` function rather than the pipeline's reward.",
        "stage reward score { fn = \"rldsl.rewards:exact_match\" }   # after a generate stage with an environment",
        "the generate stages' `environment`, the flows (which reward stages follow them), each reward stage's "

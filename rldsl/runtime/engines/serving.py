@@ -29,8 +29,8 @@ TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  
 
 
 def prompt_token_ids(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
-    """Each prompt's tokens with BOS, as the torch engines encode them."""
-    ids = [tokenizer.encode(prompt.text, add_bos=True) for prompt in prompts]
+    """Each prompt's tokens (``Prompt.tokens``), as the torch engines read them."""
+    ids = [prompt.tokens(tokenizer) for prompt in prompts]
     if any(not row for row in ids):
         raise ValueError("a prompt encodes to no tokens; the model needs at least one to condition on")
     return ids

@@ -2,8 +2,8 @@
 
 ``protocol``: what an environment is and what it may return; ``host``: the
 killable processes its calls run in; ``episodes``: the turn loop over a
-generator's batcher; ``conversation``: the text each turn reads and the
-tokenization check. ``episode_runner`` builds the loop a generate stage with
+generator's batcher; ``conversation``: the first turn's text and each
+observation's tokens (token in, token out). ``episode_runner`` builds the loop a generate stage with
 an environment uses (None without one).
 """
 
@@ -20,7 +20,7 @@ def episode_runner(pipe, stage, batcher, tokenizer):
     name = stage.settings.get("environment")
     if not name:
         return None
-    from rldsl.runtime.environments.conversation import chat_renderer, transcript
+    from rldsl.runtime.environments.conversation import conversation_turns
     from rldsl.runtime.environments.episodes import EpisodeRunner
     from rldsl.runtime.environments.host import EnvironmentHost
 
@@ -30,9 +30,9 @@ def episode_runner(pipe, stage, batcher, tokenizer):
                          "sglang)")
     env = pipe.environment(name)
     model = next((m for m in pipe.models if m.name == stage.model), None)
-    render = chat_renderer(tokenizer.inner) if model is not None and model.chat_template else transcript
+    turns = conversation_turns(tokenizer, chat_template=model is not None and bool(model.chat_template))
     host = EnvironmentHost(env.fn, env.timeout_s or None, env.processes)
-    return EpisodeRunner(batcher, host, render, tokenizer, env.max_turns, env.max_tokens)
+    return EpisodeRunner(batcher, host, turns, tokenizer, env.max_turns, env.max_tokens)
 
 
 def episode_rewards(fields: dict) -> list:

@@ -1,32 +1,74 @@
-"""How a conversation becomes the text a turn is generated from.
+"""How a conversation becomes tokens, in token space.
 
-``transcript``: the messages' contents one after another (the builtin model,
-and `hf:` models without `chat_template`); ``chat``: the tokenizer's chat
-template with the assistant's turn opened. Either way the engine encodes the
-whole conversation each turn, and ``split_turn`` checks that the tokens it
-read begin with exactly the tokens of the turns before (the prompt, the
-model's own tokens as generated, the environment's): otherwise the trainer
-would score other tokens than the ones sampled.
+The first turn reads the episode's first messages as text (``first_text``),
+encoded once by the engine. From then on nothing is re-encoded: the next
+turn reads the tokens so far exactly as they were (the prompt, the model's
+tokens as sampled, its end-of-turn token included, the environment's), and
+each observation joins them as a token delta (``observation_tokens``): the
+tokens the conversation's format puts between the model's completion and
+its next turn. A template that rewrites earlier turns (Qwen3 drops earlier
+``<think>`` blocks), special tokens a decode skips and non-canonical BPE
+splits therefore change nothing the model already said.
+
+``TranscriptTurns``: the messages' contents one after another (the builtin
+model, and `hf:` models without `chat_template`); ``ChatTemplateTurns``: the
+tokenizer's chat template.
 """
 
 from __future__ import annotations
 
-
-def transcript(messages: list[dict]) -> str:
-    return "".join(message["content"] for message in messages)
-
-
-def chat_renderer(hf_tokenizer):
-    """The chat template of a Hugging Face tokenizer (``HFTokenizer.inner``)."""
-    if not getattr(hf_tokenizer, "chat_template", None):
-        raise ValueError("`chat_template = true`, but the tokenizer has no chat template")
-    return lambda messages: hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+# The assistant turn the template renders before the new messages: a marker no
+# template rewrites, so that what follows it is the template's own text.
+_PROBE_MARK = "\u2063\u2064\u2063\u2064\u2063"  # invisible, caseless: survives `upper`, `trim`
+_PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE_MARK}]
 
 
-def split_turn(conversation: list[int], read: list[int]) -> list[int] | None:
-    """The environment's tokens of a turn: what the engine ``read`` beyond the
-    ``conversation`` so far; None when ``read`` does not begin with it (the
-    whole conversation tokenizes differently from its turns)."""
-    if read[:len(conversation)] != conversation:
-        return None
-    return read[len(conversation):]
+class TranscriptTurns:
+    """Contents one after another; the model's end-of-turn token stays in the
+    conversation as it was sampled."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def first_text(self, messages: list[dict]) -> str:
+        return "".join(message["content"] for message in messages)
+
+    def observation_tokens(self, messages: list[dict], ended: bool) -> list[int]:
+        """The tokens of ``messages`` after a completion (``ended``: it
+        closed with the end-of-turn token)."""
+        return self.tokenizer.encode(self.first_text(messages))
+
+
+class ChatTemplateTurns:
+    """A Hugging Face tokenizer's chat template (``HFTokenizer``). A delta is
+    the template over a fixed probe conversation plus the new messages, cut
+    after the probe's assistant turn: the template's end of that turn (less
+    the end-of-turn token when the model sampled it), then the new messages
+    and the next assistant turn opened."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.template = tokenizer.inner
+        if not getattr(self.template, "chat_template", None):
+            raise ValueError("`chat_template = true`, but the tokenizer has no chat template")
+        self.end_of_turn = self.template.decode([tokenizer.eos_id])
+        if _PROBE_MARK not in self._render(_PROBE + [{"role": "user", "content": "?"}]):
+            raise ValueError("the chat template drops the content of earlier assistant turns, so where a turn "
+                             "ends cannot be told; give the model a template that keeps it")
+
+    def first_text(self, messages: list[dict]) -> str:
+        return self._render(messages)
+
+    def observation_tokens(self, messages: list[dict], ended: bool) -> list[int]:
+        rendered = self._render(_PROBE + list(messages))
+        tail = rendered[rendered.index(_PROBE_MARK) + len(_PROBE_MARK):]
+        if ended and tail.startswith(self.end_of_turn):
+            tail = tail[len(self.end_of_turn):]  # the model's own token closed the turn
+        return self.tokenizer.encode(tail)
+
+    def _render(self, messages: list[dict]) -> str:
+        return self.template.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def conversation_turns(tokenizer, chat_template: bool):
+    return ChatTemplateTurns(tokenizer) if chat_template else TranscriptTurns(tokenizer)

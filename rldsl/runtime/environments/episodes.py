@@ -1,30 +1,28 @@
 """The episode loop: one prompt group's samples, each a multi-turn episode.
 
-Each turn submits every running episode's conversation to the generator's
-batcher as one request (one row each); each completion goes to its
-environment's ``step`` (in the host's processes) and the observation
-extends the conversation. A sample's response is completion 1 +
-observation 1 + completion 2 + ...: ``loss_mask`` is 1 on the model's
-tokens and 0 on the environment's, whose behaviour logprobs are 0. A
-completion's end-of-sequence token ends its turn and is kept only on the
-last turn (a conversation's later turns are re-read from text, where it has
-no place). The response stops at the environment's ``max_tokens``.
+Each turn submits every running episode to the generator's batcher as one
+request (one row each): the first turn its messages as text, every later
+turn its tokens so far, exactly as they are (``conversation``). Each
+completion goes to its environment's ``step`` (in the host's processes) and
+the observation joins the tokens as the conversation format's delta. A
+sample's response is completion 1 + observation 1 + completion 2 + ...:
+``loss_mask`` is 1 on the model's tokens, each turn's end-of-turn token
+included (the policy learns to end its turns), and 0 on the environment's,
+whose behaviour logprobs are 0. The response stops at the environment's
+``max_tokens``.
 
-An episode whose environment raises, hangs or dies, or whose conversation
-re-tokenizes differently from its turns, ends there with its status; the
-reward stage drops that sample alone. A sample's version is its oldest
-turn's (each turn's behaviour logprobs are under the weights that drew it).
+An episode whose environment raises, hangs or dies ends there with its
+status; the reward stage drops that sample alone. A sample's version is its
+oldest turn's (each turn's behaviour logprobs are under the weights that
+drew it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 
 from rldsl.runtime import protocols as p
-from rldsl.runtime.environments.conversation import split_turn
 from rldsl.runtime.environments.host import CallFailure, EnvironmentHost
 from rldsl.runtime.environments.protocol import EpisodeStatus
 
@@ -53,12 +51,11 @@ class Episode:
 
 class EpisodeRunner:
     """Runs a generate stage's episodes on its ``batcher`` (``submit(prompts,
-    samples, seed)`` and ``version``); ``render`` turns messages into the text
-    a turn reads."""
+    samples, seed)`` and ``version``); ``turns`` (``conversation``) gives
+    the first turn's text and each observation's tokens."""
 
-    def __init__(self, batcher, host: EnvironmentHost, render: Callable[[list[dict]], str], tokenizer,
-                 max_turns: int, max_tokens: int):
-        self.batcher, self.host, self.render, self.tokenizer = batcher, host, render, tokenizer
+    def __init__(self, batcher, host: EnvironmentHost, turns, tokenizer, max_turns: int, max_tokens: int):
+        self.batcher, self.host, self.turns, self.tokenizer = batcher, host, turns, tokenizer
         self.max_turns, self.max_tokens = max_turns, max_tokens
 
     def run(self, prompts: list[p.Prompt], samples_per_prompt: int, seed: int) -> tuple[p.Batch, list]:
@@ -78,59 +75,52 @@ class EpisodeRunner:
         failures = [(e.status, e.detail) for e in episodes if e.status != EpisodeStatus.OK]
         return self._batch(episodes), failures
 
+    def _request(self, episode: Episode) -> p.Prompt:
+        """The first turn reads the messages as text; every later turn the tokens so far, as they are."""
+        prompt = episode.prompt
+        if not episode.prompt_ids:
+            return p.Prompt(prompt.index, self.turns.first_text(episode.messages), prompt.answer, prompt.meta)
+        return p.Prompt(prompt.index, prompt.text, prompt.answer, prompt.meta,
+                        ids=tuple(episode.prompt_ids + episode.tokens))
+
     def _turn(self, running: list[Episode], turn: int, seed: int) -> None:
-        texts = [p.Prompt(e.prompt.index, self.render(e.messages), e.prompt.answer, e.prompt.meta) for e in running]
-        batch = self.batcher.submit(texts, 1, seed)
+        batch = self.batcher.submit([self._request(e) for e in running], 1, seed)
         batch.pop(p.FIELD_TOKEN_VERSIONS, None)
         stepping = []
         for row, episode in enumerate(running):
-            completion, logprobs = self._completion(episode, batch, row)
-            if completion is None:
-                continue
+            if not episode.prompt_ids:
+                episode.prompt_ids = _masked(batch[p.FIELD_PROMPT_IDS][row], batch[p.FIELD_PROMPT_MASK][row])
+            mask = batch[p.FIELD_RESPONSE_MASK][row]
+            completion = _masked(batch[p.FIELD_RESPONSE_IDS][row], mask)
+            logprobs = batch[p.FIELD_BEHAVIOUR_LOGPROBS][row][mask.bool()].tolist() \
+                if p.FIELD_BEHAVIOUR_LOGPROBS in batch else [0.0] * len(completion)
             episode.versions.append(int(batch[p.FIELD_VERSION][row]))
             episode.turns += 1
-            stepping.append((episode, completion, logprobs))
-        replies = self.host.map([("step", e.state, e.messages, self._text(c)) for e, c, _ in stepping])
-        for (episode, completion, logprobs), reply in zip(stepping, replies):
+            self._extend(episode, completion, logprobs)  # as sampled, its end-of-turn token included
+            stepping.append((episode, completion))
+        replies = self.host.map([("step", e.state, e.messages, self._text(c)) for e, c in stepping])
+        for (episode, completion), reply in zip(stepping, replies):
             if not self._answered(episode, reply):
                 continue
             episode.state, (observation, reward, done) = reply[1], reply[2]
             episode.reward += reward
-            last = done or turn == self.max_turns - 1 or len(episode.tokens) + len(completion) >= self.max_tokens
-            if not last and completion and completion[-1] == self.tokenizer.eos_id:
-                completion, logprobs = completion[:-1], logprobs[:-1]  # the turn's end, not conversation
-            room = self.max_tokens - len(episode.tokens)
-            episode.tokens += completion[:room]
-            episode.trained += [1] * len(completion[:room])
-            episode.logprobs += logprobs[:room]
             episode.messages += [{"role": "assistant", "content": self._text(completion)}, observation]
-            episode.done = last or len(episode.tokens) >= self.max_tokens
+            if done or turn == self.max_turns - 1 or len(episode.tokens) >= self.max_tokens:
+                episode.done = True
+                continue
+            ended = bool(completion) and completion[-1] == self.tokenizer.eos_id
+            self._extend(episode, self.turns.observation_tokens([observation], ended), None)
+            # the environment's answer filled the budget: no room to reply
+            episode.done = len(episode.tokens) >= self.max_tokens
 
-    def _completion(self, episode: Episode, batch: p.Batch, row: int):
-        """The row's completion tokens and logprobs; the environment's tokens
-        of the previous turn join the response first (None: the conversation
-        did not re-tokenize to its turns, and the episode has failed)."""
-        read = _masked(batch[p.FIELD_PROMPT_IDS][row], batch[p.FIELD_PROMPT_MASK][row])
-        if not episode.prompt_ids:
-            episode.prompt_ids = read
-        else:
-            observed = split_turn(episode.prompt_ids + episode.tokens, read)
-            if observed is None:
-                episode.fail(EpisodeStatus.TOKENIZATION, "the conversation re-tokenized differently from its turns "
-                                                         f"at turn {episode.turns + 1}")
-                return None, None
-            room = self.max_tokens - len(episode.tokens)
-            episode.tokens += observed[:room]
-            episode.trained += [0] * len(observed[:room])
-            episode.logprobs += [0.0] * len(observed[:room])
-            if len(observed) >= room:
-                episode.done = True  # the environment's answer filled the budget: no room to reply
-                return None, None
-        mask = batch[p.FIELD_RESPONSE_MASK][row]
-        completion = _masked(batch[p.FIELD_RESPONSE_IDS][row], mask)
-        logprobs = batch[p.FIELD_BEHAVIOUR_LOGPROBS][row][mask.bool()].tolist() \
-            if p.FIELD_BEHAVIOUR_LOGPROBS in batch else [0.0] * len(completion)
-        return completion, logprobs
+    def _extend(self, episode: Episode, tokens: list[int], logprobs: list[float] | None) -> None:
+        """Append the model's tokens (with their logprobs) or the
+        environment's (None: masked out of the loss, logprob 0), at most up
+        to the episode's ``max_tokens``."""
+        kept = tokens[:self.max_tokens - len(episode.tokens)]
+        episode.tokens += kept
+        episode.trained += [0 if logprobs is None else 1] * len(kept)
+        episode.logprobs += [0.0] * len(kept) if logprobs is None else logprobs[:len(kept)]
 
     def _answered(self, episode: Episode, reply) -> bool:
         if isinstance(reply, CallFailure):

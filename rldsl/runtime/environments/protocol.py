@@ -42,7 +42,8 @@ class EpisodeStatus(enum.IntEnum):
     RAISED = 1  # reset or step raised, or returned something malformed
     TIMEOUT = 2  # a call overran the environment's timeout; its process was killed
     DIED = 3  # the process running a call died
-    TOKENIZATION = 4  # the conversation re-tokenized differently from the tokens generated turn by turn
+    # runs from before turns were kept as tokens re-encoded the text and could fail so; none does now
+    TOKENIZATION = 4
 
 
 DROP_REASONS = {EpisodeStatus.RAISED: "environment_raised", EpisodeStatus.TIMEOUT: "environment_timeout",

@@ -21,16 +21,17 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from rldsl.runtime.protocols import FIELD_PROMPT_IDS, FIELD_PROMPT_MASK, FIELD_RESPONSE_IDS, FIELD_RESPONSE_MASK
+from rldsl.runtime.protocols import FIELD_PROMPT_IDS, FIELD_PROMPT_MASK, FIELD_RESPONSE_IDS, FIELD_RESPONSE_MASK, Prompt
 
 # Positions log-softmaxed in fp32 at once (rldsl.compiler.memory_model counts
 # the same slice).
 LOGPROB_SLICE_TOKENS = 1024
 
 
-def encode_prompts(tokenizer, texts: list[str], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and mask (pad = 0), each prompt starting with BOS."""
-    encoded = [tokenizer.encode(text, add_bos=True) for text in texts]
+def encode_prompts(tokenizer, prompts: list[Prompt], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and mask (pad = 0): each prompt's tokens
+    (``Prompt.tokens``: its text with BOS, or its ids as given)."""
+    encoded = [prompt.tokens(tokenizer) for prompt in prompts]
     if any(not ids for ids in encoded):
         raise ValueError("a prompt encodes to no tokens; the model needs at least one to condition on")
     width = max(len(ids) for ids in encoded)

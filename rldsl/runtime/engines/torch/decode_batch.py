@@ -47,6 +47,7 @@ from rldsl.runtime.protocols import (
     FIELD_RESPONSE_IDS,
     FIELD_RESPONSE_MASK,
     Batch,
+    Prompt,
 )
 
 # (logits [B, V] float32, [(rows, generator)] per request in row order) -> tokens [B]
@@ -107,21 +108,21 @@ class DecodeBatch:
         return sum(request.rows for request in self._requests)
 
     @torch.no_grad()
-    def admit(self, groups: list[tuple[list[str], torch.Generator]], version: int) -> list[int]:
-        """Prefill the groups' prompts in one forward and add their rows.
+    def admit(self, groups: list[tuple[list[Prompt], torch.Generator]], version: int) -> list[int]:
+        """Prefill the groups' prompts (one per row) in one forward and add their rows.
         The running batch changes only once the prefill has succeeded."""
         if self._requests and version != self.version:
             raise RuntimeError(f"admitting at version {version} into rows decoded with {self.version}; resume first")
         self.version = version
-        texts = [text for group_texts, _ in groups for text in group_texts]
-        prompt_ids, prompt_mask = encode_prompts(self.model.tokenizer, texts, self.model.device)
+        prompts = [prompt for group_rows, _ in groups for prompt in group_rows]
+        prompt_ids, prompt_mask = encode_prompts(self.model.tokenizer, prompts, self.model.device)
         positions = positions_from_mask(prompt_mask)
         logits, cache = self.model.forward(prompt_ids, prompt_mask, positions)
         admitted, start = [], 0
-        for group_texts, sampler in groups:
-            rows = slice(start, start + len(group_texts))
+        for group_rows, sampler in groups:
+            rows = slice(start, start + len(group_rows))
             width = int(prompt_mask[rows].sum(dim=1).max())  # this group's own padding, as if decoded alone
-            admitted.append(DecodeRequest(next(self._ids), len(group_texts), sampler,
+            admitted.append(DecodeRequest(next(self._ids), len(group_rows), sampler,
                                           prompt_ids[rows, -width:].cpu(), prompt_mask[rows, -width:].cpu()))
             start = rows.stop
         self._merge(cache, prompt_mask, positions[:, -1:] + 1, logits[:, -1])

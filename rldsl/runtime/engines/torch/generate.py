@@ -116,10 +116,9 @@ class TorchGenerator(WeightReceiver):
     def generate_greedy(self, prompts: list[Prompt]) -> list[str]:
         """One argmax response per prompt, for evaluation."""
         self.require_consistent_weights()
-        texts = [prompt.text for prompt in prompts]
         responses = []
-        for start in range(0, len(texts), self.GREEDY_ROWS_PER_DECODE):
-            chunk = texts[start : start + self.GREEDY_ROWS_PER_DECODE]
+        for start in range(0, len(prompts), self.GREEDY_ROWS_PER_DECODE):
+            chunk = prompts[start : start + self.GREEDY_ROWS_PER_DECODE]
             responses += decode_responses(self.tokenizer, self._decode(chunk, lambda logits: logits.argmax(dim=-1)))
         return responses
 
@@ -127,15 +126,15 @@ class TorchGenerator(WeightReceiver):
         return decode_responses(self.tokenizer, batch)
 
     @torch.no_grad()
-    def _decode(self, texts: list[str], choose) -> Batch:
+    def _decode(self, prompts: list[Prompt], choose) -> Batch:
         """Prefill the prompts, then one token per step from the KV cache until
         every row has emitted EOS or ``max_new_tokens`` is reached."""
         device, end_ids = self.model.device, self.end_ids.to(self.model.device)
-        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, texts, device)
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, device)
         positions = positions_from_mask(prompt_mask)
         logits, cache = self.model.forward(prompt_ids, prompt_mask, positions)
         next_position, key_mask = positions[:, -1:] + 1, prompt_mask
-        alive = torch.ones(len(texts), dtype=torch.bool, device=device)
+        alive = torch.ones(len(prompts), dtype=torch.bool, device=device)
         tokens, masks = [], []
         for _ in range(self.max_new_tokens):
             token = torch.where(alive, choose(logits[:, -1].float()).to(device), 0)
@@ -164,8 +163,8 @@ class TorchGenerator(WeightReceiver):
         for prompts, samples_per_prompt, seed in requests:
             if not prompts or samples_per_prompt < 1:
                 raise ValueError("generate needs at least one prompt and samples_per_prompt >= 1")
-            texts = [prompt.text for prompt in prompts for _ in range(samples_per_prompt)]
-            groups.append((texts, torch.Generator(device="cpu").manual_seed(seed)))
+            rows = [prompt for prompt in prompts for _ in range(samples_per_prompt)]
+            groups.append((rows, torch.Generator(device="cpu").manual_seed(seed)))
         return decoding.admit(groups, self.version)
 
     def _completed(self, request) -> Batch:

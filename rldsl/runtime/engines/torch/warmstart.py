@@ -209,7 +209,7 @@ def answer_batch(tokenizer, prompts) -> dict:
     """A batch whose responses are the reference answers followed by EOS."""
     from rldsl.runtime.engines.torch.common import encode_prompts
 
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, [p.text for p in prompts])
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts)
     answers = [tokenizer.encode(p.answer, add_eos=True) for p in prompts]
     width = max(len(ids) for ids in answers)
     response_ids = torch.zeros(len(prompts), width, dtype=torch.long)

@@ -2,6 +2,7 @@
 killable environment processes (rldsl.runtime.environments)."""
 
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,29 +159,75 @@ FLAKY = """
 """
 
 
-def test_a_hung_call_hands_its_process_slot_off_so_the_other_calls_go_on():
-    """One slot, a 4 s timeout: the hung step waits out its deadline in its
-    own process while the other episodes' steps run in a fresh one."""
+def test_a_hung_call_holds_only_its_own_episode():
+    """A 2 s timeout: the hung step is killed at its deadline while the other
+    episodes' steps, each in a process of its own, answer at once."""
     import time
 
-    host = EnvironmentHost(f"flaky:Flaky@{_module_dir('flaky', FLAKY)}", 4.0, 1)
+    host = EnvironmentHost(f"flaky:Flaky@{_module_dir('flaky', FLAKY)}", 2.0, 1)
     try:
-        states = {answer: host.call(("reset", "1+1=", answer))[1] for answer in ("hang", "ok")}
-        started, finished = time.monotonic(), {}
-
-        def step(answer: str, index: int) -> None:
-            reply = host.call(("step", states[answer], [], "2"))
-            finished[(answer, index)] = (time.monotonic() - started, reply)
-
-        calls = [("hang", 0)] + [("ok", i) for i in range(6)]
-        list(host._pool.map(lambda call: step(*call), calls))
+        answers = ["hang"] + ["ok"] * 6
+        processes = host.open(len(answers))
+        assert all(isinstance(r, tuple) for r in host.exchange([(pr, ("reset", "1+1=", a))
+                                                               for pr, a in zip(processes, answers)]))
+        started = time.monotonic()
+        replies = host.exchange([(process, ("step", [], "2")) for process in processes])
+        took = time.monotonic() - started
+        again = host.exchange([(process, ("step", [], "2")) for process in processes[1:]])  # they live on
     finally:
         host.close()
-    ok_times = [t for (answer, _), (t, _) in finished.items() if answer == "ok"]
-    assert max(ok_times) < 3.0, ok_times  # not behind the hung call's 4 s
-    hung_time, hung_reply = finished[("hang", 0)]
-    assert isinstance(hung_reply, CallFailure) and hung_reply.status == EpisodeStatus.TIMEOUT and hung_time >= 4.0
-    assert host.handed_off_total == 1
+    assert isinstance(replies[0], CallFailure) and replies[0].status == EpisodeStatus.TIMEOUT and took >= 2.0
+    assert [r[0] for r in replies[1:] + again] == ["ok"] * 12
+    assert host.episodes_started == 7
+
+
+STATEFUL = """
+    import asyncio, subprocess, sys, threading
+
+    class Shell:
+        \"\"\"Holds what never pickles across turns: a running subprocess, a lock, an event loop's task.\"\"\"
+
+        def reset(self, prompt, answer):
+            self.lock = threading.Lock()
+            self.child = subprocess.Popen([sys.executable, "-c", "import sys\\nfor line in sys.stdin: print(len(line) - 1, flush=True)"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            self.seen = []
+            return [{"role": "user", "content": prompt}]
+
+        async def step(self, messages, completion):
+            with self.lock:
+                self.child.stdin.write(completion + "\\n")
+                self.child.stdin.flush()
+                length = int(await asyncio.to_thread(self.child.stdout.readline))
+            self.seen.append(length)
+            return f" {len(self.seen)}:{length}", float(length), False
+
+        def close(self):
+            self.child.stdin.close()
+            self.child.wait(timeout=5)
+            with open(__file__ + ".closed", "a") as record:  # proof for the test, from the episode's process
+                record.write("closed\\n")
+"""
+
+
+def test_an_environment_keeps_what_never_pickles_across_turns_and_is_closed():
+    """Its instance lives in the episode's process from reset to close: an
+    open subprocess, a lock and an async step carry over from turn to turn."""
+    directory = _module_dir("stateful", STATEFUL)
+    host = EnvironmentHost(f"stateful:Shell@{directory}", 10.0, 1)
+    try:
+        processes = host.open(2)
+        host.exchange([(process, ("reset", "go", "")) for process in processes])
+        first = host.exchange([(processes[0], ("step", [], "abc")), (processes[1], ("step", [], "a"))])
+        second = host.exchange([(processes[0], ("step", [], "ab")), (processes[1], ("step", [], "abcd"))])
+        host.finish(processes)
+    finally:
+        host.close()
+    assert [r[1][0]["content"] for r in first] == [" 1:3", " 1:1"]
+    assert [r[1][0]["content"] for r in second] == [" 2:2", " 2:4"]  # each episode's own state, turn after turn
+    closed = Path(directory) / "stateful.py.closed"
+    assert closed.read_text() == "closed\n" * 2 and all(process.ended for process in processes)
+    closed.unlink()
 
 
 def test_a_crashing_or_hanging_environment_drops_only_its_sample(model):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rldsl.runtime import protocols as p
-from rldsl.runtime.environments.host import CallFailure, EnvironmentHost
+from rldsl.runtime.environments.host import CallFailure, EnvironmentHost, EpisodeProcess
 from rldsl.runtime.environments.protocol import EpisodeStatus
 
 TURN_SEED_STRIDE = 7919  # each turn's request draws from its own seed
@@ -33,7 +33,7 @@ TURN_SEED_STRIDE = 7919  # each turn's request draws from its own seed
 class Episode:
     prompt: p.Prompt
     messages: list[dict] = field(default_factory=list)
-    state: bytes = b""
+    process: EpisodeProcess | None = None  # where its environment lives, from reset to the episode's end
     prompt_ids: list[int] = field(default_factory=list)  # the first turn's, as the engine read it
     tokens: list[int] = field(default_factory=list)  # the response: model and environment tokens
     trained: list[int] = field(default_factory=list)  # 1 on the model's tokens
@@ -62,18 +62,31 @@ class EpisodeRunner:
         """Rows prompt-major, like a single-turn group, plus the episode
         fields; and ``(status, detail)`` of each episode that failed."""
         episodes = [Episode(prompt) for prompt in prompts for _ in range(samples_per_prompt)]
-        replies = self.host.map([("reset", (e.prompt.meta or {}).get("raw_prompt", e.prompt.text), e.prompt.answer)
-                                 for e in episodes])
-        for episode, reply in zip(episodes, replies):
-            if self._answered(episode, reply):
-                episode.state, episode.messages = reply[1], reply[2]
-        for turn in range(self.max_turns):
-            running = [e for e in episodes if not e.done]
-            if not running:
-                break
-            self._turn(running, turn, seed + TURN_SEED_STRIDE * turn)
+        try:
+            self._start(episodes)
+            for turn in range(self.max_turns):
+                running = [e for e in episodes if not e.done]
+                if not running:
+                    break
+                self._turn(running, turn, seed + TURN_SEED_STRIDE * turn)
+        finally:
+            self.host.finish([e.process for e in episodes if e.process is not None])
         failures = [(e.status, e.detail) for e in episodes if e.status != EpisodeStatus.OK]
         return self._batch(episodes), failures
+
+    def _start(self, episodes: list[Episode]) -> None:
+        """Each episode's process, and its environment's first messages."""
+        for episode, process in zip(episodes, self.host.open(len(episodes))):
+            if isinstance(process, CallFailure):
+                episode.fail(process.status, process.detail)
+            else:
+                episode.process = process
+        started = [e for e in episodes if not e.done]
+        replies = self.host.exchange([(e.process, ("reset", (e.prompt.meta or {}).get("raw_prompt", e.prompt.text),
+                                                   e.prompt.answer)) for e in started])
+        for episode, reply in zip(started, replies):
+            if self._answered(episode, reply):
+                episode.messages = reply[1]
 
     def _request(self, episode: Episode) -> p.Prompt:
         """The first turn reads the messages as text; every later turn the tokens so far, as they are."""
@@ -98,11 +111,11 @@ class EpisodeRunner:
             episode.turns += 1
             self._extend(episode, completion, logprobs)  # as sampled, its end-of-turn token included
             stepping.append((episode, completion))
-        replies = self.host.map([("step", e.state, e.messages, self._text(c)) for e, c in stepping])
+        replies = self.host.exchange([(e.process, ("step", e.messages, self._text(c))) for e, c in stepping])
         for (episode, completion), reply in zip(stepping, replies):
             if not self._answered(episode, reply):
                 continue
-            episode.state, (observation, reward, done) = reply[1], reply[2]
+            observation, reward, done = reply[1]
             episode.reward += reward
             episode.messages += [{"role": "assistant", "content": self._text(completion)}, observation]
             if done or turn == self.max_turns - 1 or len(episode.tokens) >= self.max_tokens:

@@ -1,37 +1,40 @@
-"""``EnvironmentHost``: a generator worker's environment processes.
+"""``EnvironmentHost``: a generator worker's environments, one process per episode.
 
-Every ``reset`` or ``step`` runs in one of up to ``processes`` child
-processes (process.py), with the environment's state pickled in and out, so
-any process can run any call. A call that overruns ``timeout_s`` has its
-process killed, a process that dies is reaped; either way only that call's
-episode fails (``EpisodeStatus``) and a fresh process takes the slot.
+Up to ``processes`` forking servers (process.py) import the environment's
+class once each; every episode then runs in a process forked from one of
+them (half a millisecond) that keeps the environment's instance for the
+whole episode: state that does not pickle (an open subprocess, a socket, a
+sandbox, an event loop) lives across turns.
 
-A call that runs long (a tenth of the timeout, at least ``HAND_OFF_MIN_S``)
-hands its slot off: it waits out its deadline in its own process while the
-slot takes the next call in a fresh one, as the reward pool does, so a hung
-call costs its own episode and never the other episodes' calls. At most
-``HANDED_OFF_PER_PROCESS`` calls per slot wait out a deadline at once.
+A turn's calls go to their episodes' processes at once and are read back as
+they answer (``exchange``), so a slow call holds only its own episode. A
+call that overruns ``timeout_s`` has its process killed and a process that
+dies is noticed when its socket closes: either way only that episode fails
+(``EpisodeStatus``). A server that dies is started again on the next
+episode.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import select
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from rldsl.runtime.environments.protocol import EnvironmentLoadError, EpisodeStatus
-from rldsl.runtime.reward_child import child_env, lowest_priority
+from rldsl.runtime.reward_child import child_env
 from rldsl.runtime.reward_process import FrameBuffer, write_frame
 
 STARTUP_TIMEOUT_S = 120.0  # importing the environment's module may be slow; it is not a call's timeout
-HAND_OFF_SHARE = 0.1  # of the timeout a call runs in its slot before the slot is handed off
-HAND_OFF_MIN_S = 0.5  # ... and never sooner: most calls take milliseconds, a fresh process ~0.2 s
-HANDED_OFF_PER_PROCESS = 4  # calls waiting out their deadline outside the slots, per slot at most
+FORK_TIMEOUT_S = 30.0  # a server answers a fork in milliseconds; one that does not is replaced
+FORKS_PER_MESSAGE = 128  # episodes a server forks per request (SCM_RIGHTS carries at most 253 descriptors)
+CLOSE_TIMEOUT_S = 5.0  # an environment's close() at the end of its episode, at most (then it is killed)
 
 
 @dataclass(frozen=True)
@@ -42,136 +45,211 @@ class CallFailure:
     detail: str
 
 
-class _Child:
-    """One environment process and the two pipes to it."""
+class EpisodeProcess:
+    """One episode's process: the host's end of its socket, and how to kill it."""
+
+    def __init__(self, sock: socket.socket, pid: int):
+        self.sock, self.pid = sock, pid
+        self.frames = FrameBuffer()
+        try:  # a pidfd, so a kill never reaches another process that reused the pid
+            self._pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+        self.ended = False
+
+    def send(self, message) -> bool:
+        try:
+            write_frame(self.sock.fileno(), message)
+            return True
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """Kill it (if still running) and let go of its socket."""
+        if self.ended:
+            return
+        self.ended = True
+        try:
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+        except OSError:  # gone already
+            pass
+        for closing in (self.sock.close, lambda: self._pidfd is not None and os.close(self._pidfd)):
+            try:
+                closing()
+            except OSError:
+                pass
+
+
+class _Server:
+    """One forking server (a child process) and the socket to it."""
 
     def __init__(self, spec: str):
-        to_child_read, self._to_child = os.pipe()
-        self._from_child, from_child_write = os.pipe()
+        ours, theirs = socket.socketpair()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "rldsl.runtime.environments.process", str(to_child_read),
-                 str(from_child_write), str(os.getpid())],
-                pass_fds=(to_child_read, from_child_write), stdin=subprocess.DEVNULL, env=child_env())
+                [sys.executable, "-m", "rldsl.runtime.environments.process", str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=child_env())
         finally:
-            os.close(to_child_read)
-            os.close(from_child_write)
-        self._frames = FrameBuffer()
-        self._poll = select.poll()  # poll, not select: a Ray worker's descriptors may exceed FD_SETSIZE
-        self._poll.register(self._from_child, select.POLLIN)
-        write_frame(self._to_child, (sys.path, spec))
-        reply = self.receive(time.monotonic() + STARTUP_TIMEOUT_S)
+            theirs.close()
+        self.sock = ours
+        self.lock = threading.Lock()
+        write_frame(ours.fileno(), (sys.path, spec))
+        reply = self._receive(STARTUP_TIMEOUT_S)
         if not isinstance(reply, tuple) or reply[0] != "ready":
             self.kill()
             text = reply[1] if isinstance(reply, tuple) else f"environment {spec!r}: its process {reply}"
             raise EnvironmentLoadError(text)
+        self.has_close = reply[1]  # without a close() an episode's end is its process's kill
 
-    def call(self, message, timeout_s: float | None, hand_off: tuple[float, object] | None = None):
-        """The answer, or a ``CallFailure``. ``hand_off``: ``(after_s, release)``,
-        ``release()`` called once the call has run ``after_s`` unanswered."""
-        try:
-            write_frame(self._to_child, message)
-        except OSError:
-            return CallFailure(EpisodeStatus.DIED, f"the environment process died ({self.kill()})")
-        deadline = None if not timeout_s else time.monotonic() + timeout_s
-        reply = "timed out"
-        if hand_off is not None and deadline is not None:
-            after_s, release = hand_off
-            reply = self.receive(min(deadline, time.monotonic() + after_s))
-            if reply == "timed out" and time.monotonic() < deadline and release():
-                lowest_priority(self.process.pid)  # handed off: it serves nothing more once it answers
-        if reply == "timed out":
-            reply = self.receive(deadline)
-        if reply == "timed out":
-            self.kill()
-            return CallFailure(EpisodeStatus.TIMEOUT, f"no answer within the {timeout_s:g}s timeout; "
-                                                      "its process was killed")
-        if reply == "died":
-            return CallFailure(EpisodeStatus.DIED, f"the environment process died ({self.kill()})")
-        return reply
-
-    def receive(self, deadline: float | None):
-        while (message := self._frames.pop()) is None:
-            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
-            if not self._poll.poll(wait_ms):
-                return "timed out"
-            data = os.read(self._from_child, 1 << 16)
-            if not data:
-                return "died"
-            self._frames.feed(data)
-        return message
+    def fork(self, count: int) -> list[EpisodeProcess] | None:
+        """``count`` new episodes' processes, or None when this server no longer answers."""
+        with self.lock:
+            try:
+                write_frame(self.sock.fileno(), ("episodes", count))
+                self.sock.settimeout(FORK_TIMEOUT_S)
+                data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, count)
+            except OSError:
+                return None
+            finally:
+                self.sock.settimeout(None)
+        pids = pickle.loads(data) if data else []
+        if len(fds) != count or len(pids) != count:
+            for fd in fds:
+                os.close(fd)
+            return None
+        return [EpisodeProcess(socket.socket(fileno=fd), pid) for fd, pid in zip(fds, pids)]
 
     @property
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def kill(self) -> str:
-        """Kill and reap it; how it ended."""
+    def kill(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
-        code = self.process.wait()
-        for fd in (self._to_child, self._from_child):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+        self.process.wait()
+        self.sock.close()
+
+    def _receive(self, timeout_s: float):
+        buffer, deadline = FrameBuffer(), time.monotonic() + timeout_s
+        poll = select.poll()  # poll, not select: a Ray worker's descriptors may exceed FD_SETSIZE
+        poll.register(self.sock.fileno(), select.POLLIN)
+        while (message := buffer.pop()) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not poll.poll(int(remaining * 1000) + 1):
+                return "timed out"
+            data = self.sock.recv(1 << 16)
+            if not data:
+                return f"ended ({self.process.wait()})"
+            buffer.feed(data)
+        return message
 
 
 class EnvironmentHost:
     def __init__(self, spec: str, timeout_s: float | None, processes: int):
         self.spec, self.timeout_s = spec, timeout_s
-        self._processes = processes = max(1, processes)
-        self._slots = threading.Semaphore(processes)
+        self._servers: list[_Server | None] = [_Server(spec)]  # at once: an environment that does not load fails here
+        self._servers += [None] * (max(1, processes) - 1)  # the others start with the first episodes they serve
+        self._next = 0
+        self._has_close = self._servers[0].has_close
         self._lock = threading.Lock()
-        self._idle: list[_Child] = [_Child(spec)]  # the first at once: an environment that does not load fails here
-        self._handed_off, self._max_handed_off = 0, HANDED_OFF_PER_PROCESS * processes
-        self.handed_off_total = 0  # calls that gave their slot up (for tests and diagnostics)
-        self._pool = ThreadPoolExecutor(processes + self._max_handed_off, thread_name_prefix="environment-call")
+        self.episodes_started = 0  # (for tests and diagnostics)
 
-    def call(self, message):
-        """The child's answer tuple, or a ``CallFailure``."""
-        self._slots.acquire()
-        holding = [True]
+    def open(self, count: int) -> list[EpisodeProcess | CallFailure]:
+        """A process for each of ``count`` new episodes."""
+        opened: list = []
+        while len(opened) < count:
+            opened += self._fork(min(FORKS_PER_MESSAGE, count - len(opened)))
+        return opened
 
-        def release() -> bool:  # this call runs long: its slot takes the next call in a fresh process
-            with self._lock:
-                if self._handed_off >= self._max_handed_off:
-                    return False
-                self._handed_off += 1
-                self.handed_off_total += 1
-            holding[0] = False
-            self._slots.release()
-            return True
-
-        try:
-            with self._lock:
-                child = self._idle.pop() if self._idle else None
-            child = child if child is not None and child.alive else _Child(self.spec)
-            hand_off = (max(HAND_OFF_MIN_S, HAND_OFF_SHARE * self.timeout_s), release) if self.timeout_s else None
-            reply = child.call(message, self.timeout_s, hand_off)
-            if not isinstance(reply, CallFailure):
+    def _fork(self, count: int) -> list:
+        with self._lock:
+            index = self._next
+            self._next = (self._next + 1) % len(self._servers)
+        for _ in range(2):  # a server that died is started again once
+            server = self._server(index)
+            processes = server.fork(count)
+            if processes is not None:
                 with self._lock:
-                    keep = holding[0] and len(self._idle) < self._processes  # a handed-off one runs niced: not kept
-                    if keep:
-                        self._idle.append(child)
-                if not keep:
-                    child.kill()
-            return reply
-        finally:
-            if holding[0]:
-                self._slots.release()
+                    self.episodes_started += count
+                    self._has_close = server.has_close
+                return processes
+            server.kill()
+        return [CallFailure(EpisodeStatus.DIED, "the environment's forking server stopped answering")] * count
+
+    def _server(self, index: int) -> _Server:
+        with self._lock:
+            server = self._servers[index]
+            if server is not None and server.alive:
+                return server
+            self._servers[index] = server = _Server(self.spec)
+            return server
+
+    def exchange(self, calls: list[tuple[EpisodeProcess, tuple]], timeout_s: float | None = None) -> list:
+        """Each call sent to its episode's process at once, each answer (the
+        reply tuple, or a ``CallFailure``) read as it comes; in order."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = None if not timeout_s else time.monotonic() + timeout_s
+        answers: list = [None] * len(calls)
+        waiting: dict[int, int] = {}  # fd -> index
+        poll = select.poll()
+        for index, (process, message) in enumerate(calls):
+            if process.ended or not process.send(message):
+                answers[index] = self._died(process)
             else:
-                with self._lock:
-                    self._handed_off -= 1
+                waiting[process.sock.fileno()] = index
+                poll.register(process.sock.fileno(), select.POLLIN)
+        while waiting:
+            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
+            events = poll.poll(wait_ms)
+            if not events:  # the deadline passed: what has not answered is killed
+                for fd, index in waiting.items():
+                    calls[index][0].kill()
+                    answers[index] = CallFailure(EpisodeStatus.TIMEOUT, f"no answer within the {timeout_s:g}s "
+                                                                        "timeout; its process was killed")
+                break
+            for fd, _ in events:
+                index = waiting[fd]
+                answer = self._read(calls[index][0])
+                if answer is not None:
+                    answers[index] = answer
+                    poll.unregister(fd)
+                    del waiting[fd]
+        return answers
 
-    def map(self, messages: list) -> list:
-        """Every call, in parallel over the processes; answers in order."""
-        return list(self._pool.map(self.call, messages))
+    def _read(self, process: EpisodeProcess):
+        """The process's answer once whole, a ``CallFailure`` if it ended, else None."""
+        if (message := process.frames.pop()) is not None:
+            return message
+        try:
+            data = process.sock.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            return self._died(process)
+        process.frames.feed(data)
+        return process.frames.pop()
+
+    @staticmethod
+    def _died(process: EpisodeProcess) -> CallFailure:
+        process.kill()
+        return CallFailure(EpisodeStatus.DIED, "the episode's environment process ended without answering")
+
+    def finish(self, processes: list[EpisodeProcess]) -> None:
+        """End the episodes: each environment's ``close()`` (at most
+        ``CLOSE_TIMEOUT_S``), then its process."""
+        running = [process for process in processes if not process.ended]
+        if self._has_close:
+            self.exchange([(process, ("close",)) for process in running], CLOSE_TIMEOUT_S)
+        for process in running:
+            process.kill()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        """Stop the servers (the episodes' processes die with them)."""
         with self._lock:
-            idle, self._idle = self._idle, []
-        for child in idle:
-            child.kill()
+            servers, self._servers = self._servers, [None] * len(self._servers)
+        for server in servers:
+            if server is not None:
+                server.kill()

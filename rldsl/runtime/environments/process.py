@@ -1,47 +1,153 @@
-"""One environment process: imports the environment class once, then runs calls.
+"""The environment's processes: a forking server, and one process per episode.
 
-``EnvironmentHost`` (host.py) starts it as ``python -m
-rldsl.runtime.environments.process READ_FD WRITE_FD PARENT_PID`` and talks
-over two pipes in the reward processes' length-prefixed pickles
-(``rldsl.runtime.reward_process``). The first message in is ``(sys_path,
-"module:Class")``, answered ``("ready",)`` or ``("load_error", text)``. Then
-each message is one call:
+``EnvironmentHost`` (host.py) starts the server as ``python -m
+rldsl.runtime.environments.process SOCKET_FD PARENT_PID``. Over that Unix
+socket, in the reward processes' length-prefixed pickles
+(``rldsl.runtime.reward_process``), the first message in is ``(sys_path,
+"module:Class")``, answered ``("ready", has_close)`` or ``("load_error",
+text)``: the class is imported once, here. After that each message in is
+``("episodes", count)``: the server forks a process for each of ``count``
+episodes and passes the host its ends of the new socket pairs
+(``SCM_RIGHTS``) with the processes' pids.
 
-- ``("reset", prompt, answer)`` -> ``("ok", state, messages)``
-- ``("step", state, messages, completion)`` -> ``("ok", state, (observation, reward, done))``
+The episode's process builds the environment and keeps it for the whole
+episode, so whatever it holds (an open subprocess, a socket, a sandbox, an
+event loop) lives across turns. Its calls:
 
-where ``state`` is the pickled environment instance; a call that raises or
-returns something malformed is answered ``("raised", text)``.
+- ``("reset", prompt, answer)`` -> ``("ok", messages)``
+- ``("step", messages, completion)`` -> ``("ok", (observation, reward, done))``
+- ``("close",)`` -> ``("ok",)``, after the environment's ``close()`` if it
+  has one; then the process exits.
+
+A method may be a coroutine function: it runs on the process's one event
+loop. A call that raises or returns something malformed is answered
+``("raised", text)``; the host kills a process whose call overruns its
+timeout. A forked process dies with its server (``PR_SET_PDEATHSIG``), the
+server when its host goes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import os
 import pickle
+import signal
+import socket
 import sys
 
-from rldsl.runtime.environments.protocol import checked_messages, checked_step, load_environment
-from rldsl.runtime.reward_process import serve
+from rldsl.runtime.environments.protocol import EnvironmentLoadError, checked_messages, checked_step, load_environment
+from rldsl.runtime.reward_process import _exit_when_orphaned, read_frame, write_frame
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def run_call(cls, call: tuple) -> tuple:
+def serve_forks(channel: socket.socket, cls) -> None:
+    """The server's loop: ``count`` forked episode processes per ``("episodes", count)``."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the episodes' processes
+    prctl = _prctl()  # looked up once: a fork costs half a millisecond, an import more
+    while (message := read_frame(channel.fileno())) is not None:
+        pids, ends = [], []
+        for _ in range(message[1]):
+            ours, theirs = socket.socketpair()
+            pid = os.fork()
+            if pid == 0:
+                channel.close()
+                for end in [ours, *ends]:
+                    end.close()
+                _run_episode(theirs, cls, prctl)
+            theirs.close()
+            pids.append(pid)
+            ends.append(ours)
+        socket.send_fds(channel, [pickle.dumps(pids)], [end.fileno() for end in ends])
+        for end in ends:
+            end.close()
+
+
+def _run_episode(sock: socket.socket, cls, prctl) -> None:
+    """The episode's process: never returns."""
+    code = 0
     try:
-        if call[0] == "reset":
-            env = cls()
-            messages = checked_messages(env.reset(call[1], call[2]))
-            return "ok", pickle.dumps(env), messages
-        env = pickle.loads(call[1])
-        result = checked_step(env.step([dict(m) for m in call[2]], call[3]))
-        return "ok", pickle.dumps(env), result
-    except BaseException as error:  # noqa: BLE001 - sys.exit() in an environment drops only its sample too
-        return "raised", f"{call[0]}: {type(error).__name__}: {error}"
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the environment may wait for processes of its own
+        _die_with_parent(prctl)
+        episode = _Episode(cls)
+        while (call := read_frame(sock.fileno())) is not None:
+            write_frame(sock.fileno(), episode.answer(call))
+            if call[0] == "close":
+                break
+    except BaseException:  # noqa: BLE001 - the host sees the socket close: the episode died
+        code = 1
+    finally:
+        os._exit(code)
+
+
+class _Episode:
+    def __init__(self, cls):
+        self.cls, self.env, self.loop = cls, None, None
+
+    def answer(self, call: tuple) -> tuple:
+        try:
+            if call[0] == "reset":
+                self.env = self.cls()
+                return "ok", checked_messages(self._resolve(self.env.reset(call[1], call[2])))
+            if call[0] == "step":
+                return "ok", checked_step(self._resolve(self.env.step([dict(m) for m in call[1]], call[2])))
+            close = getattr(self.env, "close", None)
+            if callable(close):
+                self._resolve(close())
+            return ("ok",)
+        except BaseException as error:  # noqa: BLE001 - sys.exit() in an environment drops only its sample too
+            return "raised", f"{call[0]}: {type(error).__name__}: {error}"
+
+    def _resolve(self, value):
+        """A coroutine's result, on this episode's one event loop (state bound to it lives on)."""
+        if not inspect.isawaitable(value):
+            return value
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+        return self.loop.run_until_complete(value)
+
+
+def _prctl():
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+def _die_with_parent(prctl) -> None:
+    parent = os.getppid()
+    if prctl is None:
+        _exit_when_orphaned(parent)  # watch for the server to go instead
+        return
+    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the server went before the line above
+        os._exit(0)
 
 
 def main(argv: list[str]) -> None:
-    serve(argv, load_environment, lambda cls, call: [run_call(cls, call)], lambda spec, error: str(error))
+    fd, parent_pid = (int(a) for a in argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker to handle, not its children
+    _exit_when_orphaned(parent_pid)
+    channel = socket.socket(fileno=fd)
+    parent_path, spec = read_frame(fd)
+    sys.path[:0] = [entry for entry in parent_path if entry not in sys.path]
+    try:
+        cls = load_environment(spec)
+    except EnvironmentLoadError as error:
+        write_frame(fd, ("load_error", str(error)))
+        return
+    except BaseException as error:  # noqa: BLE001 - reported to the host, which raises it in the worker
+        write_frame(fd, ("load_error", f"environment {spec!r}: {type(error).__name__}: {error}"))
+        return
+    write_frame(fd, ("ready", callable(getattr(cls, "close", None))))
+    serve_forks(channel, cls)
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (BrokenPipeError, KeyboardInterrupt):
+    except (BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         pass  # the host went away

@@ -1,7 +1,9 @@
 """The environment protocol and the checks on what an environment returns.
 
 An environment is a class named ``"module:Class"``, built with no arguments
-once per episode:
+once per episode, in a process of the episode's own that keeps the instance
+until the episode ends (so it may hold anything: a subprocess, a socket, a
+sandbox); each method may be a coroutine function:
 
 - ``reset(prompt, answer) -> messages``: the conversation the model first
   answers, a list of ``{"role": ..., "content": ...}`` dicts;
@@ -9,11 +11,8 @@ once per episode:
   completion of this turn (text) given the conversation so far; the
   observation (a string, sent as a user turn, or a message dict such as
   ``{"role": "tool", "content": ...}``) is the next turn's input, unless
-  ``done``. The episode's reward is the sum of its steps' rewards.
-
-An environment's instance travels pickled between its calls (so any of the
-host's processes can run any call, and a killed process loses only the call
-it was running): keep its state in plain, picklable attributes.
+  ``done``. The episode's reward is the sum of its steps' rewards;
+- ``close()``, optional: called once when the episode ends.
 
 No torch here: the environment processes import this module.
 """

@@ -100,6 +100,11 @@ class EnvironmentPlan:
     max_tokens: int  # an episode's response budget: the model's and the environment's tokens
     timeout_s: float = 10.0  # per reset or step call (0: none)
     processes: int = 2
+    tools: list[str] = field(default_factory=list)  # "module:function" the model may call
+    tool_format: str | None = None  # how its completions call them (TOOL_FORMATS); None: they never do
+
+
+TOOL_FORMATS = ("hermes", "pythonic")  # rldsl.runtime.environments.tool_calls parses each
 
 
 # The reward function that reads an environment episode's summed reward (the

@@ -6,10 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def save_char_llama(path: Path, seed: int = 0, vocab_multiple: int = 1, **config) -> Path:
+def save_char_llama(path: Path, seed: int = 0, vocab_multiple: int = 1, extra_tokens: tuple[str, ...] = (),
+                    **config) -> Path:
     """Tokenizer + random weights in ``path``; the vocabulary is padded with
     unused tokens to a multiple of ``vocab_multiple`` (tensor parallelism
-    splits it evenly)."""
+    splits it evenly). ``extra_tokens``: more characters, or words read as
+    one token (such as ``<tool_call>``)."""
     import tokenizers
     import torch
     import transformers
@@ -17,7 +19,7 @@ def save_char_llama(path: Path, seed: int = 0, vocab_multiple: int = 1, **config
     from rldsl.models.tokenizer import SPECIAL_TOKENS, CharTokenizer
 
     path.mkdir(parents=True, exist_ok=True)
-    tokens = [*SPECIAL_TOKENS, *CharTokenizer().characters]
+    tokens = [*SPECIAL_TOKENS, *CharTokenizer().characters, *extra_tokens]
     tokens += [f"<unused{i}>" for i in range(-len(tokens) % vocab_multiple)]
     vocab = {token: i for i, token in enumerate(tokens)}
     char_tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
@@ -25,7 +27,9 @@ def save_char_llama(path: Path, seed: int = 0, vocab_multiple: int = 1, **config
     char_tokenizer.decoder = tokenizers.decoders.Fuse()
     char_tokenizer.save(str(path / "tokenizer.json"))
     special = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
-    transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **special).save_pretrained(path)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **special)
+    fast.add_tokens([token for token in extra_tokens if len(token) > 1])  # matched whole, before the split
+    fast.save_pretrained(path)
     shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=2, max_position_embeddings=64)
     llama = transformers.LlamaConfig(vocab_size=len(vocab), bos_token_id=1, eos_token_id=2, pad_token_id=0,

@@ -1,4 +1,4 @@
-"""`check` and `plan` for multi-turn environments: the block, the fields, the plan, RLP601-RLP605."""
+"""`check` and `plan` for multi-turn environments: the block, the fields, the plan, RLP601-RLP607."""
 
 import sys
 from pathlib import Path
@@ -91,3 +91,17 @@ def test_check_imports_no_torch():
     code = ("import sys; from rldsl.compiler.driver import compile_file; "
             "compile_file('pipelines/multiturn_arith.rlp'); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_tools_reach_the_plan_and_a_missing_one_is_named():
+    with_tools = PIPELINE.replace("  timeout = 5s\n", '  timeout = 5s\n  tools = ["rldsl.environments:calculate"]\n'
+                                  "  tool_format = hermes\n")
+    result = _compile(with_tools)
+    assert result.ok and not result.diagnostics, result.diagnostics
+    env = ExecutionPlan.from_json(result.plan.to_json()).pipeline().environment("retry")
+    assert (env.tools, env.tool_format) == (["rldsl.environments:calculate"], "hermes")
+    assert _compile(PIPELINE).plan.pipeline().environment("retry").tool_format is None
+    typo = [d for d in _compile(with_tools.replace(":calculate", ":calculat")).diagnostics if d.code == "RLP604"]
+    assert len(typo) == 1 and "no tool `calculat` (did you mean `calculate`?)" in typo[0].message
+    unread = _codes(with_tools.replace("  tool_format = hermes\n", ""))
+    assert unread == ["RLP607"]

@@ -14,7 +14,15 @@ from rldsl.compiler.types import (
     ListOf, LossSpec, RefTo, SleepLevel, Str,
 )
 from rldsl.compiler.reward_types import RewardFns
-from rldsl.plan import ADVANTAGE_NORMALISATION, ADVANTAGE_STDS, NORMALISATIONS, REWARD_CLIP_PLACES, RunPlan, StalenessPlan
+from rldsl.plan import (
+    ADVANTAGE_NORMALISATION,
+    ADVANTAGE_STDS,
+    NORMALISATIONS,
+    REWARD_CLIP_PLACES,
+    TOOL_FORMATS,
+    RunPlan,
+    StalenessPlan,
+)
 
 UPDATE_MODES = ("between_requests", "interrupt")  # a generate stage's `update`; the first is the default
 EVAL_ON = ("evaluator", "generators")  # a dataset's `eval_on`; the first is the default
@@ -346,8 +354,14 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "max_tokens": Key(Int(low=1), REQUIRED, "an episode's response budget in tokens, the model's and the "
                                                 "environment's together"),
         "timeout": Key(DURATION, 10.0, "limit of one `reset` or `step` call; a slower one drops its sample"),
-        "processes": Key(Int(low=1), 2, "environment processes per generator replica; a hung or crashed one is "
-                                        "killed and replaced"),
+        "processes": Key(Int(low=1), 2, "forking servers per generator replica: each episode runs in a process of "
+                                        "its own, forked from one of them"),
+        "tools": Key(ListOf(Str(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "a `module:function` reference",
+                                'for example "rldsl.environments:calculate"')), [],
+                     "functions the model may call, besides the environment class's own `tools`"),
+        "tool_format": Key(Enum(("none", *TOOL_FORMATS)), "none",
+                           "how the model writes its tool calls: `hermes` (`<tool_call>{json}</tool_call>`), "
+                           "`pythonic` (`[name(arg=value)]`), or `none` (no tool calls)"),
     },
     "staleness": {
         "max_lag": Key(Int(low=0), StalenessPlan.max_lag,

@@ -10,9 +10,11 @@ in it. No torch here: `rldsl check` looks these classes up.
 from __future__ import annotations
 
 from rldsl.environments.arith import ArithRetry
+from rldsl.environments.tools import calculate
 
 ENVIRONMENTS = ("ArithRetry",)
-__all__ = ["ENVIRONMENTS", "ArithRetry", "episode_reward"]
+TOOLS = ("calculate",)
+__all__ = ["ENVIRONMENTS", "TOOLS", "ArithRetry", "calculate", "episode_reward"]
 
 
 def episode_reward(response: str, answer: str, prompt: str = "") -> float:

@@ -49,6 +49,8 @@ FIELD_LOSS_MASK = "loss_mask"
 FIELD_EPISODE_REWARD = "episode_reward"
 FIELD_EPISODE_STATUS = "episode_status"
 FIELD_TURNS = "turns"
+FIELD_TOOL_CALLS = "tool_calls"  # an episode's tool calls, and those that failed
+FIELD_TOOL_ERRORS = "tool_errors"
 
 
 def trained_tokens(batch: Batch):

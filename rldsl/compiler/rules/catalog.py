@@ -556,7 +556,14 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "environment's loss mask, and an episode ends by `max_turns` and `max_tokens`, so the setting has no "
        "meaning there and is refused rather than ignored.",
        "stage generate rollout { model = policy  environment = retry  truncated = mask ... }",
-       "the generate stages' `environment` and `truncated`."),]}
+       "the generate stages' `environment` and `truncated`."),
+    _r("RLP607", WARNING, "tools the model's calls never reach",
+       "An environment with `tools` reads the model's tool calls in its native format, named by "
+       "`tool_format` (`hermes`: `<tool_call>{json}</tool_call>` for Qwen and Hermes models, `pythonic`: "
+       "`[name(arg=value)]` for Llama 3.2 and 4). With `tool_format = none` (the default) completions are never "
+       "read as calls, so the tools would never run.",
+       "environment calc { fn = \"...\"  tools = [\"rldsl.environments:calculate\"] }   # no tool_format",
+       "each environment's `tools` and `tool_format`."),]}
 
 
 DEPENDENCIES = """\
@@ -600,7 +607,7 @@ So the rule families depend on each other only through these inputs:
 | placement | RLP501-RLP503, RLP507, RLP508, RLP512, RLP521 | cluster, `gpus`, `colocate`, placement groups, engines |
 | sharing | RLP401, RLP504, RLP505, RLP509, RLP513 | placed stages (RLP504 for a resident trainer also the memory estimate) |
 | memory | RLP506, RLP520 | placed stages and their models; RLP520 the logprob stages' forwards |
-| environments | RLP601-RLP606 | generate stages' environments, their budgets, reward stages, `eval_metric` |
+| environments | RLP601-RLP607 | generate stages' environments, their budgets and tools, reward stages, `eval_metric` |
 
 Each rule's entry below says what it reads.
 """

@@ -1,6 +1,6 @@
-"""Multi-turn environments (RLP601-RLP606): budgets that fit the model's
-context, environments that are used and exist, a reward that is the
-episode's, and a loss mask that is the environment's."""
+"""Multi-turn environments (RLP601-RLP607): budgets that fit the model's
+context, environments and tools that are used and exist, a reward that is
+the episode's, and a loss mask that is the environment's."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def check_budgets(ctx: Context) -> list[Diagnostic]:
                     "RLP601", ERROR, f"an episode of {ctx.label(gen.name)} may outgrow {what} ({limit} tokens): "
                     f"{prompt_text}{budget} (`max_tokens` of `{env.name}`) + {turn} (`max_new_tokens`, the "
                     f"last turn) = {longest}{'' if prompt else ', and the prompt'}", env.span_of("max_tokens"),
-                    notes=("each turn re-reads the whole conversation, so the last one starts from the prompt and "
-                           "up to `max_tokens` of response",),
+                    notes=("each turn reads the whole conversation so far, so the last one starts from the prompt "
+                           "and up to `max_tokens` of response",),
                     help=f"lower `max_tokens` to at most {max(1, limit - prompt - turn)}, or `max_new_tokens`"))
         if turns * turn > budget:
             out.append(Diagnostic(
@@ -79,7 +79,8 @@ def _prompt_tokens(ctx: Context) -> int:
 
 
 def check_use(ctx: Context) -> list[Diagnostic]:
-    """RLP603: an environment no generate stage uses; RLP604: `fn` names nothing importable."""
+    """RLP603: an environment no generate stage uses; RLP604: `fn` or a tool names nothing importable;
+    RLP607: tools whose calls are never read."""
     used = {env.name for _, env in _users(ctx)}
     out = []
     for env in ctx.pipe.environments.values():
@@ -88,25 +89,37 @@ def check_use(ctx: Context) -> list[Diagnostic]:
             out.append(Diagnostic("RLP603", WARNING, f"environment `{env.name}` is used by no generate stage",
                                   env.name_span, help=f"add `environment = {env.name}` to "
                                                       f"`{gens[0] if gens else 'a generate stage'}`, or remove it"))
-        problem = _missing(env["fn"], Path(ctx.program.filename).parent) if env.valid("fn") else None
+        base_dir = Path(ctx.program.filename).parent
+        problem = _missing(env["fn"], base_dir, "environment class") if env.valid("fn") else None
         if problem:
             out.append(Diagnostic("RLP604", ERROR, f"environment `{env.name}`: {problem}", env.span_of("fn"),
                                   help="name an importable `module:Class`; a module beside the pipeline file is "
                                        "found there"))
+        for tool in env["tools"] if env.valid("tools") else ():
+            if problem := _missing(tool, base_dir, "tool"):
+                out.append(Diagnostic("RLP604", ERROR, f"environment `{env.name}`: {problem}", env.span_of("tools"),
+                                      help="name an importable `module:function`; a module beside the pipeline "
+                                           "file is found there"))
+        if env.valid("tools", "tool_format") and env["tools"] and env["tool_format"] == "none":
+            out.append(Diagnostic("RLP607", WARNING, f"environment `{env.name}` offers tools, but with "
+                                  "`tool_format = none` the model's calls are never read", env.span_of("tools"),
+                                  help="set `tool_format` to the model's own format (`hermes` for Qwen and Hermes "
+                                       "models, `pythonic` for Llama 3.2 and 4)"))
     return out
 
 
-def _missing(spec: str, base_dir: Path) -> str | None:
-    """Why ``module:Class`` cannot be loaded, as far as telling needs no user code run."""
+def _missing(spec: str, base_dir: Path, kind: str) -> str | None:
+    """Why ``module:Name`` cannot be loaded, as far as telling needs no user code run."""
     module, _, name = spec.partition(":")
-    if module == BUILTIN_ENVIRONMENTS:  # ours imports nothing heavy: look the class up
+    if module == BUILTIN_ENVIRONMENTS:  # ours imports nothing heavy: look the name up
         import rldsl.environments as builtin
 
-        if name in builtin.ENVIRONMENTS:
+        known = builtin.ENVIRONMENTS if kind == "environment class" else builtin.TOOLS
+        if name in known:
             return None
-        close = difflib.get_close_matches(name, builtin.ENVIRONMENTS, n=1)
-        hint = f"did you mean `{close[0]}`?" if close else f"it has {', '.join(builtin.ENVIRONMENTS)}"
-        return f"{BUILTIN_ENVIRONMENTS} has no environment class `{name}` ({hint})"
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean `{close[0]}`?" if close else f"it has {', '.join(known)}"
+        return f"{BUILTIN_ENVIRONMENTS} has no {kind} `{name}` ({hint})"
     top = module.split(".")[0]
     try:
         found = (base_dir / f"{top}.py").is_file() or (base_dir / top).is_dir() or \

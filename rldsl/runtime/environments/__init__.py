@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from rldsl.runtime.environments.protocol import DROP_REASONS, Environment, EpisodeStatus
 
-__all__ = ["DROP_REASONS", "Environment", "EpisodeStatus", "episode_rewards", "episode_runner",
+__all__ = ["DROP_REASONS", "Environment", "EpisodeStatus", "episode_fields", "episode_rewards", "episode_runner",
            "log_episode_failures", "reads_episode_reward"]
 
 
@@ -30,25 +30,41 @@ def episode_runner(pipe, stage, batcher, tokenizer):
                          "sglang)")
     env = pipe.environment(name)
     model = next((m for m in pipe.models if m.name == stage.model), None)
-    turns = conversation_turns(tokenizer, chat_template=model is not None and bool(model.chat_template))
-    host = EnvironmentHost(env.fn, env.timeout_s or None, env.processes)
-    return EpisodeRunner(batcher, host, turns, tokenizer, env.max_turns, env.max_tokens)
+    host = EnvironmentHost(env.fn, env.timeout_s or None, env.processes, env.tools)
+    chat = model is not None and bool(model.chat_template)
+    turns = conversation_turns(tokenizer, chat, host.tool_schemas if env.tool_format else None)
+    return EpisodeRunner(batcher, host, turns, tokenizer, env.max_turns, env.max_tokens, env.tool_format)
+
+
+def episode_fields(pipe) -> list[str]:
+    """What a reward stage reads of episodes: their reward, status and
+    turns, and their tool calls where an environment has tools."""
+    from rldsl.runtime import protocols as p
+
+    fields = [p.FIELD_EPISODE_REWARD, p.FIELD_EPISODE_STATUS, p.FIELD_TURNS]
+    if any(env.tool_format for env in pipe.environments):
+        fields += [p.FIELD_TOOL_CALLS, p.FIELD_TOOL_ERRORS]
+    return fields
 
 
 def episode_rewards(fields: dict) -> list:
     """A reward stage's answers for episodes: each sample's summed reward
-    with its turns beside it (logged as the step's ``turns``), or the
-    ``RewardFailure`` that drops a sample whose episode failed."""
-    from rldsl.runtime.protocols import FIELD_EPISODE_REWARD, FIELD_EPISODE_STATUS, FIELD_TURNS, ComponentReward, \
-        RewardFailure
+    with its turns (and tool calls, when read) beside it (logged on the
+    step line), or the ``RewardFailure`` that drops a sample whose episode failed."""
+    from rldsl.runtime import protocols as p
 
+    columns = {name: fields[field].tolist() for name, field in (("turns", p.FIELD_TURNS),
+                                                                ("tool_calls", p.FIELD_TOOL_CALLS),
+                                                                ("tool_errors", p.FIELD_TOOL_ERRORS)) if field in fields}
     results = []
-    for reward, status, turns in zip(fields[FIELD_EPISODE_REWARD].tolist(), fields[FIELD_EPISODE_STATUS].tolist(),
-                                     fields[FIELD_TURNS].tolist()):
+    for row, (reward, status) in enumerate(zip(fields[p.FIELD_EPISODE_REWARD].tolist(),
+                                               fields[p.FIELD_EPISODE_STATUS].tolist())):
         status = EpisodeStatus(int(status))
-        results.append(ComponentReward(float(reward), {"turns": float(turns)}) if status == EpisodeStatus.OK else
-                       RewardFailure(DROP_REASONS[status], f"its episode ended {status.name.lower()} after "
-                                                           f"{int(turns)} turns"))
+        turns = int(columns["turns"][row])
+        results.append(p.ComponentReward(float(reward), {name: float(values[row]) for name, values in columns.items()})
+                       if status == EpisodeStatus.OK else
+                       p.RewardFailure(DROP_REASONS[status], f"its episode ended {status.name.lower()} after "
+                                                             f"{turns} turns"))
     return results
 
 

@@ -25,9 +25,10 @@ _PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PR
 
 class TranscriptTurns:
     """Contents one after another; the model's end-of-turn token stays in the
-    conversation as it was sampled."""
+    conversation as it was sampled. Tools are not described in the text (the
+    model knows them from its training)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, tools: list[dict] | None = None):
         self.tokenizer = tokenizer
 
     def first_text(self, messages: list[dict]) -> str:
@@ -46,8 +47,8 @@ class ChatTemplateTurns:
     the end-of-turn token when the model sampled it), then the new messages
     and the next assistant turn opened."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, tools: list[dict] | None = None):
+        self.tokenizer, self.tools = tokenizer, tools or None  # the tools' schemas, rendered by the template
         self.template = tokenizer.inner
         if not getattr(self.template, "chat_template", None):
             raise ValueError("`chat_template = true`, but the tokenizer has no chat template")
@@ -67,8 +68,9 @@ class ChatTemplateTurns:
         return self.tokenizer.encode(tail)
 
     def _render(self, messages: list[dict]) -> str:
-        return self.template.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.template.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                 add_generation_prompt=True)
 
 
-def conversation_turns(tokenizer, chat_template: bool):
-    return ChatTemplateTurns(tokenizer) if chat_template else TranscriptTurns(tokenizer)
+def conversation_turns(tokenizer, chat_template: bool, tools: list[dict] | None = None):
+    return (ChatTemplateTurns if chat_template else TranscriptTurns)(tokenizer, tools)

@@ -25,6 +25,7 @@ import torch
 from rldsl.runtime import protocols as p
 from rldsl.runtime.environments.host import CallFailure, EnvironmentHost, EpisodeProcess
 from rldsl.runtime.environments.protocol import EpisodeStatus
+from rldsl.runtime.environments.tool_calls import ParsedTurn, parse_tool_calls
 
 TURN_SEED_STRIDE = 7919  # each turn's request draws from its own seed
 
@@ -40,6 +41,8 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     reward: float = 0.0
     turns: int = 0
+    tool_calls: int = 0  # calls made, read or not
+    tool_errors: int = 0  # calls that could not be read, named no tool, or whose tool raised
     versions: list[int] = field(default_factory=list)
     status: EpisodeStatus = EpisodeStatus.OK
     detail: str = ""
@@ -54,9 +57,11 @@ class EpisodeRunner:
     samples, seed)`` and ``version``); ``turns`` (``conversation``) gives
     the first turn's text and each observation's tokens."""
 
-    def __init__(self, batcher, host: EnvironmentHost, turns, tokenizer, max_turns: int, max_tokens: int):
+    def __init__(self, batcher, host: EnvironmentHost, turns, tokenizer, max_turns: int, max_tokens: int,
+                 tool_format: str | None = None):
         self.batcher, self.host, self.turns, self.tokenizer = batcher, host, turns, tokenizer
         self.max_turns, self.max_tokens = max_turns, max_tokens
+        self.tool_format = tool_format  # None: completions are never read as tool calls
 
     def run(self, prompts: list[p.Prompt], samples_per_prompt: int, seed: int) -> tuple[p.Batch, list]:
         """Rows prompt-major, like a single-turn group, plus the episode
@@ -111,20 +116,46 @@ class EpisodeRunner:
             episode.turns += 1
             self._extend(episode, completion, logprobs)  # as sampled, its end-of-turn token included
             stepping.append((episode, completion))
-        replies = self.host.exchange([(e.process, ("step", e.messages, self._text(c))) for e, c in stepping])
-        for (episode, completion), reply in zip(stepping, replies):
+        calls = [self._call_for(e, c, turn) for e, c in stepping]
+        replies = self.host.exchange([(e.process, message) for (e, _), (message, _) in zip(stepping, calls)])
+        for (episode, completion), (_, parsed), reply in zip(stepping, calls, replies):
             if not self._answered(episode, reply):
                 continue
-            observation, reward, done = reply[1]
-            episode.reward += reward
-            episode.messages += [{"role": "assistant", "content": self._text(completion)}, observation]
+            if parsed is None:  # the environment's step
+                observation, reward, done = reply[1]
+                episode.reward += reward
+                said, heard = {"role": "assistant", "content": self._text(completion)}, [observation]
+            else:  # tool calls: their results are the observation
+                (said, heard), done = self._tool_turn(episode, parsed, reply[1]), False
+            episode.messages += [said, *heard]
             if done or turn == self.max_turns - 1 or len(episode.tokens) >= self.max_tokens:
                 episode.done = True
                 continue
             ended = bool(completion) and completion[-1] == self.tokenizer.eos_id
-            self._extend(episode, self.turns.observation_tokens([observation], ended), None)
+            self._extend(episode, self.turns.observation_tokens(heard, ended), None)
             # the environment's answer filled the budget: no room to reply
             episode.done = len(episode.tokens) >= self.max_tokens
+
+    def _call_for(self, episode: Episode, completion: list[int], turn: int) -> tuple[tuple, ParsedTurn | None]:
+        """The call a completion makes: its tool calls when it has any (with
+        what was parsed), else the environment's step."""
+        if self.tool_format:
+            parsed = parse_tool_calls(self._raw_text(completion), self.tool_format, turn)
+            if parsed.uses_tools:
+                return ("tools", [(call.name, call.arguments) for call in parsed.calls]), parsed
+        return ("step", episode.messages, self._text(completion)), None
+
+    @staticmethod
+    def _tool_turn(episode: Episode, parsed: ParsedTurn, results: list[str]) -> tuple[dict, list[dict]]:
+        """The assistant's message with its calls, and the observation: one
+        ``tool`` message per call, then one per call that could not be read."""
+        heard = [{"role": "tool", "name": call.name, "tool_call_id": call.id, "content": result}
+                 for call, result in zip(parsed.calls, results)]
+        heard += [{"role": "tool", "content": f"error: {error}"} for error in parsed.errors]
+        episode.tool_calls += len(parsed.calls) + len(parsed.errors)
+        episode.tool_errors += len(parsed.errors) + sum(result.startswith("error:") for result in results)
+        said = {"role": "assistant", "content": parsed.content, "tool_calls": [call.message() for call in parsed.calls]}
+        return said, heard
 
     def _extend(self, episode: Episode, tokens: list[int], logprobs: list[float] | None) -> None:
         """Append the model's tokens (with their logprobs) or the
@@ -144,6 +175,14 @@ class EpisodeRunner:
 
     def _text(self, completion: list[int]) -> str:
         return self.tokenizer.decode(completion)
+
+    def _raw_text(self, completion: list[int]) -> str:
+        """The completion's text with its special tokens (a tool call's may be), less its end-of-turn token."""
+        if completion and completion[-1] == self.tokenizer.eos_id:
+            completion = completion[:-1]
+        inner = getattr(self.tokenizer, "inner", None)
+        return inner.decode(completion, skip_special_tokens=False) if inner is not None else \
+            self.tokenizer.decode(completion)
 
     def _batch(self, episodes: list[Episode]) -> p.Batch:
         for e in episodes:
@@ -170,6 +209,8 @@ class EpisodeRunner:
         batch[p.FIELD_EPISODE_REWARD] = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
         batch[p.FIELD_EPISODE_STATUS] = torch.tensor([int(e.status) for e in episodes], dtype=torch.long)
         batch[p.FIELD_TURNS] = torch.tensor([e.turns for e in episodes], dtype=torch.long)
+        batch[p.FIELD_TOOL_CALLS] = torch.tensor([e.tool_calls for e in episodes], dtype=torch.long)
+        batch[p.FIELD_TOOL_ERRORS] = torch.tensor([e.tool_errors for e in episodes], dtype=torch.long)
         return batch
 
 

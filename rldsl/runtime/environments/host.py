@@ -86,7 +86,7 @@ class EpisodeProcess:
 class _Server:
     """One forking server (a child process) and the socket to it."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, tool_specs: tuple[str, ...] = ()):
         ours, theirs = socket.socketpair()
         try:
             self.process = subprocess.Popen(
@@ -96,13 +96,14 @@ class _Server:
             theirs.close()
         self.sock = ours
         self.lock = threading.Lock()
-        write_frame(ours.fileno(), (sys.path, spec))
+        write_frame(ours.fileno(), (sys.path, spec, list(tool_specs)))
         reply = self._receive(STARTUP_TIMEOUT_S)
         if not isinstance(reply, tuple) or reply[0] != "ready":
             self.kill()
             text = reply[1] if isinstance(reply, tuple) else f"environment {spec!r}: its process {reply}"
             raise EnvironmentLoadError(text)
         self.has_close = reply[1]  # without a close() an episode's end is its process's kill
+        self.tool_schemas = reply[2]
 
     def fork(self, count: int) -> list[EpisodeProcess] | None:
         """``count`` new episodes' processes, or None when this server no longer answers."""
@@ -148,9 +149,10 @@ class _Server:
 
 
 class EnvironmentHost:
-    def __init__(self, spec: str, timeout_s: float | None, processes: int):
-        self.spec, self.timeout_s = spec, timeout_s
-        self._servers: list[_Server | None] = [_Server(spec)]  # at once: an environment that does not load fails here
+    def __init__(self, spec: str, timeout_s: float | None, processes: int, tools: tuple[str, ...] = ()):
+        self.spec, self.timeout_s, self.tool_specs = spec, timeout_s, tuple(tools)
+        self._servers: list[_Server | None] = [_Server(spec, self.tool_specs)]  # at once: one that does not load fails
+        self.tool_schemas: list[dict] = self._servers[0].tool_schemas  # the tools' and the class's, as templates take them
         self._servers += [None] * (max(1, processes) - 1)  # the others start with the first episodes they serve
         self._next = 0
         self._has_close = self._servers[0].has_close
@@ -184,7 +186,7 @@ class EnvironmentHost:
             server = self._servers[index]
             if server is not None and server.alive:
                 return server
-            self._servers[index] = server = _Server(self.spec)
+            self._servers[index] = server = _Server(self.spec, self.tool_specs)
             return server
 
     def exchange(self, calls: list[tuple[EpisodeProcess, tuple]], timeout_s: float | None = None) -> list:

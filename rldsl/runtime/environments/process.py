@@ -4,8 +4,9 @@
 rldsl.runtime.environments.process SOCKET_FD PARENT_PID``. Over that Unix
 socket, in the reward processes' length-prefixed pickles
 (``rldsl.runtime.reward_process``), the first message in is ``(sys_path,
-"module:Class")``, answered ``("ready", has_close)`` or ``("load_error",
-text)``: the class is imported once, here. After that each message in is
+"module:Class", tool_specs)``, answered ``("ready", has_close,
+tool_schemas)`` or ``("load_error", text)``: the class and its tools are
+imported once, here. After that each message in is
 ``("episodes", count)``: the server forks a process for each of ``count``
 episodes and passes the host its ends of the new socket pairs
 (``SCM_RIGHTS``) with the processes' pids.
@@ -16,6 +17,9 @@ event loop) lives across turns. Its calls:
 
 - ``("reset", prompt, answer)`` -> ``("ok", messages)``
 - ``("step", messages, completion)`` -> ``("ok", (observation, reward, done))``
+- ``("tools", [(name, arguments), ...])`` -> ``("ok", [text, ...])``: the
+  calls run at once (threads; coroutine functions on the loop), each
+  answered with its result or an ``error: ...`` the model reads;
 - ``("close",)`` -> ``("ok",)``, after the environment's ``close()`` if it
   has one; then the process exits.
 
@@ -35,14 +39,22 @@ import pickle
 import signal
 import socket
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
-from rldsl.runtime.environments.protocol import EnvironmentLoadError, checked_messages, checked_step, load_environment
+from rldsl.runtime.environments.protocol import (
+    EnvironmentLoadError,
+    checked_messages,
+    checked_step,
+    load_environment,
+    load_tools,
+)
+from rldsl.runtime.environments.tool_calls import result_text, tool_schema
 from rldsl.runtime.reward_process import _exit_when_orphaned, read_frame, write_frame
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def serve_forks(channel: socket.socket, cls) -> None:
+def serve_forks(channel: socket.socket, cls, tools: dict) -> None:
     """The server's loop: ``count`` forked episode processes per ``("episodes", count)``."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the episodes' processes
     prctl = _prctl()  # looked up once: a fork costs half a millisecond, an import more
@@ -55,7 +67,7 @@ def serve_forks(channel: socket.socket, cls) -> None:
                 channel.close()
                 for end in [ours, *ends]:
                     end.close()
-                _run_episode(theirs, cls, prctl)
+                _run_episode(theirs, cls, tools, prctl)
             theirs.close()
             pids.append(pid)
             ends.append(ours)
@@ -64,13 +76,13 @@ def serve_forks(channel: socket.socket, cls) -> None:
             end.close()
 
 
-def _run_episode(sock: socket.socket, cls, prctl) -> None:
+def _run_episode(sock: socket.socket, cls, tools: dict, prctl) -> None:
     """The episode's process: never returns."""
     code = 0
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the environment may wait for processes of its own
         _die_with_parent(prctl)
-        episode = _Episode(cls)
+        episode = _Episode(cls, tools)
         while (call := read_frame(sock.fileno())) is not None:
             write_frame(sock.fileno(), episode.answer(call))
             if call[0] == "close":
@@ -82,8 +94,8 @@ def _run_episode(sock: socket.socket, cls, prctl) -> None:
 
 
 class _Episode:
-    def __init__(self, cls):
-        self.cls, self.env, self.loop = cls, None, None
+    def __init__(self, cls, tools: dict):
+        self.cls, self.tools, self.env, self.loop = cls, tools, None, None
 
     def answer(self, call: tuple) -> tuple:
         try:
@@ -92,12 +104,36 @@ class _Episode:
                 return "ok", checked_messages(self._resolve(self.env.reset(call[1], call[2])))
             if call[0] == "step":
                 return "ok", checked_step(self._resolve(self.env.step([dict(m) for m in call[1]], call[2])))
+            if call[0] == "tools":
+                return "ok", self._call_tools(call[1])
             close = getattr(self.env, "close", None)
             if callable(close):
                 self._resolve(close())
             return ("ok",)
         except BaseException as error:  # noqa: BLE001 - sys.exit() in an environment drops only its sample too
             return "raised", f"{call[0]}: {type(error).__name__}: {error}"
+
+    def _call_tools(self, calls: list) -> list[str]:
+        """Every call at once; a tool that is unknown, refuses its arguments or raises answers ``error: ...``."""
+        with ThreadPoolExecutor(max(1, len(calls))) as pool:
+            running = [pool.submit(self._call_tool, name, arguments) for name, arguments in calls]
+            results = [future.result() for future in running]
+        pending = [index for index, value in enumerate(results) if inspect.isawaitable(value)]
+        if pending:  # coroutine functions' calls: together on the episode's loop
+            settled = self._resolve(_settle_all([results[index] for index in pending]))
+            for index, value in zip(pending, settled):
+                results[index] = value
+        return results
+
+    def _call_tool(self, name: str, arguments: dict):
+        fn = self.tools.get(name)
+        if fn is None:
+            return f"error: there is no tool `{name}`; the tools are {', '.join(sorted(self.tools)) or 'none'}"
+        try:
+            value = fn(**arguments)
+        except BaseException as error:  # noqa: BLE001 - the model reads what went wrong
+            return f"error: {type(error).__name__}: {error}"
+        return value if inspect.isawaitable(value) else result_text(value)
 
     def _resolve(self, value):
         """A coroutine's result, on this episode's one event loop (state bound to it lives on)."""
@@ -106,6 +142,17 @@ class _Episode:
         if self.loop is None:
             self.loop = asyncio.new_event_loop()
         return self.loop.run_until_complete(value)
+
+
+async def _settle_all(calls: list) -> list[str]:
+    return await asyncio.gather(*(_settle(call) for call in calls))
+
+
+async def _settle(call) -> str:
+    try:
+        return result_text(await call)
+    except BaseException as error:  # noqa: BLE001 - the model reads what went wrong
+        return f"error: {type(error).__name__}: {error}"
 
 
 def _prctl():
@@ -132,18 +179,20 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker to handle, not its children
     _exit_when_orphaned(parent_pid)
     channel = socket.socket(fileno=fd)
-    parent_path, spec = read_frame(fd)
+    parent_path, spec, tool_specs = read_frame(fd)
     sys.path[:0] = [entry for entry in parent_path if entry not in sys.path]
     try:
         cls = load_environment(spec)
+        tools = load_tools(tool_specs, cls)
+        schemas = [tool_schema(fn) for fn in tools.values()]
     except EnvironmentLoadError as error:
         write_frame(fd, ("load_error", str(error)))
         return
     except BaseException as error:  # noqa: BLE001 - reported to the host, which raises it in the worker
         write_frame(fd, ("load_error", f"environment {spec!r}: {type(error).__name__}: {error}"))
         return
-    write_frame(fd, ("ready", callable(getattr(cls, "close", None))))
-    serve_forks(channel, cls)
+    write_frame(fd, ("ready", callable(getattr(cls, "close", None)), schemas))
+    serve_forks(channel, cls, tools)
 
 
 if __name__ == "__main__":

@@ -84,11 +84,37 @@ def load_environment(spec: str):
     return cls
 
 
+def load_tools(specs, cls) -> dict:
+    """The tools an episode may call, by name: the ``"module:function"``
+    specs (the environment block's ``tools``) and the environment class's
+    own ``tools`` attribute (a list of functions)."""
+    functions = list(getattr(cls, "tools", None) or [])
+    for spec in specs:
+        module_name, _, directory = spec.partition("@")
+        module_name, sep, name = module_name.partition(":")
+        if directory and directory not in sys.path:
+            sys.path.insert(0, directory)
+        try:
+            fn = getattr(importlib.import_module(module_name), name, None) if sep else None
+        except ImportError as error:
+            raise EnvironmentLoadError(f"tool {spec!r}: cannot import module {module_name!r}: {error}") from error
+        if not callable(fn):
+            raise EnvironmentLoadError(f"tool {spec!r}: expected 'module:function' naming a function")
+        functions.append(fn)
+    tools = {}
+    for fn in functions:
+        if not callable(fn) or fn.__name__ in tools:
+            raise EnvironmentLoadError(f"tools must be functions with distinct names; {fn!r:.80} is "
+                                       + ("named twice" if callable(fn) else "not one"))
+        tools[fn.__name__] = fn
+    return tools
+
+
 def checked_messages(value) -> list[dict]:
     if not isinstance(value, list) or not value or not all(_is_message(m) for m in value):
         raise EnvironmentProtocolError(f"reset must return a non-empty list of {{'role': str, 'content': str}} dicts, "
                                 f"not {value!r:.200}")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return [_message(m) for m in value]
 
 
 def checked_step(value) -> tuple[dict, float, bool]:
@@ -107,7 +133,14 @@ def checked_step(value) -> tuple[dict, float, bool]:
         raise EnvironmentProtocolError(f"step's reward must be a number, not {reward!r:.100}") from None
     if not math.isfinite(reward):
         raise EnvironmentProtocolError(f"step's reward must be finite, not {reward}")
-    return {"role": observation["role"], "content": observation["content"]}, reward, bool(done)
+    return _message(observation), reward, bool(done)
+
+
+_MESSAGE_KEYS = ("role", "content", "name", "tool_call_id", "tool_calls")  # what chat templates read
+
+
+def _message(value: dict) -> dict:
+    return {key: value[key] for key in _MESSAGE_KEYS if key in value}
 
 
 def _is_message(value) -> bool:

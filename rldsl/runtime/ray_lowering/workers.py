@@ -15,7 +15,13 @@ from rldsl.plan import PipelinePlan, StagePlan, recomputes_at_batch_start, trunc
 from rldsl.runtime import protocols as p
 from rldsl.runtime.dataplane.base import align_to_responses
 from rldsl.runtime.engines.batch_requests import token_version_runs
-from rldsl.runtime.environments import episode_rewards, episode_runner, log_episode_failures, reads_episode_reward
+from rldsl.runtime.environments import (
+    episode_fields,
+    episode_rewards,
+    episode_runner,
+    log_episode_failures,
+    reads_episode_reward,
+)
 from rldsl.runtime.ray_lowering.actor_process import setup_worker_process, where
 from rldsl.runtime.ray_lowering.trace import Tracer, prompt_groups
 from rldsl.runtime.ray_lowering.weight_group import WeightGroupMember
@@ -193,6 +199,7 @@ class RewardWorker(StageWorker):
 
         super().__init__(pipe, stage, rank, dataplane_spec)
         self.reads_episodes = reads_episode_reward(stage.settings["fn"])  # the reward is the episode's: no pool
+        self.episode_fields = episode_fields(pipe)
         # the processes start now, in the background, while the rest of the run starts
         self.pool = None if self.reads_episodes else RewardPool(
             stage.settings["fn"], stage.settings.get("processes", DEFAULT_PROCESSES), stage.settings.get("timeout"))
@@ -211,7 +218,7 @@ class RewardWorker(StageWorker):
 
     def _score(self, keys: Sequence[str]) -> list[float | p.RewardFailure]:
         if self.reads_episodes:
-            return episode_rewards(self._get(keys, [p.FIELD_EPISODE_REWARD, p.FIELD_EPISODE_STATUS, p.FIELD_TURNS]))
+            return episode_rewards(self._get(keys, self.episode_fields))
         results = self.pool.score(self._samples(keys))
         self._log_failures(keys, results)
         return results

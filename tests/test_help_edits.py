@@ -53,6 +53,7 @@ EXEMPT = {
     "RLP602": "turns the budget cannot hold: `max_turns` or `max_tokens`, the author's choice",
     "RLP603": "an unused environment: use it or remove it, the author's choice",
     "RLP604": "a class that does not import: which class is meant is the author's",
+    "RLP607": "tools without a format: which format (hermes, pythonic) the model writes is the model's",
 }
 
 

@@ -59,9 +59,9 @@ DROP_MEANINGS = {
     "environment_raised": "the environment's reset or step raised, or returned something malformed",
     "environment_timeout": "an environment call overran its timeout",
     "environment_died": "the process running an environment call died",
-    # runs from before turns were kept as tokens (no run drops a sample for it now)
-    "environment_tokenization": "the conversation re-tokenized differently from the tokens generated turn by "
-                                "turn (a chat template that rewrites history, or a non-canonical split)",
+    "environment_tokenization": "the conversation did not extend the tokens generated so far (an agent harness "
+                                "that rewrote earlier turns; runs before turns were kept as tokens: text that "
+                                "re-tokenized differently)",
 }
 
 

@@ -1,9 +1,11 @@
 """Multi-turn environments for generate stages (docs/runtime.md#environments).
 
 ``protocol``: what an environment is and what it may return; ``host``: the
-killable processes its calls run in; ``episodes``: the turn loop over a
+processes its episodes run in; ``episodes``: the turn loop over a
 generator's batcher; ``conversation``: the first turn's text and each
-observation's tokens (token in, token out). ``episode_runner`` builds the loop a generate stage with
+observation's tokens (token in, token out); ``tool_calls``: the model's
+native tool calls; ``harness`` and ``endpoint``: agent harnesses through an
+OpenAI-compatible endpoint. ``episode_runner`` builds the loop a generate stage with
 an environment uses (None without one).
 """
 
@@ -33,6 +35,10 @@ def episode_runner(pipe, stage, batcher, tokenizer):
     host = EnvironmentHost(env.fn, env.timeout_s or None, env.processes, env.tools)
     chat = model is not None and bool(model.chat_template)
     turns = conversation_turns(tokenizer, chat, host.tool_schemas if env.tool_format else None)
+    if host.kind == "harness":  # an agent through the replica's OpenAI-compatible endpoint
+        from rldsl.runtime.environments.harness import HarnessRunner
+
+        return HarnessRunner(batcher, host, turns, tokenizer, env.max_turns, env.max_tokens, env.tool_format)
     return EpisodeRunner(batcher, host, turns, tokenizer, env.max_turns, env.max_tokens, env.tool_format)
 
 

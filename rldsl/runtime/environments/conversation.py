@@ -31,8 +31,8 @@ class TranscriptTurns:
     def __init__(self, tokenizer, tools: list[dict] | None = None):
         self.tokenizer = tokenizer
 
-    def first_text(self, messages: list[dict]) -> str:
-        return "".join(message["content"] for message in messages)
+    def first_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return "".join(message.get("content") or "" for message in messages)
 
     def observation_tokens(self, messages: list[dict], ended: bool) -> list[int]:
         """The tokens of ``messages`` after a completion (``ended``: it
@@ -57,8 +57,9 @@ class ChatTemplateTurns:
             raise ValueError("the chat template drops the content of earlier assistant turns, so where a turn "
                              "ends cannot be told; give the model a template that keeps it")
 
-    def first_text(self, messages: list[dict]) -> str:
-        return self._render(messages)
+    def first_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """``tools``: schemas a request brought (an agent harness's), else the environment's."""
+        return self._render(messages, tools)
 
     def observation_tokens(self, messages: list[dict], ended: bool) -> list[int]:
         rendered = self._render(_PROBE + list(messages))
@@ -67,8 +68,8 @@ class ChatTemplateTurns:
             tail = tail[len(self.end_of_turn):]  # the model's own token closed the turn
         return self.tokenizer.encode(tail)
 
-    def _render(self, messages: list[dict]) -> str:
-        return self.template.apply_chat_template(messages, tools=self.tools, tokenize=False,
+    def _render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self.template.apply_chat_template(messages, tools=tools or self.tools, tokenize=False,
                                                  add_generation_prompt=True)
 
 

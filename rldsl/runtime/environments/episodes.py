@@ -77,7 +77,7 @@ class EpisodeRunner:
         finally:
             self.host.finish([e.process for e in episodes if e.process is not None])
         failures = [(e.status, e.detail) for e in episodes if e.status != EpisodeStatus.OK]
-        return self._batch(episodes), failures
+        return episode_batch(episodes, self.tokenizer, self.batcher.version), failures
 
     def _start(self, episodes: list[Episode]) -> None:
         """Each episode's process, and its environment's first messages."""
@@ -106,16 +106,7 @@ class EpisodeRunner:
         batch.pop(p.FIELD_TOKEN_VERSIONS, None)
         stepping = []
         for row, episode in enumerate(running):
-            if not episode.prompt_ids:
-                episode.prompt_ids = _masked(batch[p.FIELD_PROMPT_IDS][row], batch[p.FIELD_PROMPT_MASK][row])
-            mask = batch[p.FIELD_RESPONSE_MASK][row]
-            completion = _masked(batch[p.FIELD_RESPONSE_IDS][row], mask)
-            logprobs = batch[p.FIELD_BEHAVIOUR_LOGPROBS][row][mask.bool()].tolist() \
-                if p.FIELD_BEHAVIOUR_LOGPROBS in batch else [0.0] * len(completion)
-            episode.versions.append(int(batch[p.FIELD_VERSION][row]))
-            episode.turns += 1
-            self._extend(episode, completion, logprobs)  # as sampled, its end-of-turn token included
-            stepping.append((episode, completion))
+            stepping.append((episode, take_turn(episode, batch, row, self.max_tokens)))
         calls = [self._call_for(e, c, turn) for e, c in stepping]
         replies = self.host.exchange([(e.process, message) for (e, _), (message, _) in zip(stepping, calls)])
         for (episode, completion), (_, parsed), reply in zip(stepping, calls, replies):
@@ -132,7 +123,7 @@ class EpisodeRunner:
                 episode.done = True
                 continue
             ended = bool(completion) and completion[-1] == self.tokenizer.eos_id
-            self._extend(episode, self.turns.observation_tokens(heard, ended), None)
+            extend(episode, self.turns.observation_tokens(heard, ended), None, self.max_tokens)
             # the environment's answer filled the budget: no room to reply
             episode.done = len(episode.tokens) >= self.max_tokens
 
@@ -140,7 +131,7 @@ class EpisodeRunner:
         """The call a completion makes: its tool calls when it has any (with
         what was parsed), else the environment's step."""
         if self.tool_format:
-            parsed = parse_tool_calls(self._raw_text(completion), self.tool_format, turn)
+            parsed = parse_tool_calls(raw_text(self.tokenizer, completion), self.tool_format, turn)
             if parsed.uses_tools:
                 return ("tools", [(call.name, call.arguments) for call in parsed.calls]), parsed
         return ("step", episode.messages, self._text(completion)), None
@@ -157,15 +148,6 @@ class EpisodeRunner:
         said = {"role": "assistant", "content": parsed.content, "tool_calls": [call.message() for call in parsed.calls]}
         return said, heard
 
-    def _extend(self, episode: Episode, tokens: list[int], logprobs: list[float] | None) -> None:
-        """Append the model's tokens (with their logprobs) or the
-        environment's (None: masked out of the loss, logprob 0), at most up
-        to the episode's ``max_tokens``."""
-        kept = tokens[:self.max_tokens - len(episode.tokens)]
-        episode.tokens += kept
-        episode.trained += [0 if logprobs is None else 1] * len(kept)
-        episode.logprobs += [0.0] * len(kept) if logprobs is None else logprobs[:len(kept)]
-
     def _answered(self, episode: Episode, reply) -> bool:
         if isinstance(reply, CallFailure):
             episode.fail(reply.status, reply.detail)
@@ -176,42 +158,71 @@ class EpisodeRunner:
     def _text(self, completion: list[int]) -> str:
         return self.tokenizer.decode(completion)
 
-    def _raw_text(self, completion: list[int]) -> str:
-        """The completion's text with its special tokens (a tool call's may be), less its end-of-turn token."""
-        if completion and completion[-1] == self.tokenizer.eos_id:
-            completion = completion[:-1]
-        inner = getattr(self.tokenizer, "inner", None)
-        return inner.decode(completion, skip_special_tokens=False) if inner is not None else \
-            self.tokenizer.decode(completion)
 
-    def _batch(self, episodes: list[Episode]) -> p.Batch:
-        for e in episodes:
-            if not e.prompt_ids:  # failed before its first turn: a row still needs a prompt
-                e.prompt_ids = self.tokenizer.encode(e.prompt.text, add_bos=True)
-        prompt_width = max(len(e.prompt_ids) for e in episodes) or 1
-        width = max(1, max(len(e.tokens) for e in episodes))
-        rows = len(episodes)
-        batch = {name: torch.zeros(rows, prompt_width, dtype=torch.long)
-                 for name in (p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK)}
-        for name in (p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_LOSS_MASK):
-            batch[name] = torch.zeros(rows, width, dtype=torch.long)
-        batch[p.FIELD_BEHAVIOUR_LOGPROBS] = torch.zeros(rows, width)
-        for row, e in enumerate(episodes):
-            if e.prompt_ids:  # left-padded, like the engine's
-                batch[p.FIELD_PROMPT_IDS][row, prompt_width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
-                batch[p.FIELD_PROMPT_MASK][row, prompt_width - len(e.prompt_ids):] = 1
-            n = len(e.tokens)
-            batch[p.FIELD_RESPONSE_IDS][row, :n] = torch.tensor(e.tokens, dtype=torch.long)
-            batch[p.FIELD_RESPONSE_MASK][row, :n] = 1
-            batch[p.FIELD_LOSS_MASK][row, :n] = torch.tensor(e.trained, dtype=torch.long)
-            batch[p.FIELD_BEHAVIOUR_LOGPROBS][row, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
-        batch[p.FIELD_VERSION] = torch.tensor([min(e.versions, default=self.batcher.version) for e in episodes])
-        batch[p.FIELD_EPISODE_REWARD] = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
-        batch[p.FIELD_EPISODE_STATUS] = torch.tensor([int(e.status) for e in episodes], dtype=torch.long)
-        batch[p.FIELD_TURNS] = torch.tensor([e.turns for e in episodes], dtype=torch.long)
-        batch[p.FIELD_TOOL_CALLS] = torch.tensor([e.tool_calls for e in episodes], dtype=torch.long)
-        batch[p.FIELD_TOOL_ERRORS] = torch.tensor([e.tool_errors for e in episodes], dtype=torch.long)
-        return batch
+def episode_batch(episodes: list[Episode], tokenizer, version: int) -> p.Batch:
+    """Rows prompt-major: each episode's prompt (left-padded, like an engine's) and response, with the
+    episode fields."""
+    for e in episodes:
+        if not e.prompt_ids:  # failed before its first turn: a row still needs a prompt
+            e.prompt_ids = tokenizer.encode(e.prompt.text, add_bos=True)
+    prompt_width = max(len(e.prompt_ids) for e in episodes) or 1
+    width = max(1, max(len(e.tokens) for e in episodes))
+    rows = len(episodes)
+    batch = {name: torch.zeros(rows, prompt_width, dtype=torch.long)
+             for name in (p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK)}
+    for name in (p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_LOSS_MASK):
+        batch[name] = torch.zeros(rows, width, dtype=torch.long)
+    batch[p.FIELD_BEHAVIOUR_LOGPROBS] = torch.zeros(rows, width)
+    for row, e in enumerate(episodes):
+        if e.prompt_ids:  # left-padded, like the engine's
+            batch[p.FIELD_PROMPT_IDS][row, prompt_width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
+            batch[p.FIELD_PROMPT_MASK][row, prompt_width - len(e.prompt_ids):] = 1
+        n = len(e.tokens)
+        batch[p.FIELD_RESPONSE_IDS][row, :n] = torch.tensor(e.tokens, dtype=torch.long)
+        batch[p.FIELD_RESPONSE_MASK][row, :n] = 1
+        batch[p.FIELD_LOSS_MASK][row, :n] = torch.tensor(e.trained, dtype=torch.long)
+        batch[p.FIELD_BEHAVIOUR_LOGPROBS][row, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
+    batch[p.FIELD_VERSION] = torch.tensor([min(e.versions, default=version) for e in episodes])
+    batch[p.FIELD_EPISODE_REWARD] = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+    batch[p.FIELD_EPISODE_STATUS] = torch.tensor([int(e.status) for e in episodes], dtype=torch.long)
+    batch[p.FIELD_TURNS] = torch.tensor([e.turns for e in episodes], dtype=torch.long)
+    batch[p.FIELD_TOOL_CALLS] = torch.tensor([e.tool_calls for e in episodes], dtype=torch.long)
+    batch[p.FIELD_TOOL_ERRORS] = torch.tensor([e.tool_errors for e in episodes], dtype=torch.long)
+    return batch
+
+
+def take_turn(episode: Episode, batch: p.Batch, row: int, max_tokens: int) -> list[int]:
+    """Row ``row`` of a generated batch as the episode's next model turn:
+    its prompt (the first time), its completion exactly as sampled (the
+    end-of-turn token included) with its logprobs, and its version. The
+    completion, whole."""
+    if not episode.prompt_ids:
+        episode.prompt_ids = _masked(batch[p.FIELD_PROMPT_IDS][row], batch[p.FIELD_PROMPT_MASK][row])
+    mask = batch[p.FIELD_RESPONSE_MASK][row]
+    completion = _masked(batch[p.FIELD_RESPONSE_IDS][row], mask)
+    logprobs = batch[p.FIELD_BEHAVIOUR_LOGPROBS][row][mask.bool()].tolist() \
+        if p.FIELD_BEHAVIOUR_LOGPROBS in batch else [0.0] * len(completion)
+    episode.versions.append(int(batch[p.FIELD_VERSION][row]))
+    episode.turns += 1
+    extend(episode, completion, logprobs, max_tokens)
+    return completion
+
+
+def extend(episode: Episode, tokens: list[int], logprobs: list[float] | None, max_tokens: int) -> None:
+    """Append the model's tokens (with their logprobs) or the environment's
+    (None: masked out of the loss, logprob 0), at most up to ``max_tokens``."""
+    kept = tokens[:max_tokens - len(episode.tokens)]
+    episode.tokens += kept
+    episode.trained += [0 if logprobs is None else 1] * len(kept)
+    episode.logprobs += [0.0] * len(kept) if logprobs is None else logprobs[:len(kept)]
+
+
+def raw_text(tokenizer, completion: list[int]) -> str:
+    """A completion's text with its special tokens (a tool call's may be), less its end-of-turn token."""
+    if completion and completion[-1] == tokenizer.eos_id:
+        completion = completion[:-1]
+    inner = getattr(tokenizer, "inner", None)
+    return inner.decode(completion, skip_special_tokens=False) if inner is not None else tokenizer.decode(completion)
 
 
 def _masked(ids, mask) -> list[int]:

@@ -104,6 +104,7 @@ class _Server:
             raise EnvironmentLoadError(text)
         self.has_close = reply[1]  # without a close() an episode's end is its process's kill
         self.tool_schemas = reply[2]
+        self.kind = reply[3]  # "class": reset and step; "harness": a function that runs the episode
 
     def fork(self, count: int) -> list[EpisodeProcess] | None:
         """``count`` new episodes' processes, or None when this server no longer answers."""
@@ -153,6 +154,7 @@ class EnvironmentHost:
         self.spec, self.timeout_s, self.tool_specs = spec, timeout_s, tuple(tools)
         self._servers: list[_Server | None] = [_Server(spec, self.tool_specs)]  # at once: one that does not load fails
         self.tool_schemas: list[dict] = self._servers[0].tool_schemas  # the tools' and the class's, as templates take them
+        self.kind = self._servers[0].kind
         self._servers += [None] * (max(1, processes) - 1)  # the others start with the first episodes they serve
         self._next = 0
         self._has_close = self._servers[0].has_close
@@ -189,11 +191,18 @@ class EnvironmentHost:
             self._servers[index] = server = _Server(self.spec, self.tool_specs)
             return server
 
-    def exchange(self, calls: list[tuple[EpisodeProcess, tuple]], timeout_s: float | None = None) -> list:
+    def exchange(self, calls: list[tuple[EpisodeProcess, tuple]], timeout_s: float | None = None,
+                 excused=None) -> list:
         """Each call sent to its episode's process at once, each answer (the
-        reply tuple, or a ``CallFailure``) read as it comes; in order."""
+        reply tuple, or a ``CallFailure``) read as it comes; in order.
+        ``excused(index)``: seconds of that call's time its timeout does not
+        count (an agent harness's waits on the model)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = None if not timeout_s else time.monotonic() + timeout_s
+        started = time.monotonic()
+
+        def deadline(index: int) -> float:
+            return started + timeout_s + (excused(index) if excused else 0.0)
+
         answers: list = [None] * len(calls)
         waiting: dict[int, int] = {}  # fd -> index
         poll = select.poll()
@@ -204,14 +213,18 @@ class EnvironmentHost:
                 waiting[process.sock.fileno()] = index
                 poll.register(process.sock.fileno(), select.POLLIN)
         while waiting:
-            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
+            soonest = min(deadline(index) for index in waiting.values()) if timeout_s else None
+            wait_ms = None if soonest is None else max(0, int((soonest - time.monotonic()) * 1000) + 1)
             events = poll.poll(wait_ms)
-            if not events:  # the deadline passed: what has not answered is killed
-                for fd, index in waiting.items():
-                    calls[index][0].kill()
-                    answers[index] = CallFailure(EpisodeStatus.TIMEOUT, f"no answer within the {timeout_s:g}s "
-                                                                        "timeout; its process was killed")
-                break
+            if not events:  # a deadline passed: what has not answered by its own is killed
+                for fd, index in list(waiting.items()):
+                    if time.monotonic() >= deadline(index):
+                        calls[index][0].kill()
+                        answers[index] = CallFailure(EpisodeStatus.TIMEOUT, f"no answer within the {timeout_s:g}s "
+                                                                            "timeout; its process was killed")
+                        poll.unregister(fd)
+                        del waiting[fd]
+                continue
             for fd, _ in events:
                 index = waiting[fd]
                 answer = self._read(calls[index][0])

@@ -21,7 +21,10 @@ event loop) lives across turns. Its calls:
   calls run at once (threads; coroutine functions on the loop), each
   answered with its result or an ``error: ...`` the model reads;
 - ``("close",)`` -> ``("ok",)``, after the environment's ``close()`` if it
-  has one; then the process exits.
+  has one; then the process exits;
+- for an agent harness instead: ``("harness", prompt, answer, url, token,
+  episode)`` -> ``("ok", reward)``: the harness runs the whole episode with
+  an OpenAI client on ``url`` that names ``episode`` in every request.
 
 A method may be a coroutine function: it runs on the process's one event
 loop. A call that raises or returns something malformed is answered
@@ -44,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from rldsl.runtime.environments.protocol import (
     EnvironmentLoadError,
     checked_messages,
+    is_harness,
     checked_step,
     load_environment,
     load_tools,
@@ -99,6 +103,8 @@ class _Episode:
 
     def answer(self, call: tuple) -> tuple:
         try:
+            if call[0] == "harness":
+                return "ok", self._run_harness(*call[1:])
             if call[0] == "reset":
                 self.env = self.cls()
                 return "ok", checked_messages(self._resolve(self.env.reset(call[1], call[2])))
@@ -112,6 +118,21 @@ class _Episode:
             return ("ok",)
         except BaseException as error:  # noqa: BLE001 - sys.exit() in an environment drops only its sample too
             return "raised", f"{call[0]}: {type(error).__name__}: {error}"
+
+    def _run_harness(self, prompt: str, answer: str, url: str, token: str, episode: str) -> float:
+        import httpx
+        import openai
+
+        from rldsl.runtime.environments.endpoint import EPISODE_HEADER
+
+        asynchronous = inspect.iscoroutinefunction(self.cls)
+        client_class, http = (openai.AsyncOpenAI, httpx.AsyncClient) if asynchronous else (openai.OpenAI, httpx.Client)
+        client = client_class(base_url=url, api_key=token, default_headers={EPISODE_HEADER: episode}, max_retries=0,
+                              http_client=http(trust_env=False, timeout=None))  # loopback: never a proxy
+        reward = self._resolve(self.cls(client, prompt, answer))
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward:
+            raise TypeError(f"an agent harness returns the episode's reward, a number; it returned {reward!r:.100}")
+        return float(reward)
 
     def _call_tools(self, calls: list) -> list[str]:
         """Every call at once; a tool that is unknown, refuses its arguments or raises answers ``error: ...``."""
@@ -183,7 +204,15 @@ def main(argv: list[str]) -> None:
     sys.path[:0] = [entry for entry in parent_path if entry not in sys.path]
     try:
         cls = load_environment(spec)
-        tools = load_tools(tool_specs, cls)
+        harness = is_harness(cls)
+        if harness:  # imported once here, not in every episode's process
+            try:
+                import httpx  # noqa: F401
+                import openai  # noqa: F401
+            except ImportError as error:
+                raise EnvironmentLoadError(f"environment {spec!r} is an agent harness, whose client needs the "
+                                           f"openai package ({error}): pip install 'rldsl[agents]'") from error
+        tools = {} if harness else load_tools(tool_specs, cls)
         schemas = [tool_schema(fn) for fn in tools.values()]
     except EnvironmentLoadError as error:
         write_frame(fd, ("load_error", str(error)))
@@ -191,7 +220,7 @@ def main(argv: list[str]) -> None:
     except BaseException as error:  # noqa: BLE001 - reported to the host, which raises it in the worker
         write_frame(fd, ("load_error", f"environment {spec!r}: {type(error).__name__}: {error}"))
         return
-    write_frame(fd, ("ready", callable(getattr(cls, "close", None)), schemas))
+    write_frame(fd, ("ready", callable(getattr(cls, "close", None)), schemas, "harness" if harness else "class"))
     serve_forks(channel, cls, tools)
 
 

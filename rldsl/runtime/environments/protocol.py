@@ -1,5 +1,10 @@
 """The environment protocol and the checks on what an environment returns.
 
+An agent harness is a function ``harness(client, prompt, answer) -> reward``
+(plain or ``async``): it runs the whole episode, calling the model through
+``client`` (an OpenAI client on the replica's endpoint), and returns the
+episode's reward (``harness.py``).
+
 An environment is a class named ``"module:Class"``, built with no arguments
 once per episode, in a process of the episode's own that keeps the instance
 until the episode ends (so it may hold anything: a subprocess, a socket, a
@@ -22,6 +27,7 @@ from __future__ import annotations
 import difflib
 import enum
 import importlib
+import inspect
 import math
 import sys
 from typing import Protocol, runtime_checkable
@@ -41,7 +47,8 @@ class EpisodeStatus(enum.IntEnum):
     RAISED = 1  # reset or step raised, or returned something malformed
     TIMEOUT = 2  # a call overran the environment's timeout; its process was killed
     DIED = 3  # the process running a call died
-    # runs from before turns were kept as tokens re-encoded the text and could fail so; none does now
+    # an agent harness sent a conversation that does not extend the tokens so far (it rewrote earlier turns);
+    # runs from before turns were kept as tokens also failed so when the re-encoded text differed
     TOKENIZATION = 4
 
 
@@ -76,12 +83,23 @@ def load_environment(spec: str):
         close = difflib.get_close_matches(class_name, [n for n in dir(module) if not n.startswith("_")], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise EnvironmentLoadError(f"environment {spec!r}: module {module_name!r} has no {class_name!r}{hint}")
+    if is_harness(cls):
+        return cls
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
     if not isinstance(cls, type) or missing:
         lacks = f"lacks {', '.join(missing)}" if isinstance(cls, type) else f"is a {type(cls).__name__}"
         raise EnvironmentLoadError(f"environment {spec!r}: expected a class with reset(prompt, answer) and "
-                                   f"step(messages, completion); {class_name!r} {lacks}")
+                                   f"step(messages, completion), or an agent harness, a function "
+                                   f"harness(client, prompt, answer); {class_name!r} {lacks}")
     return cls
+
+
+def is_harness(fn) -> bool:
+    """An agent harness: a function (or coroutine function) ``(client, prompt, answer) -> reward``."""
+    if isinstance(fn, type) or not inspect.isfunction(fn):
+        return False
+    parameters = list(inspect.signature(fn).parameters)
+    return parameters[:1] == ["client"] and len(parameters) >= 3
 
 
 def load_tools(specs, cls) -> dict:

@@ -1,0 +1,108 @@
+"""An OpenAI-compatible chat-completions endpoint for agent harnesses.
+
+One per generator replica that runs harness episodes, on 127.0.0.1 only,
+with a bearer token the run makes up: ``POST /v1/chat/completions`` (and
+``GET /v1/models``). Each request names its episode in the
+``X-Rldsl-Episode`` header (the harness's client sends it); ``complete``
+(the harness runner's) answers it with the replica's generator and records
+the exact tokens. The server runs aiohttp (Ray's own HTTP server, so no new
+dependency) on a thread of its own; a completion waits for the generator in
+a thread pool sized for every episode in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+EPISODE_HEADER = "X-Rldsl-Episode"
+MAX_WAITING = 512  # completions waiting for the generator at once (threads, mostly blocked)
+
+
+class EndpointError(Exception):
+    """A request the endpoint refuses: its HTTP status and OpenAI-style error type."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+class ChatEndpoint:
+    def __init__(self, complete: Callable[[str, dict], dict], token: str, model_name: str = "policy"):
+        try:
+            from aiohttp import web
+        except ImportError as error:
+            raise ImportError("an agent harness's endpoint needs aiohttp: pip install 'rldsl[agents]'") from error
+
+        self._complete, self._token, self.model_name = complete, token, model_name
+        self._pool = ThreadPoolExecutor(MAX_WAITING, thread_name_prefix="chat-completion")
+        self._loop = asyncio.new_event_loop()
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(started,), daemon=True, name="chat-endpoint")
+        self._thread.start()
+        started.wait()
+        self.url = f"http://127.0.0.1:{self._port}/v1"
+
+    def _serve(self, started: threading.Event) -> None:
+        from aiohttp import web
+
+        asyncio.set_event_loop(self._loop)
+        listening = socket.socket()
+        listening.bind(("127.0.0.1", 0))  # loopback only: the harnesses run on this machine
+        self._port = listening.getsockname()[1]
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.SockSite(self._runner, listening).start())
+        started.set()
+        self._loop.run_forever()
+
+    async def _chat(self, request):
+        from aiohttp import web
+
+        try:
+            self._authorize(request)
+            episode = request.headers.get(EPISODE_HEADER)
+            if not episode:
+                raise EndpointError(f"no `{EPISODE_HEADER}` header: call through the client the harness was given")
+            body = await request.json()
+            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+                raise EndpointError("the request needs `messages`, a list")
+            answer = await self._loop.run_in_executor(self._pool, self._complete, episode, body)
+            return web.json_response(answer)
+        except EndpointError as error:
+            return web.json_response({"error": {"message": str(error), "type": error.kind}}, status=error.status)
+        except ValueError as error:  # a body that is not JSON
+            return web.json_response({"error": {"message": f"the body is not JSON: {error}",
+                                                "type": "invalid_request_error"}}, status=400)
+
+    async def _models(self, request):
+        from aiohttp import web
+
+        try:
+            self._authorize(request)
+        except EndpointError as error:
+            return web.json_response({"error": {"message": str(error), "type": error.kind}}, status=error.status)
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                              "owned_by": "rldsl"}]})
+
+    def _authorize(self, request) -> None:
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), self._token.encode()):
+            raise EndpointError("a wrong or missing API key", status=401, kind="authentication_error")
+
+    def close(self) -> None:
+        async def stop():
+            await self._runner.cleanup()
+
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._pool.shutdown(wait=False, cancel_futures=True)

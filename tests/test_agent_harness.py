@@ -1,0 +1,135 @@
+"""Agent harnesses written against the OpenAI API: each episode's requests
+reach the replica's generator through its chat-completions endpoint and
+become one training sample, in token space (rldsl.runtime.environments.harness)."""
+
+import textwrap
+
+import openai
+import pytest
+import torch
+
+from rldsl.models import load_model
+from rldsl.runtime import protocols as p
+from rldsl.runtime.engines.batching import ContinuousBatcher
+from rldsl.runtime.engines.torch.common import response_logprobs
+from rldsl.runtime.engines.torch.generate import TorchGenerator
+from rldsl.runtime.environments import EpisodeStatus
+from rldsl.runtime.environments.conversation import TranscriptTurns
+from rldsl.runtime.environments.endpoint import EPISODE_HEADER
+from rldsl.runtime.environments.harness import HarnessRunner
+from rldsl.runtime.environments.host import EnvironmentHost
+
+AGENTS = """
+    import openai
+
+    async def retry(client, prompt, answer):
+        '''Asks, then asks again with a nudge; full marks when the second answer is right.'''
+        messages = [{"role": "user", "content": prompt}]
+        first = await client.chat.completions.create(model="policy", messages=messages, temperature=0.0)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": f" try {prompt}"}]
+        second = await client.chat.completions.create(model="policy", messages=messages)
+        return 1.0 if second.choices[0].message.content.strip() == answer else 0.25
+
+    def rewrites(client, prompt, answer):
+        '''Changes what the model said before asking again: not one conversation.'''
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt}])
+        try:
+            client.chat.completions.create(model="policy", messages=[
+                {"role": "user", "content": prompt}, {"role": "assistant", "content": "42"},
+                {"role": "user", "content": " again"}])
+        except openai.BadRequestError as error:
+            assert "must extend the conversation" in str(error)
+            return 0.0
+        return 9.0
+"""
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("builtin:tiny-lm", seed=0)
+
+
+def _runner(model, tmp_path, harness: str) -> HarnessRunner:
+    (tmp_path / "agents.py").write_text(textwrap.dedent(AGENTS))
+    host = EnvironmentHost(f"agents:{harness}@{tmp_path}", 20.0, 1)
+    assert host.kind == "harness"
+    return HarnessRunner(ContinuousBatcher(TorchGenerator(model, max_new_tokens=4)), host,
+                         TranscriptTurns(model.tokenizer), model.tokenizer, 3, 40)
+
+
+def test_an_openai_client_harness_makes_samples_of_exactly_the_generated_tokens(model, tmp_path):
+    runner = _runner(model, tmp_path, "retry")
+    try:
+        batch, failures = runner.run([p.Prompt(0, "12+19=", "31")], 3, seed=0)
+    finally:
+        runner.host.close()
+        runner.close()
+    assert not failures and batch[p.FIELD_TURNS].tolist() == [2, 2, 2]
+    assert set(batch[p.FIELD_EPISODE_REWARD].tolist()) <= {1.0, 0.25}
+    tokenizer = model.tokenizer
+    for row in range(3):
+        mask, trained = batch[p.FIELD_RESPONSE_MASK][row].bool(), batch[p.FIELD_LOSS_MASK][row].bool()
+        ids = batch[p.FIELD_RESPONSE_IDS][row]
+        assert ids[mask & ~trained].tolist() == tokenizer.encode(" try 12+19=")  # the harness's new message
+        prompt = batch[p.FIELD_PROMPT_IDS][row][batch[p.FIELD_PROMPT_MASK][row].bool()].tolist()
+        assert prompt == tokenizer.encode("12+19=", add_bos=True)
+    with torch.no_grad():
+        recomputed = response_logprobs(model, batch)
+    on_model = p.trained_tokens(batch).bool()
+    assert torch.allclose(recomputed[on_model], batch[p.FIELD_BEHAVIOUR_LOGPROBS][on_model], atol=1e-4)
+
+
+def test_a_harness_that_rewrites_the_conversation_ends_its_episode(model, tmp_path):
+    runner = _runner(model, tmp_path, "rewrites")
+    try:
+        batch, failures = runner.run([p.Prompt(0, "1+1=", "2")], 2, seed=0)
+    finally:
+        runner.host.close()
+        runner.close()
+    assert [EpisodeStatus(int(s)) for s in batch[p.FIELD_EPISODE_STATUS]] == [EpisodeStatus.TOKENIZATION] * 2
+    assert all("does not extend" in detail for _, detail in failures)
+
+
+def test_the_endpoint_wants_its_key_and_a_running_episode(model, tmp_path):
+    runner = _runner(model, tmp_path, "retry")
+    try:
+        ask = dict(model="policy", messages=[{"role": "user", "content": "1+1="}])
+        stranger = openai.OpenAI(base_url=runner.endpoint.url, api_key="guess", max_retries=0,
+                                 default_headers={EPISODE_HEADER: "x"})
+        with pytest.raises(openai.AuthenticationError):
+            stranger.chat.completions.create(**ask)
+        insider = openai.OpenAI(base_url=runner.endpoint.url, api_key=runner._token, max_retries=0,
+                                default_headers={EPISODE_HEADER: "no-such-episode"})
+        with pytest.raises(openai.NotFoundError, match="no episode"):
+            insider.chat.completions.create(**ask)
+        assert [m.id for m in insider.models.list()] == ["policy"]
+    finally:
+        runner.host.close()
+        runner.close()
+    assert runner.endpoint.url.startswith("http://127.0.0.1:")
+
+
+@pytest.mark.ray
+def test_a_pipeline_trains_on_its_harness_episodes(tmp_path):
+    """`environment { fn = "agents:retry" }` (a harness beside the pipeline
+    file) in a real run: the replica's endpoint serves the harness's
+    processes inside a Ray worker, and every episode is trained."""
+    import json
+    from pathlib import Path
+
+    from tests.runs import rldsl_here
+
+    (tmp_path / "agents.py").write_text(textwrap.dedent(AGENTS))
+    text = (Path(__file__).resolve().parent.parent / "pipelines" / "multiturn_arith.rlp").read_text()
+    text = (text.replace('fn = "rldsl.environments:ArithRetry"', 'fn = "agents:retry"')
+            .replace("eval_size = 128", "eval_size = 0").replace("prompts_per_step = 16", "prompts_per_step = 4")
+            .replace("timeout = 5s", "timeout = 20s"))
+    (tmp_path / "harness.rlp").write_text(text)
+    run_dir = tmp_path / "run"
+    result = rldsl_here("run", str(tmp_path / "harness.rlp"), "--steps", "2", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ledger"]["trained"] == 2 * 4 * 8 and not summary["ledger"]["dropped"]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["reward_components"]["turns"] for s in steps if "reward_components" in s] == [2.0, 2.0]

@@ -351,3 +351,14 @@ def test_the_episode_reward_is_recognised_however_the_plan_anchored_it():
     assert reads_episode_reward("rldsl.environments:episode_reward@/work/pipelines")
     assert not reads_episode_reward("rldsl.rewards:exact_match")
     assert not reads_episode_reward([{"name": "a", "fn": "rldsl.environments:episode_reward", "weight": 1.0}])
+
+
+def test_an_episode_that_would_pass_the_models_context_ends_there_alone(model, arith_host):
+    """The builtin model reads 64 positions: 30 turns of a wrong answer cannot
+    fit, and each episode ends, trained, before a turn would pass them (a
+    turn past them would fail the whole group's request)."""
+    batch, failures = _runner(model, arith_host, max_turns=30, max_tokens=200).run(
+        [p.Prompt(0, "12+19=", "99999")], 4, seed=0)
+    assert not failures and (batch[p.FIELD_EPISODE_STATUS] == EpisodeStatus.OK).all()
+    lengths = batch[p.FIELD_PROMPT_MASK].sum(dim=1) + batch[p.FIELD_RESPONSE_MASK].sum(dim=1)
+    assert int(lengths.max()) <= 64 and (batch[p.FIELD_TURNS] < 30).all() and (batch[p.FIELD_TURNS] > 2).all()

@@ -120,7 +120,7 @@ def serve(argv: list[str], load, answer, describe_load_error) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker to handle, not its children
     _exit_when_orphaned(parent_pid)
     parent_path, spec = read_frame(read_fd)
-    sys.path[:0] = [entry for entry in parent_path if entry not in sys.path]
+    take_parent_path(parent_path)
     try:
         loaded = load(spec)
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it in the worker
@@ -130,6 +130,14 @@ def serve(argv: list[str], load, answer, describe_load_error) -> None:
     while (message := read_frame(read_fd)) is not None:
         for frame in answer(loaded, message):
             write_frame(write_fd, frame)
+
+
+def take_parent_path(parent_path: list[str]) -> None:
+    """The worker's import path entries this process lacks, after its own:
+    the same interpreter's packages come first, so an entry the worker
+    gained at run time (such as setuptools' vendored copies) shadows none of
+    them; a module beside a pipeline file is found by its own anchor."""
+    sys.path += [entry for entry in parent_path if entry not in sys.path]
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

@@ -234,6 +234,10 @@ def _require_success(result: Any, what: str) -> None:
 class SGLangGenerator(ServingGeneration, _SGLangEngine):
     """``protocols.GenerationEngine`` over SGLang (each sample its own request and seed)."""
 
+    @property
+    def context_limit(self) -> int | None:
+        return self.options.max_model_len
+
     def __init__(self, engine, tokenizer, options: SGLangOptions = SGLangOptions(), *, max_new_tokens: int = 64,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = (),
                  min_new_tokens: int = 0):

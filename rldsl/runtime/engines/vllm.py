@@ -266,6 +266,12 @@ class VLLMGenerator(ServingGeneration, _VLLMEngine):
         """Tokens streamed back so far (the watchdog's measure of progress)."""
         return self.llm.tokens_decoded
 
+    @property
+    def context_limit(self) -> int | None:
+        """vLLM's ``max_model_len``: as set, or as vLLM took it from the model."""
+        model_config = getattr(self.llm.engine, "model_config", None)
+        return self.options.max_model_len or getattr(model_config, "max_model_len", None)
+
     def start_group(self, request: tuple[Sequence[Prompt], int, int]) -> Future:
         """Submit one group now; a future of its batch."""
         self._require_ready()

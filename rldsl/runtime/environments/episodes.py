@@ -19,6 +19,7 @@ drew it).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 import torch
 
@@ -43,6 +44,7 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0  # calls made, read or not
     tool_errors: int = 0  # calls that could not be read, named no tool, or whose tool raised
+    context_full: bool = False  # ended because another turn would pass the model's context
     versions: list[int] = field(default_factory=list)
     status: EpisodeStatus = EpisodeStatus.OK
     detail: str = ""
@@ -70,13 +72,18 @@ class EpisodeRunner:
         try:
             self._start(episodes)
             for turn in range(self.max_turns):
-                running = [e for e in episodes if not e.done]
+                running = [e for e in episodes if not e.done and self._has_room(e)]
                 if not running:
                     break
                 self._turn(running, turn, seed + TURN_SEED_STRIDE * turn)
         finally:
             self.host.finish([e.process for e in episodes if e.process is not None])
         failures = [(e.status, e.detail) for e in episodes if e.status != EpisodeStatus.OK]
+        if full := sum(e.context_full for e in episodes):
+            logging.getLogger(__name__).warning(
+                "%d of %d episodes of prompt %d ended at the model's context: another turn of up to %d tokens "
+                "would not fit (lower the environment's max_tokens or max_turns to end them sooner)", full,
+                len(episodes), prompts[0].index, getattr(self._engine, "max_new_tokens", 0))
         return episode_batch(episodes, self.tokenizer, self.batcher.version), failures
 
     def _start(self, episodes: list[Episode]) -> None:
@@ -92,6 +99,24 @@ class EpisodeRunner:
         for episode, reply in zip(started, replies):
             if self._answered(episode, reply):
                 episode.messages = reply[1]
+
+    def _has_room(self, episode: Episode) -> bool:
+        """Whether a whole turn still fits the model's context; an episode
+        that has no room left ends there, as one at ``max_tokens`` does."""
+        limit, turn = getattr(self._engine, "context_limit", None), getattr(self._engine, "max_new_tokens", 0)
+        if not limit or not episode.prompt_ids or len(episode.prompt_ids) + len(episode.tokens) + turn <= limit:
+            return True  # (``max_tokens`` may still cut the turn short)
+        episode.done = episode.context_full = True
+        return False
+
+    def _response_cap(self, episode: Episode) -> int:
+        """The episode's response tokens at most: ``max_tokens``, and what the model's context leaves."""
+        limit = getattr(self._engine, "context_limit", None)
+        return min(self.max_tokens, limit - len(episode.prompt_ids)) if limit else self.max_tokens
+
+    @property
+    def _engine(self):
+        return getattr(self.batcher, "engine", self.batcher)
 
     def _request(self, episode: Episode) -> p.Prompt:
         """The first turn reads the messages as text; every later turn the tokens so far, as they are."""
@@ -123,7 +148,7 @@ class EpisodeRunner:
                 episode.done = True
                 continue
             ended = bool(completion) and completion[-1] == self.tokenizer.eos_id
-            extend(episode, self.turns.observation_tokens(heard, ended), None, self.max_tokens)
+            extend(episode, self.turns.observation_tokens(heard, ended), None, self._response_cap(episode))
             # the environment's answer filled the budget: no room to reply
             episode.done = len(episode.tokens) >= self.max_tokens
 

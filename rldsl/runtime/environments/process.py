@@ -53,7 +53,7 @@ from rldsl.runtime.environments.protocol import (
     load_tools,
 )
 from rldsl.runtime.environments.tool_calls import result_text, tool_schema
-from rldsl.runtime.reward_process import _exit_when_orphaned, read_frame, write_frame
+from rldsl.runtime.reward_process import _exit_when_orphaned, read_frame, take_parent_path, write_frame
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -201,7 +201,7 @@ def main(argv: list[str]) -> None:
     _exit_when_orphaned(parent_pid)
     channel = socket.socket(fileno=fd)
     parent_path, spec, tool_specs = read_frame(fd)
-    sys.path[:0] = [entry for entry in parent_path if entry not in sys.path]
+    take_parent_path(parent_path)
     try:
         cls = load_environment(spec)
         harness = is_harness(cls)

@@ -71,6 +71,12 @@ class TorchGenerator(WeightReceiver):
     def tokenizer(self):
         return self.model.tokenizer
 
+    @property
+    def context_limit(self) -> int | None:
+        """Positions the model reads at most, prompt and response together."""
+        config = self.model.config
+        return config.get("max_positions") or config.get("max_position_embeddings") or config.get("n_positions")
+
     def generate(self, prompts: list[Prompt], samples_per_prompt: int, seed: int) -> Batch:
         """Rows prompt-major; the same seed and weights give the same batch."""
         decoding = self._new_decode_batch()

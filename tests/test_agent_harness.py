@@ -31,6 +31,18 @@ AGENTS = """
         second = await client.chat.completions.create(model="policy", messages=messages)
         return 1.0 if second.choices[0].message.content.strip() == answer else 0.25
 
+    def chatty(client, prompt, answer):
+        '''Asks again and again until the endpoint says the model's context is full.'''
+        messages = [{"role": "user", "content": prompt}]
+        while True:
+            try:
+                reply = client.chat.completions.create(model="policy", messages=messages)
+            except openai.BadRequestError as error:
+                assert "pass the model's context" in str(error)
+                return 0.5
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": " more"}]
+
     def rewrites(client, prompt, answer):
         '''Changes what the model said before asking again: not one conversation.'''
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt}])
@@ -91,6 +103,19 @@ def test_a_harness_that_rewrites_the_conversation_ends_its_episode(model, tmp_pa
     assert all("does not extend" in detail for _, detail in failures)
 
 
+def test_a_conversation_that_would_pass_the_models_context_is_refused_and_still_trained(model, tmp_path):
+    runner = _runner(model, tmp_path, "chatty")
+    runner.max_turns, runner.max_tokens = 100, 200
+    try:
+        batch, failures = runner.run([p.Prompt(0, "1+1=", "2")], 2, seed=0)
+    finally:
+        runner.host.close()
+        runner.close()
+    assert not failures and batch[p.FIELD_EPISODE_REWARD].tolist() == [0.5, 0.5]
+    lengths = batch[p.FIELD_PROMPT_MASK].sum(dim=1) + batch[p.FIELD_RESPONSE_MASK].sum(dim=1)
+    assert int(lengths.max()) <= 64 and (batch[p.FIELD_TURNS] > 3).all()  # the builtin model's 64 positions
+
+
 def test_the_endpoint_wants_its_key_and_a_running_episode(model, tmp_path):
     runner = _runner(model, tmp_path, "retry")
     try:
@@ -132,4 +157,4 @@ def test_a_pipeline_trains_on_its_harness_episodes(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["ledger"]["trained"] == 2 * 4 * 8 and not summary["ledger"]["dropped"]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [s["reward_components"]["turns"] for s in steps if "reward_components" in s] == [2.0, 2.0]
+    assert [s["episode_stats"]["turns"] for s in steps if "episode_stats" in s] == [2.0, 2.0]

@@ -245,7 +245,8 @@ def test_a_crashing_or_hanging_environment_drops_only_its_sample(model):
     assert batch[p.FIELD_PROMPT_MASK].sum(dim=1).min() > 0  # a row failed at reset still has its prompt
     rewards = episode_rewards({field: batch[field] for field in (p.FIELD_EPISODE_REWARD, p.FIELD_EPISODE_STATUS,
                                                                  p.FIELD_TURNS)})  # a pipeline without tools
-    assert [float(r) for r in (rewards[0], rewards[5])] == [1.0, 1.0] and rewards[0].parts == {"turns": 1.0}
+    assert [float(r) for r in (rewards[0], rewards[5])] == [1.0, 1.0] and rewards[0].stats == {"turns": 1.0}
+    assert rewards[0].parts == {}  # turns are no reward: their own channel
     assert [r.reason for r in rewards[1:5]] == [DROP_REASONS[s] for s in statuses[1:5]]
     assert after[p.FIELD_EPISODE_STATUS].tolist() == [0, 0]
 

@@ -121,7 +121,7 @@ def test_the_final_table_without_a_start_evaluation_and_with_drops(tmp_path, cap
     assert "0.500 at step 20 (the only evaluation)" in shown
     # each drop reason says what it means
     assert "dropped 8 as reward_invalid: the reward returned something that is not a finite number" in shown
-    assert "dropped 4 as environment_tokenization: the conversation re-tokenized differently" in shown
+    assert "dropped 4 as environment_tokenization: the conversation did not extend the tokens" in shown
 
 
 def test_the_default_evaluation_prompts_are_the_first_sources_eval_split():

@@ -202,4 +202,4 @@ def test_a_model_that_calls_a_tool_gets_its_result_and_answers(tmp_path):
     assert torch.allclose(recomputed[on_model], batch[p.FIELD_BEHAVIOUR_LOGPROBS][on_model], atol=1e-4)
     fields = {f: batch[f] for f in (p.FIELD_EPISODE_REWARD, p.FIELD_EPISODE_STATUS, p.FIELD_TURNS,
                                     p.FIELD_TOOL_CALLS, p.FIELD_TOOL_ERRORS)}
-    assert episode_rewards(fields)[0].parts == {"turns": 2.0, "tool_calls": 1.0, "tool_errors": 0.0}
+    assert episode_rewards(fields)[0].stats == {"turns": 2.0, "tool_calls": 1.0, "tool_errors": 0.0}

@@ -31,7 +31,7 @@ AHEAD = ("at most max_ahead x prompts_per_step prompt groups generated before a 
 PROOFS = (ENDED_ONCE, TRAINED_ONCE, LAG, AHEAD, LOGPROBS)
 
 CLEAN_EXITS = (j.FINISHED, j.STOPPED)  # the ledger was balanced: nothing may be left open
-KEYED_EVENTS = (j.DISPATCHED, j.GENERATED, j.LOGPROB, j.TRAINED, j.MASKED, j.DROPPED)
+KEYED_EVENTS = (j.DISPATCHED, j.GENERATED, j.LOGPROB, j.TRAINED, j.MASKED, j.DROPPED, j.EPISODES)
 
 
 class JournalError(Exception):
@@ -247,6 +247,9 @@ class Replay:
     def _on_dropped(self, event: dict) -> None:
         samples = self._ended(event, event.get("reason") or "unknown")
         self.dropped[event.get("reason") or "unknown"] += len(samples)
+
+    def _on_episodes(self, event: dict) -> None:
+        """Statistics only (turns, tool calls): no sample's outcome changes."""
 
     def _on_end(self, event: dict) -> None:
         self.segments[-1].end = event

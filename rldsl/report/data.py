@@ -141,6 +141,8 @@ def _curves(steps: list[dict], evals: list[dict]) -> dict[str, Series]:
         curves["tokens truncated or masked by the correction (share)"] = per_step(trainer("capped_fraction"))
     for part in dict.fromkeys(name for s in steps for name in s.get("reward_components") or {}):
         curves[f"reward: {part}"] = per_step(lambda s, part=part: (s.get("reward_components") or {}).get(part))
+    for stat in dict.fromkeys(name for s in steps for name in s.get("episode_stats") or {}):
+        curves[f"episodes: {stat}"] = per_step(lambda s, stat=stat: (s.get("episode_stats") or {}).get(stat))
     return {name: series for name, series in curves.items() if series.x}
 
 

@@ -158,15 +158,18 @@ class RewardFailure:
 class ComponentReward(float):
     """A reward stage's weighted sum of named components: the float that is
     trained on, with each component's own value in ``parts`` (the step's
-    ``reward/<name>`` metrics)."""
+    ``reward/<name>`` metrics), and ``stats``: what else is known of the
+    sample that is no reward (an episode's turns and tool calls: the step's
+    ``episode/<name>`` metrics)."""
 
-    def __new__(cls, total: float, parts: dict[str, float]):
+    def __new__(cls, total: float, parts: dict[str, float], stats: dict[str, float] | None = None):
         reward = super().__new__(cls, total)
         reward.parts = dict(parts)
+        reward.stats = dict(stats or {})
         return reward
 
     def __reduce__(self):
-        return ComponentReward, (float(self), self.parts)
+        return ComponentReward, (float(self), self.parts, self.stats)
 
 
 @dataclass

@@ -40,6 +40,7 @@ class Group:
     arrival: int = -1  # commit order; -1 until ready
     rewards: tuple[float, ...] = ()
     reward_parts: tuple[dict[str, float], ...] = ()  # each sample's named reward components (if any)
+    episode_stats: tuple[dict[str, float], ...] = ()  # each sample's episode statistics (turns, tool calls), if any
     tokens: int = 0  # response tokens, for balancing data-parallel ranks
     sample_tokens: dict[str, int] = field(default_factory=dict)  # each sample's trained tokens (batch_tokens)
     masked: bool = False  # a difficulty mask keeps it out of the loss: in its step, never trained

@@ -30,6 +30,7 @@ LOGPROB = "logprob"
 TRAINED = "trained"
 MASKED = "masked"  # in a step's batch, out of its loss (difficulty_mask)
 DROPPED = "dropped"
+EPISODES = "episodes"  # each episode's statistics (turns, tool calls), key by key
 END = "end"  # how the segment ended
 
 # How a segment ends (the "exit" of an end event).
@@ -110,6 +111,12 @@ class Journal:
     def masked(self, keys: Iterable[str], step: int | None) -> None:
         step = None if step is None else step + self.step_offset
         self._record(MASKED, keys, step=step)
+
+    def episodes(self, keys: Iterable[str], stats: Iterable[dict[str, float]]) -> None:
+        """Each sample's episode statistics, as lists in key order (``turns``: [...], ...)."""
+        stats = list(stats)
+        names = dict.fromkeys(name for sample in stats for name in sample)
+        self._record(EPISODES, keys, **{name: [sample.get(name) for sample in stats] for name in names})
 
     def dropped(self, keys: Iterable[str], reason: str) -> None:
         self._record(DROPPED, keys, reason=reason)

@@ -191,6 +191,7 @@ class RolloutPump:
         state = self.state
         totals = dict.fromkeys(group.keys, 0.0)
         parts: dict[str, dict[str, float]] = {key: {} for key in group.keys}  # named components, per sample
+        stats: dict[str, dict[str, float]] = {key: {} for key in group.keys}  # episode statistics, per sample
         for stage in state.settings.reward_stages:
             alive = list(totals)
             outcomes_by_reason: dict[str, list[str]] = {}
@@ -201,11 +202,15 @@ class RolloutPump:
                 else:
                     totals[key] += reward
                     parts[key].update(getattr(reward, "parts", {}))
+                    stats[key].update(getattr(reward, "stats", {}))
             for reason, failed in outcomes_by_reason.items():
                 state.ledger.dropped(failed, reason)
                 state.pending_clear.extend(failed)
         group.keys = tuple(totals)
         group.reward_parts = tuple(parts[key] for key in totals) if any(parts.values()) else ()
+        group.episode_stats = tuple(stats[key] for key in totals) if any(stats.values()) else ()
+        if group.episode_stats:
+            state.journal.episodes(group.keys, group.episode_stats)
         if not totals:
             state.buffer.release(group.group_id)
             state.changed.notify()

@@ -360,6 +360,7 @@ class TrainPump(GpuTurns):
                    if state.settings.difficulty_mask else {}),
                 "trainer": dict(result.metrics),
                 **_component_means(step.groups),
+                **_episode_means(step.groups),
             }
         )
 
@@ -381,6 +382,16 @@ def _sample_tokens(groups: list[Group]) -> list[list[int]]:
 def _mean(values) -> float | None:
     values = list(values)
     return sum(values) / len(values) if values else None
+
+
+def _episode_means(groups) -> dict:
+    """``{"episode_stats": {name: mean}}`` over the step's episodes (turns,
+    tool calls), when its samples are episodes."""
+    names = dict.fromkeys(name for g in groups for stats in g.episode_stats for name in stats)
+    if not names:
+        return {}
+    return {"episode_stats": {name: _mean(stats[name] for g in groups for stats in g.episode_stats
+                                          if name in stats) for name in names}}
 
 
 def _component_means(groups) -> dict:

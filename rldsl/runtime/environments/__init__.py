@@ -55,8 +55,9 @@ def episode_fields(pipe) -> list[str]:
 
 def episode_rewards(fields: dict) -> list:
     """A reward stage's answers for episodes: each sample's summed reward
-    with its turns (and tool calls, when read) beside it (logged on the
-    step line), or the ``RewardFailure`` that drops a sample whose episode failed."""
+    with its turns (and tool calls, when read) as its statistics (the step's
+    ``episode_stats``), or the ``RewardFailure`` that drops a sample whose
+    episode failed."""
     from rldsl.runtime import protocols as p
 
     columns = {name: fields[field].tolist() for name, field in (("turns", p.FIELD_TURNS),
@@ -67,7 +68,7 @@ def episode_rewards(fields: dict) -> list:
                                                fields[p.FIELD_EPISODE_STATUS].tolist())):
         status = EpisodeStatus(int(status))
         turns = int(columns["turns"][row])
-        results.append(p.ComponentReward(float(reward), {name: float(values[row]) for name, values in columns.items()})
+        results.append(p.ComponentReward(float(reward), {}, {name: float(values[row]) for name, values in columns.items()})
                        if status == EpisodeStatus.OK else
                        p.RewardFailure(DROP_REASONS[status], f"its episode ended {status.name.lower()} after "
                                                              f"{turns} turns"))

@@ -83,7 +83,7 @@ class EpisodeRunner:
             logging.getLogger(__name__).warning(
                 "%d of %d episodes of prompt %d ended at the model's context: another turn of up to %d tokens "
                 "would not fit (lower the environment's max_tokens or max_turns to end them sooner)", full,
-                len(episodes), prompts[0].index, getattr(self._engine, "max_new_tokens", 0))
+                len(episodes), prompts[0].index, getattr(_engine(self.batcher), "max_new_tokens", 0))
         return episode_batch(episodes, self.tokenizer, self.batcher.version), failures
 
     def _start(self, episodes: list[Episode]) -> None:
@@ -103,20 +103,10 @@ class EpisodeRunner:
     def _has_room(self, episode: Episode) -> bool:
         """Whether a whole turn still fits the model's context; an episode
         that has no room left ends there, as one at ``max_tokens`` does."""
-        limit, turn = getattr(self._engine, "context_limit", None), getattr(self._engine, "max_new_tokens", 0)
-        if not limit or not episode.prompt_ids or len(episode.prompt_ids) + len(episode.tokens) + turn <= limit:
-            return True  # (``max_tokens`` may still cut the turn short)
+        if has_room(self.batcher, episode):
+            return True
         episode.done = episode.context_full = True
         return False
-
-    def _response_cap(self, episode: Episode) -> int:
-        """The episode's response tokens at most: ``max_tokens``, and what the model's context leaves."""
-        limit = getattr(self._engine, "context_limit", None)
-        return min(self.max_tokens, limit - len(episode.prompt_ids)) if limit else self.max_tokens
-
-    @property
-    def _engine(self):
-        return getattr(self.batcher, "engine", self.batcher)
 
     def _request(self, episode: Episode) -> p.Prompt:
         """The first turn reads the messages as text; every later turn the tokens so far, as they are."""
@@ -148,7 +138,8 @@ class EpisodeRunner:
                 episode.done = True
                 continue
             ended = bool(completion) and completion[-1] == self.tokenizer.eos_id
-            extend(episode, self.turns.observation_tokens(heard, ended), None, self._response_cap(episode))
+            extend(episode, self.turns.observation_tokens(heard, ended), None,
+                   response_cap(self.batcher, episode, self.max_tokens))
             # the environment's answer filled the budget: no room to reply
             episode.done = len(episode.tokens) >= self.max_tokens
 
@@ -240,6 +231,24 @@ def extend(episode: Episode, tokens: list[int], logprobs: list[float] | None, ma
     episode.tokens += kept
     episode.trained += [0 if logprobs is None else 1] * len(kept)
     episode.logprobs += [0.0] * len(kept) if logprobs is None else logprobs[:len(kept)]
+
+
+def has_room(batcher, episode: Episode) -> bool:
+    """Whether the episode's tokens so far and a whole turn fit the generator's
+    context (``max_tokens`` may still cut the turn short); a first turn always does."""
+    engine = _engine(batcher)
+    limit, turn = getattr(engine, "context_limit", None), getattr(engine, "max_new_tokens", 0)
+    return not limit or not episode.prompt_ids or len(episode.prompt_ids) + len(episode.tokens) + turn <= limit
+
+
+def response_cap(batcher, episode: Episode, max_tokens: int) -> int:
+    """The episode's response tokens at most: ``max_tokens``, and what the model's context leaves."""
+    limit = getattr(_engine(batcher), "context_limit", None)
+    return min(max_tokens, limit - len(episode.prompt_ids)) if limit else max_tokens
+
+
+def _engine(batcher):
+    return getattr(batcher, "engine", batcher)
 
 
 def raw_text(tokenizer, completion: list[int]) -> str:

@@ -31,7 +31,15 @@ import uuid
 
 from rldsl.runtime import protocols as p
 from rldsl.runtime.environments.endpoint import ChatEndpoint, EndpointError
-from rldsl.runtime.environments.episodes import Episode, episode_batch, extend, raw_text, take_turn
+from rldsl.runtime.environments.episodes import (
+    Episode,
+    episode_batch,
+    extend,
+    has_room,
+    raw_text,
+    response_cap,
+    take_turn,
+)
 from rldsl.runtime.environments.host import CallFailure, EnvironmentHost
 from rldsl.runtime.environments.protocol import EpisodeStatus
 from rldsl.runtime.environments.tool_calls import parse_tool_calls
@@ -129,7 +137,12 @@ class HarnessRunner:
         else:
             new = self._new_messages(episode, messages)
             ended = bool(episode.trained) and episode.trained[-1] == 1 and episode.tokens[-1] == self.tokenizer.eos_id
-            extend(episode, self.turns.observation_tokens(new, ended), None, self.max_tokens)
+            extend(episode, self.turns.observation_tokens(new, ended), None,
+                   response_cap(self.batcher, episode, self.max_tokens))
+            if not has_room(self.batcher, episode):
+                episode.context_full, record.open = True, False
+                raise EndpointError("the conversation would pass the model's context: this episode takes no more "
+                                    "requests (return its reward)")
             prompt = p.Prompt(episode.prompt.index, episode.prompt.text, episode.prompt.answer, episode.prompt.meta,
                               ids=tuple(episode.prompt_ids + episode.tokens))
         batch = self.batcher.submit([prompt], 1, record.seed + CALL_SEED_STRIDE * episode.turns)

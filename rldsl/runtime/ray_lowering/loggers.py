@@ -49,6 +49,9 @@ def step_scalars(record: dict) -> dict[str, float]:
     for name, value in (record.get("reward_components") or {}).items():  # a reward stage's named components
         if isinstance(value, (int, float)):
             scalars[f"reward/{name}"] = float(value)
+    for name, value in (record.get("episode_stats") or {}).items():  # episodes' turns and tool calls
+        if isinstance(value, (int, float)):
+            scalars[f"episode/{name}"] = float(value)
     lags = record.get("lag_histogram") or {}
     if lags:
         scalars["run/mean_lag"] = sum(int(k) * v for k, v in lags.items()) / (sum(lags.values()) or 1)

@@ -103,6 +103,8 @@ class Progress:
         reward_text = f" reward {reward:.3f}" if isinstance(reward, (int, float)) else ""
         reward_text += "".join(f" {name} {value:.3f}" for name, value in (r.get("reward_components") or {}).items()
                                if isinstance(value, (int, float)))
+        reward_text += "".join(f" {name} {value:.2f}" for name, value in (r.get("episode_stats") or {}).items()
+                               if isinstance(value, (int, float)))
         leases = (f" replicas {r['replicas_awake']} lease waits {r['lease_wait_s']:.1f}s"
                   if "replicas_awake" in r else "")
         mismatch = _mismatch(r.get("trainer") or {})
@@ -127,6 +129,9 @@ class Progress:
                 parts = "".join(f"   {name} {value:.3f}" for name, value in (r.get("reward_components") or {}).items()
                                 if isinstance(value, (int, float)))
                 table.add_row("reward", f"{reward:.3f}{parts}")
+            if r.get("episode_stats"):
+                table.add_row("episodes", "   ".join(f"{name} {value:.2f}" for name, value in r["episode_stats"].items()
+                                                      if isinstance(value, (int, float))))
             table.add_row("busy", _busy(r["busy"]))
             if _mismatch(r.get("trainer") or {}):
                 table.add_row("mismatch", _mismatch(r["trainer"]))

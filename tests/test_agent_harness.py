@@ -2,6 +2,7 @@
 reach the replica's generator through its chat-completions endpoint and
 become one training sample, in token space (rldsl.runtime.environments.harness)."""
 
+import contextlib
 import textwrap
 
 import openai
@@ -62,21 +63,28 @@ def model():
     return load_model("builtin:tiny-lm", seed=0)
 
 
-def _runner(model, tmp_path, harness: str) -> HarnessRunner:
+@contextlib.contextmanager
+def _runner(model, tmp_path, harness: str, max_turns: int = 3, max_tokens: int = 40):
+    """A harness runner on the builtin model, its servers and endpoint stopped after."""
     (tmp_path / "agents.py").write_text(textwrap.dedent(AGENTS))
     host = EnvironmentHost(f"agents:{harness}@{tmp_path}", 20.0, 1)
     assert host.kind == "harness"
-    return HarnessRunner(ContinuousBatcher(TorchGenerator(model, max_new_tokens=4)), host,
-                         TranscriptTurns(model.tokenizer), model.tokenizer, 3, 40)
+    runner = HarnessRunner(ContinuousBatcher(TorchGenerator(model, max_new_tokens=4)), host,
+                           TranscriptTurns(model.tokenizer), model.tokenizer, max_turns, max_tokens)
+    try:
+        yield runner
+    finally:
+        host.close()
+        runner.close()
+
+
+def _episodes(model, tmp_path, harness: str, prompt: p.Prompt, samples: int, **limits):
+    with _runner(model, tmp_path, harness, **limits) as runner:
+        return runner.run([prompt], samples, seed=0)
 
 
 def test_an_openai_client_harness_makes_samples_of_exactly_the_generated_tokens(model, tmp_path):
-    runner = _runner(model, tmp_path, "retry")
-    try:
-        batch, failures = runner.run([p.Prompt(0, "12+19=", "31")], 3, seed=0)
-    finally:
-        runner.host.close()
-        runner.close()
+    batch, failures = _episodes(model, tmp_path, "retry", p.Prompt(0, "12+19=", "31"), 3)
     assert not failures and batch[p.FIELD_TURNS].tolist() == [2, 2, 2]
     assert set(batch[p.FIELD_EPISODE_REWARD].tolist()) <= {1.0, 0.25}
     tokenizer = model.tokenizer
@@ -93,32 +101,20 @@ def test_an_openai_client_harness_makes_samples_of_exactly_the_generated_tokens(
 
 
 def test_a_harness_that_rewrites_the_conversation_ends_its_episode(model, tmp_path):
-    runner = _runner(model, tmp_path, "rewrites")
-    try:
-        batch, failures = runner.run([p.Prompt(0, "1+1=", "2")], 2, seed=0)
-    finally:
-        runner.host.close()
-        runner.close()
+    batch, failures = _episodes(model, tmp_path, "rewrites", p.Prompt(0, "1+1=", "2"), 2)
     assert [EpisodeStatus(int(s)) for s in batch[p.FIELD_EPISODE_STATUS]] == [EpisodeStatus.TOKENIZATION] * 2
     assert all("does not extend" in detail for _, detail in failures)
 
 
 def test_a_conversation_that_would_pass_the_models_context_is_refused_and_still_trained(model, tmp_path):
-    runner = _runner(model, tmp_path, "chatty")
-    runner.max_turns, runner.max_tokens = 100, 200
-    try:
-        batch, failures = runner.run([p.Prompt(0, "1+1=", "2")], 2, seed=0)
-    finally:
-        runner.host.close()
-        runner.close()
+    batch, failures = _episodes(model, tmp_path, "chatty", p.Prompt(0, "1+1=", "2"), 2, max_turns=100, max_tokens=200)
     assert not failures and batch[p.FIELD_EPISODE_REWARD].tolist() == [0.5, 0.5]
     lengths = batch[p.FIELD_PROMPT_MASK].sum(dim=1) + batch[p.FIELD_RESPONSE_MASK].sum(dim=1)
     assert int(lengths.max()) <= 64 and (batch[p.FIELD_TURNS] > 3).all()  # the builtin model's 64 positions
 
 
 def test_the_endpoint_wants_its_key_and_a_running_episode(model, tmp_path):
-    runner = _runner(model, tmp_path, "retry")
-    try:
+    with _runner(model, tmp_path, "retry") as runner:
         ask = dict(model="policy", messages=[{"role": "user", "content": "1+1="}])
         stranger = openai.OpenAI(base_url=runner.endpoint.url, api_key="guess", max_retries=0,
                                  default_headers={EPISODE_HEADER: "x"})
@@ -129,9 +125,6 @@ def test_the_endpoint_wants_its_key_and_a_running_episode(model, tmp_path):
         with pytest.raises(openai.NotFoundError, match="no episode"):
             insider.chat.completions.create(**ask)
         assert [m.id for m in insider.models.list()] == ["policy"]
-    finally:
-        runner.host.close()
-        runner.close()
     assert runner.endpoint.url.startswith("http://127.0.0.1:")
 
 

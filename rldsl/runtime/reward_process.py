@@ -118,7 +118,7 @@ def serve(argv: list[str], load, answer, describe_load_error) -> None:
     message)`` yields for each message, until the pipe closes."""
     read_fd, write_fd, parent_pid = (int(a) for a in argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker to handle, not its children
-    _exit_when_orphaned(parent_pid)
+    exit_when_orphaned(parent_pid)
     parent_path, spec = read_frame(read_fd)
     take_parent_path(parent_path)
     try:
@@ -140,7 +140,7 @@ def take_parent_path(parent_path: list[str]) -> None:
     sys.path += [entry for entry in parent_path if entry not in sys.path]
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
+def exit_when_orphaned(parent_pid: int) -> None:
     """A worker killed outright cannot kill its reward processes: a process
     hung in a reward would live on, so it watches for its parent to go."""
 

@@ -9,7 +9,10 @@ sample's response is completion 1 + observation 1 + completion 2 + ...:
 ``loss_mask`` is 1 on the model's tokens, each turn's end-of-turn token
 included (the policy learns to end its turns), and 0 on the environment's,
 whose behaviour logprobs are 0. The response stops at the environment's
-``max_tokens``.
+``max_tokens``, and an episode ends before a turn that would pass the
+model's context. With a ``tool_format``, a completion that calls tools is a
+tool turn: its calls run in the episode's process and their results are the
+observation (``tool_calls``).
 
 An episode whose environment raises, hangs or dies ends there with its
 status; the reward stage drops that sample alone. A sample's version is its
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+
 import torch
 
 from rldsl.runtime import protocols as p
@@ -119,9 +123,7 @@ class EpisodeRunner:
     def _turn(self, running: list[Episode], turn: int, seed: int) -> None:
         batch = self.batcher.submit([self._request(e) for e in running], 1, seed)
         batch.pop(p.FIELD_TOKEN_VERSIONS, None)
-        stepping = []
-        for row, episode in enumerate(running):
-            stepping.append((episode, take_turn(episode, batch, row, self.max_tokens)))
+        stepping = [(episode, take_turn(episode, batch, row, self.max_tokens)) for row, episode in enumerate(running)]
         calls = [self._call_for(e, c, turn) for e, c in stepping]
         replies = self.host.exchange([(e.process, message) for (e, _), (message, _) in zip(stepping, calls)])
         for (episode, completion), (_, parsed), reply in zip(stepping, calls, replies):

@@ -178,7 +178,6 @@ class EnvironmentHost:
             if processes is not None:
                 with self._lock:
                     self.episodes_started += count
-                    self._has_close = server.has_close
                 return processes
             server.kill()
         return [CallFailure(EpisodeStatus.DIED, "the environment's forking server stopped answering")] * count

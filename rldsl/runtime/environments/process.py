@@ -47,13 +47,13 @@ from concurrent.futures import ThreadPoolExecutor
 from rldsl.runtime.environments.protocol import (
     EnvironmentLoadError,
     checked_messages,
-    is_harness,
     checked_step,
+    is_harness,
     load_environment,
     load_tools,
 )
 from rldsl.runtime.environments.tool_calls import result_text, tool_schema
-from rldsl.runtime.reward_process import _exit_when_orphaned, read_frame, take_parent_path, write_frame
+from rldsl.runtime.reward_process import exit_when_orphaned, read_frame, take_parent_path, write_frame
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -188,7 +188,7 @@ def _prctl():
 def _die_with_parent(prctl) -> None:
     parent = os.getppid()
     if prctl is None:
-        _exit_when_orphaned(parent)  # watch for the server to go instead
+        exit_when_orphaned(parent)  # watch for the server to go instead
         return
     prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the server went before the line above
@@ -198,7 +198,7 @@ def _die_with_parent(prctl) -> None:
 def main(argv: list[str]) -> None:
     fd, parent_pid = (int(a) for a in argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker to handle, not its children
-    _exit_when_orphaned(parent_pid)
+    exit_when_orphaned(parent_pid)
     channel = socket.socket(fileno=fd)
     parent_path, spec, tool_specs = read_frame(fd)
     take_parent_path(parent_path)

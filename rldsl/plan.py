@@ -102,6 +102,7 @@ class EnvironmentPlan:
     processes: int = 2
     tools: list[str] = field(default_factory=list)  # "module:function" the model may call
     tool_format: str | None = None  # how its completions call them (TOOL_FORMATS); None: they never do
+    max_observation_tokens: int | None = None  # each environment or tool message's content at most
 
 
 TOOL_FORMATS = ("hermes", "pythonic")  # rldsl.runtime.environments.tool_calls parses each

@@ -95,12 +95,13 @@ def test_check_imports_no_torch():
 
 def test_tools_reach_the_plan_and_a_missing_one_is_named():
     with_tools = PIPELINE.replace("  timeout = 5s\n", '  timeout = 5s\n  tools = ["rldsl.environments:calculate"]\n'
-                                  "  tool_format = hermes\n")
+                                  "  tool_format = hermes\n  max_observation_tokens = 12\n")
     result = _compile(with_tools)
     assert result.ok and not result.diagnostics, result.diagnostics
     env = ExecutionPlan.from_json(result.plan.to_json()).pipeline().environment("retry")
-    assert (env.tools, env.tool_format) == (["rldsl.environments:calculate"], "hermes")
-    assert _compile(PIPELINE).plan.pipeline().environment("retry").tool_format is None
+    assert (env.tools, env.tool_format, env.max_observation_tokens) == (["rldsl.environments:calculate"], "hermes", 12)
+    default = _compile(PIPELINE).plan.pipeline().environment("retry")
+    assert (default.tool_format, default.max_observation_tokens) == (None, None)
     typo = [d for d in _compile(with_tools.replace(":calculate", ":calculat")).diagnostics if d.code == "RLP604"]
     assert len(typo) == 1 and "no tool `calculat` (did you mean `calculate`?)" in typo[0].message
     unread = _codes(with_tools.replace("  tool_format = hermes\n", ""))

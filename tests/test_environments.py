@@ -363,3 +363,26 @@ def test_an_episode_that_would_pass_the_models_context_ends_there_alone(model, a
     assert not failures and (batch[p.FIELD_EPISODE_STATUS] == EpisodeStatus.OK).all()
     lengths = batch[p.FIELD_PROMPT_MASK].sum(dim=1) + batch[p.FIELD_RESPONSE_MASK].sum(dim=1)
     assert int(lengths.max()) <= 64 and (batch[p.FIELD_TURNS] < 30).all() and (batch[p.FIELD_TURNS] > 2).all()
+
+
+def test_a_long_observation_is_cut_to_max_observation_tokens(model):
+    """`max_observation_tokens`: each environment message's content joins the
+    conversation cut to its first N tokens (a tool's long output cannot fill
+    the episode)."""
+    host = EnvironmentHost("verbose:Verbose@{}".format(_module_dir("verbose", """
+        class Verbose:
+            def reset(self, prompt, answer):
+                return [{"role": "user", "content": prompt}]
+            def step(self, messages, completion):
+                return " " + "abc" * 20, 0.0, False
+    """)), 10.0, 1)
+    try:
+        runner = _runner(model, host, TranscriptTurns(model.tokenizer, max_observation_tokens=5), max_turns=2,
+                         max_tokens=60)
+        batch, failures = runner.run([p.Prompt(0, "1+1=", "2")], 2, seed=0)
+    finally:
+        host.close()
+    assert not failures
+    for row in range(2):
+        environment = batch[p.FIELD_RESPONSE_MASK][row].bool() & ~batch[p.FIELD_LOSS_MASK][row].bool()
+        assert model.tokenizer.decode(batch[p.FIELD_RESPONSE_IDS][row][environment].tolist()) == " abca"

@@ -70,7 +70,8 @@ def _environment(decl: Decl, base_dir: Path) -> EnvironmentPlan:
     return EnvironmentPlan(decl.name, _anchored_spec(decl["fn"], base_dir), decl["max_turns"], decl["max_tokens"],
                            float(decl["timeout"]), decl["processes"],
                            [_anchored_spec(tool, base_dir) for tool in decl["tools"]],
-                           None if decl["tool_format"] == "none" else decl["tool_format"])
+                           None if decl["tool_format"] == "none" else decl["tool_format"],
+                           decl["max_observation_tokens"])
 
 
 def _run(run: Decl, rollout_batch: int, gpu_defaults: dict) -> RunPlan:

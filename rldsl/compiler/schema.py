@@ -355,6 +355,8 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "max_tokens": Key(Int(low=1), REQUIRED, "an episode's response budget in tokens, the model's and the "
                                                 "environment's together"),
         "timeout": Key(DURATION, 10.0, "limit of one `reset` or `step` call; a slower one drops its sample"),
+        "max_observation_tokens": Key(Int(low=1), None, "each environment or tool message's content at most, in "
+                                                        "tokens (cut there); none: as long as it is"),
         "processes": Key(Int(low=1), 2, "forking servers per generator replica: each episode runs in a process of "
                                         "its own, forked from one of them"),
         "tools": Key(ListOf(Str(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "a `module:function` reference",

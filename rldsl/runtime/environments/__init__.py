@@ -34,7 +34,8 @@ def episode_runner(pipe, stage, batcher, tokenizer):
     model = next((m for m in pipe.models if m.name == stage.model), None)
     host = EnvironmentHost(env.fn, env.timeout_s or None, env.processes, env.tools)
     chat = model is not None and bool(model.chat_template)
-    turns = conversation_turns(tokenizer, chat, host.tool_schemas if env.tool_format else None)
+    turns = conversation_turns(tokenizer, chat, host.tool_schemas if env.tool_format else None,
+                               env.max_observation_tokens)
     if host.kind == "harness":  # an agent through the replica's OpenAI-compatible endpoint
         from rldsl.runtime.environments.harness import HarnessRunner
 

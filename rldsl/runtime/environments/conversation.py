@@ -23,32 +23,46 @@ _PROBE_MARK = "\u2063\u2064\u2063\u2064\u2063"  # invisible, caseless: survives 
 _PROBE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE_MARK}]
 
 
-class TranscriptTurns:
+class _Turns:
+    def __init__(self, tokenizer, tools: list[dict] | None = None, max_observation_tokens: int | None = None):
+        self.tokenizer, self.tools = tokenizer, tools or None  # the tools' schemas, rendered by a template
+        self.max_observation_tokens = max_observation_tokens
+
+    def observation_tokens(self, messages: list[dict], ended: bool) -> list[int]:
+        """The tokens of ``messages`` after a completion (``ended``: it
+        closed with the end-of-turn token), each message's content cut to
+        ``max_observation_tokens``."""
+        return self._delta([self._cut(message) for message in messages], ended)
+
+    def _cut(self, message: dict) -> dict:
+        limit, content = self.max_observation_tokens, message.get("content")
+        if not limit or not content:
+            return message
+        ids = self.tokenizer.encode(content)
+        return message if len(ids) <= limit else {**message, "content": self.tokenizer.decode(ids[:limit])}
+
+
+class TranscriptTurns(_Turns):
     """Contents one after another; the model's end-of-turn token stays in the
     conversation as it was sampled. Tools are not described in the text (the
     model knows them from its training)."""
 
-    def __init__(self, tokenizer, tools: list[dict] | None = None):
-        self.tokenizer = tokenizer
-
     def first_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         return "".join(message.get("content") or "" for message in messages)
 
-    def observation_tokens(self, messages: list[dict], ended: bool) -> list[int]:
-        """The tokens of ``messages`` after a completion (``ended``: it
-        closed with the end-of-turn token)."""
+    def _delta(self, messages: list[dict], ended: bool) -> list[int]:
         return self.tokenizer.encode(self.first_text(messages))
 
 
-class ChatTemplateTurns:
+class ChatTemplateTurns(_Turns):
     """A Hugging Face tokenizer's chat template (``HFTokenizer``). A delta is
     the template over a fixed probe conversation plus the new messages, cut
     after the probe's assistant turn: the template's end of that turn (less
     the end-of-turn token when the model sampled it), then the new messages
     and the next assistant turn opened."""
 
-    def __init__(self, tokenizer, tools: list[dict] | None = None):
-        self.tokenizer, self.tools = tokenizer, tools or None  # the tools' schemas, rendered by the template
+    def __init__(self, tokenizer, tools: list[dict] | None = None, max_observation_tokens: int | None = None):
+        super().__init__(tokenizer, tools, max_observation_tokens)
         self.template = tokenizer.inner
         if not getattr(self.template, "chat_template", None):
             raise ValueError("`chat_template = true`, but the tokenizer has no chat template")
@@ -61,7 +75,7 @@ class ChatTemplateTurns:
         """``tools``: schemas a request brought (an agent harness's), else the environment's."""
         return self._render(messages, tools)
 
-    def observation_tokens(self, messages: list[dict], ended: bool) -> list[int]:
+    def _delta(self, messages: list[dict], ended: bool) -> list[int]:
         rendered = self._render(_PROBE + list(messages))
         tail = rendered[rendered.index(_PROBE_MARK) + len(_PROBE_MARK):]
         if ended and tail.startswith(self.end_of_turn):
@@ -73,5 +87,6 @@ class ChatTemplateTurns:
                                                  add_generation_prompt=True)
 
 
-def conversation_turns(tokenizer, chat_template: bool, tools: list[dict] | None = None):
-    return (ChatTemplateTurns if chat_template else TranscriptTurns)(tokenizer, tools)
+def conversation_turns(tokenizer, chat_template: bool, tools: list[dict] | None = None,
+                       max_observation_tokens: int | None = None):
+    return (ChatTemplateTurns if chat_template else TranscriptTurns)(tokenizer, tools, max_observation_tokens)

@@ -5,6 +5,7 @@ become one training sample, in token space (rldsl.runtime.environments.harness).
 import contextlib
 import textwrap
 
+import httpx
 import openai
 import pytest
 import torch
@@ -125,6 +126,10 @@ def test_the_endpoint_wants_its_key_and_a_running_episode(model, tmp_path):
         with pytest.raises(openai.NotFoundError, match="no episode"):
             insider.chat.completions.create(**ask)
         assert [m.id for m in insider.models.list()] == ["policy"]
+        with httpx.Client(trust_env=False) as http:  # what no client sends: an error in OpenAI's shape, not a crash
+            torn = http.post(f"{runner.endpoint.url}/chat/completions", content=b'{"messages": [',
+                             headers={"Authorization": f"Bearer {runner._token}", EPISODE_HEADER: "x"})
+        assert torn.status_code == 400 and "not JSON" in torn.json()["error"]["message"]
     assert runner.endpoint.url.startswith("http://127.0.0.1:")
 
 

@@ -71,16 +71,18 @@ class ChatEndpoint:
             episode = request.headers.get(EPISODE_HEADER)
             if not episode:
                 raise EndpointError(f"no `{EPISODE_HEADER}` header: call through the client the harness was given")
-            body = await request.json()
+            try:
+                body = await request.json()
+            except ValueError as error:
+                raise EndpointError(f"the body is not JSON: {error}") from None
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise EndpointError("the request needs `messages`, a list")
             answer = await self._loop.run_in_executor(self._pool, self._complete, episode, body)
             return web.json_response(answer)
         except EndpointError as error:
-            return web.json_response({"error": {"message": str(error), "type": error.kind}}, status=error.status)
-        except ValueError as error:  # a body that is not JSON
-            return web.json_response({"error": {"message": f"the body is not JSON: {error}",
-                                                "type": "invalid_request_error"}}, status=400)
+            return _error(str(error), error.status, error.kind)
+        except Exception as error:  # noqa: BLE001 - the generator failed: the harness hears it as OpenAI says so
+            return _error(f"the generator failed: {type(error).__name__}: {error}", 500, "server_error")
 
     async def _models(self, request):
         from aiohttp import web
@@ -88,7 +90,7 @@ class ChatEndpoint:
         try:
             self._authorize(request)
         except EndpointError as error:
-            return web.json_response({"error": {"message": str(error), "type": error.kind}}, status=error.status)
+            return _error(str(error), error.status, error.kind)
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                               "owned_by": "rldsl"}]})
 
@@ -106,3 +108,9 @@ class ChatEndpoint:
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _error(message: str, status: int, kind: str):
+    from aiohttp import web
+
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)

@@ -17,9 +17,9 @@ from rldsl.runtime.engines.torch.common import response_logprobs
 from rldsl.runtime.engines.torch.generate import TorchGenerator
 from rldsl.runtime.environments import EpisodeStatus
 from rldsl.runtime.environments.conversation import TranscriptTurns
-from rldsl.runtime.environments.endpoint import EPISODE_HEADER
 from rldsl.runtime.environments.harness import HarnessRunner
 from rldsl.runtime.environments.host import EnvironmentHost
+from rldsl.runtime.environments.protocol import EPISODE_HEADER
 
 AGENTS = """
     import openai
@@ -116,7 +116,7 @@ def test_a_conversation_that_would_pass_the_models_context_is_refused_and_still_
 
 def test_the_endpoint_wants_its_key_and_a_running_episode(model, tmp_path):
     with _runner(model, tmp_path, "retry") as runner:
-        ask = dict(model="policy", messages=[{"role": "user", "content": "1+1="}])
+        ask = {"model": "policy", "messages": [{"role": "user", "content": "1+1="}]}
         stranger = openai.OpenAI(base_url=runner.endpoint.url, api_key="guess", max_retries=0,
                                  default_headers={EPISODE_HEADER: "x"})
         with pytest.raises(openai.AuthenticationError):

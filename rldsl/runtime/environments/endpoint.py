@@ -16,10 +16,11 @@ import asyncio
 import hmac
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
-EPISODE_HEADER = "X-Rldsl-Episode"
+from rldsl.runtime.environments.protocol import EPISODE_HEADER
+
 MAX_WAITING = 512  # completions waiting for the generator at once (threads, mostly blocked)
 
 
@@ -37,6 +38,7 @@ class ChatEndpoint:
             from aiohttp import web
         except ImportError as error:
             raise ImportError("an agent harness's endpoint needs aiohttp: pip install 'rldsl[agents]'") from error
+        self._web = web  # imported here, not with the module: only a harness's replica needs it
 
         self._complete, self._token, self.model_name = complete, token, model_name
         self._pool = ThreadPoolExecutor(MAX_WAITING, thread_name_prefix="chat-completion")
@@ -52,20 +54,16 @@ class ChatEndpoint:
         self.url = f"http://127.0.0.1:{self._port}/v1"
 
     def _serve(self, started: threading.Event) -> None:
-        from aiohttp import web
-
         asyncio.set_event_loop(self._loop)
         listening = socket.socket()
         listening.bind(("127.0.0.1", 0))  # loopback only: the harnesses run on this machine
         self._port = listening.getsockname()[1]
         self._loop.run_until_complete(self._runner.setup())
-        self._loop.run_until_complete(web.SockSite(self._runner, listening).start())
+        self._loop.run_until_complete(self._web.SockSite(self._runner, listening).start())
         started.set()
         self._loop.run_forever()
 
     async def _chat(self, request):
-        from aiohttp import web
-
         try:
             self._authorize(request)
             episode = request.headers.get(EPISODE_HEADER)
@@ -78,21 +76,22 @@ class ChatEndpoint:
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise EndpointError("the request needs `messages`, a list")
             answer = await self._loop.run_in_executor(self._pool, self._complete, episode, body)
-            return web.json_response(answer)
+            return self._web.json_response(answer)
         except EndpointError as error:
-            return _error(str(error), error.status, error.kind)
+            return self._error(str(error), error.status, error.kind)
         except Exception as error:  # noqa: BLE001 - the generator failed: the harness hears it as OpenAI says so
-            return _error(f"the generator failed: {type(error).__name__}: {error}", 500, "server_error")
+            return self._error(f"the generator failed: {type(error).__name__}: {error}", 500, "server_error")
 
     async def _models(self, request):
-        from aiohttp import web
-
         try:
             self._authorize(request)
         except EndpointError as error:
-            return _error(str(error), error.status, error.kind)
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
+            return self._error(str(error), error.status, error.kind)
+        return self._web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                               "owned_by": "rldsl"}]})
+
+    def _error(self, message: str, status: int, kind: str):
+        return self._web.json_response({"error": {"message": message, "type": kind}}, status=status)
 
     def _authorize(self, request) -> None:
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
@@ -109,8 +108,3 @@ class ChatEndpoint:
         self._thread.join(timeout=10)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-
-def _error(message: str, status: int, kind: str):
-    from aiohttp import web
-
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)

@@ -57,6 +57,11 @@ class Episode:
     def fail(self, status: EpisodeStatus, detail: str) -> None:
         self.status, self.detail, self.done = status, detail, True
 
+    @property
+    def raw_prompt(self) -> str:
+        """The prompt as written, before any chat template (what the environment is given)."""
+        return (self.prompt.meta or {}).get("raw_prompt", self.prompt.text)
+
 
 class EpisodeRunner:
     """Runs a generate stage's episodes on its ``batcher`` (``submit(prompts,
@@ -92,16 +97,10 @@ class EpisodeRunner:
 
     def _start(self, episodes: list[Episode]) -> None:
         """Each episode's process, and its environment's first messages."""
-        for episode, process in zip(episodes, self.host.open(len(episodes))):
-            if isinstance(process, CallFailure):
-                episode.fail(process.status, process.detail)
-            else:
-                episode.process = process
-        started = [e for e in episodes if not e.done]
-        replies = self.host.exchange([(e.process, ("reset", (e.prompt.meta or {}).get("raw_prompt", e.prompt.text),
-                                                   e.prompt.answer)) for e in started])
+        started = open_processes(self.host, episodes)
+        replies = self.host.exchange([(e.process, ("reset", e.raw_prompt, e.prompt.answer)) for e in started])
         for episode, reply in zip(started, replies):
-            if self._answered(episode, reply):
+            if answered(episode, reply):
                 episode.messages = reply[1]
 
     def _has_room(self, episode: Episode) -> bool:
@@ -127,7 +126,7 @@ class EpisodeRunner:
         calls = [self._call_for(e, c, turn) for e, c in stepping]
         replies = self.host.exchange([(e.process, message) for (e, _), (message, _) in zip(stepping, calls)])
         for (episode, completion), (_, parsed), reply in zip(stepping, calls, replies):
-            if not self._answered(episode, reply):
+            if not answered(episode, reply):
                 continue
             if parsed is None:  # the environment's step
                 observation, reward, done = reply[1]
@@ -165,13 +164,6 @@ class EpisodeRunner:
         episode.tool_errors += len(parsed.errors) + sum(result.startswith("error:") for result in results)
         said = {"role": "assistant", "content": parsed.content, "tool_calls": [call.message() for call in parsed.calls]}
         return said, heard
-
-    def _answered(self, episode: Episode, reply) -> bool:
-        if isinstance(reply, CallFailure):
-            episode.fail(reply.status, reply.detail)
-        elif reply[0] != "ok":
-            episode.fail(EpisodeStatus.RAISED, reply[1])
-        return not episode.done
 
     def _text(self, completion: list[int]) -> str:
         return self.tokenizer.decode(completion)
@@ -233,6 +225,25 @@ def extend(episode: Episode, tokens: list[int], logprobs: list[float] | None, ma
     episode.tokens += kept
     episode.trained += [0 if logprobs is None else 1] * len(kept)
     episode.logprobs += [0.0] * len(kept) if logprobs is None else logprobs[:len(kept)]
+
+
+def answered(episode: Episode, reply) -> bool:
+    """Whether a call answered ``("ok", ...)``; else the episode fails with what happened."""
+    if isinstance(reply, CallFailure):
+        episode.fail(reply.status, reply.detail)
+    elif reply[0] != "ok":
+        episode.fail(EpisodeStatus.RAISED, reply[1])
+    return not episode.done
+
+
+def open_processes(host: EnvironmentHost, episodes: list[Episode]) -> list[Episode]:
+    """A process for each episode (one that cannot get one fails); the episodes that got one."""
+    for episode, process in zip(episodes, host.open(len(episodes))):
+        if isinstance(process, CallFailure):
+            episode.fail(process.status, process.detail)
+        else:
+            episode.process = process
+    return [e for e in episodes if not e.done]
 
 
 def has_room(batcher, episode: Episode) -> bool:

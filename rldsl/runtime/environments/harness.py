@@ -33,18 +33,21 @@ from rldsl.runtime import protocols as p
 from rldsl.runtime.environments.endpoint import ChatEndpoint, EndpointError
 from rldsl.runtime.environments.episodes import (
     Episode,
+    answered,
     episode_batch,
     extend,
     has_room,
+    open_processes,
     raw_text,
     response_cap,
     take_turn,
 )
-from rldsl.runtime.environments.host import CallFailure, EnvironmentHost
+from rldsl.runtime.environments.host import EnvironmentHost
 from rldsl.runtime.environments.protocol import EpisodeStatus
 from rldsl.runtime.environments.tool_calls import parse_tool_calls
 
 CALL_SEED_STRIDE = 7919  # each request of an episode draws from its own seed
+EPISODE_SEED_STRIDE = 100_003  # ... and each episode of a group from seeds of its own
 
 
 class _Recorded:
@@ -71,17 +74,13 @@ class HarnessRunner:
         episodes = [Episode(prompt) for prompt in prompts for _ in range(samples_per_prompt)]
         ids = [uuid.uuid4().hex for _ in episodes]
         with self._lock:
-            records = [_Recorded(e, seed + index * 100_003) for index, e in enumerate(episodes)]
+            records = [_Recorded(e, seed + index * EPISODE_SEED_STRIDE) for index, e in enumerate(episodes)]
             self._recorded.update(zip(ids, records))
         try:
-            for episode, process in zip(episodes, self.host.open(len(episodes))):
-                if isinstance(process, CallFailure):
-                    episode.fail(process.status, process.detail)
-                else:
-                    episode.process = process
-            started = [(i, e) for i, e in enumerate(episodes) if not e.done]
-            calls = [(e.process, ("harness", (e.prompt.meta or {}).get("raw_prompt", e.prompt.text), e.prompt.answer,
-                                  self.endpoint.url, self._token, ids[i])) for i, e in started]
+            opened = set(map(id, open_processes(self.host, episodes)))
+            started = [(i, e) for i, e in enumerate(episodes) if id(e) in opened]
+            calls = [(e.process, ("harness", e.raw_prompt, e.prompt.answer, self.endpoint.url, self._token, ids[i]))
+                     for i, e in started]
             replies = self.host.exchange(calls, excused=lambda k: records[started[k][0]].model_s)
             for (index, episode), reply in zip(started, replies):
                 with records[index].lock:
@@ -97,13 +96,9 @@ class HarnessRunner:
 
     @staticmethod
     def _finish(episode: Episode, reply) -> None:
-        if episode.done:  # the endpoint ended it (a rewritten conversation)
+        if episode.done or not answered(episode, reply):  # done: the endpoint ended it (a rewritten conversation)
             return
-        if isinstance(reply, CallFailure):
-            episode.fail(reply.status, reply.detail)
-        elif reply[0] != "ok":
-            episode.fail(EpisodeStatus.RAISED, reply[1])
-        elif not episode.turns:
+        if not episode.turns:
             episode.fail(EpisodeStatus.RAISED, "the harness returned without calling the model")
         else:
             episode.reward, episode.done = reply[1], True
@@ -175,8 +170,7 @@ class HarnessRunner:
             episode.tool_calls += len(parsed.calls) + len(parsed.errors)
             episode.tool_errors += len(parsed.errors)
             if parsed.calls:
-                calls = [{"id": c.id, "type": "function",
-                          "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]
+                calls = [call.message(arguments_as_text=True) for call in parsed.calls]
                 return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, "tool_calls"
         return {"role": "assistant", "content": self.tokenizer.decode(completion)}, finish
 

@@ -44,7 +44,9 @@ import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from rldsl.rewards import checked_reward
 from rldsl.runtime.environments.protocol import (
+    EPISODE_HEADER,
     EnvironmentLoadError,
     checked_messages,
     checked_step,
@@ -123,16 +125,14 @@ class _Episode:
         import httpx
         import openai
 
-        from rldsl.runtime.environments.endpoint import EPISODE_HEADER
-
         asynchronous = inspect.iscoroutinefunction(self.cls)
         client_class, http = (openai.AsyncOpenAI, httpx.AsyncClient) if asynchronous else (openai.OpenAI, httpx.Client)
         client = client_class(base_url=url, api_key=token, default_headers={EPISODE_HEADER: episode}, max_retries=0,
                               http_client=http(trust_env=False, timeout=None))  # loopback: never a proxy
-        reward = self._resolve(self.cls(client, prompt, answer))
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward:
-            raise TypeError(f"an agent harness returns the episode's reward, a number; it returned {reward!r:.100}")
-        return float(reward)
+        reward, problem = checked_reward(self._resolve(self.cls(client, prompt, answer)))
+        if problem:
+            raise TypeError(f"an agent harness returns the episode's reward, a finite number; its {problem}")
+        return reward
 
     def _call_tools(self, calls: list) -> list[str]:
         """Every call at once; a tool that is unknown, refuses its arguments or raises answers ``error: ...``."""

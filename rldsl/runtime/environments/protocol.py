@@ -56,6 +56,10 @@ DROP_REASONS = {EpisodeStatus.RAISED: "environment_raised", EpisodeStatus.TIMEOU
                 EpisodeStatus.DIED: "environment_died", EpisodeStatus.TOKENIZATION: "environment_tokenization"}
 
 
+# The header an agent harness's client names its episode in, on every request to the replica's endpoint.
+EPISODE_HEADER = "X-Rldsl-Episode"
+
+
 class EnvironmentLoadError(ValueError):
     pass
 

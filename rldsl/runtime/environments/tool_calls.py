@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 from rldsl.plan import TOOL_FORMATS
 
-
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 _PYTHONIC_LIST = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(.*\)\s*\]", re.DOTALL)
 
@@ -39,9 +38,12 @@ class ToolCall:
     name: str
     arguments: dict
 
-    def message(self) -> dict:
-        """As an assistant message's ``tool_calls`` entry (OpenAI's shape, which chat templates read)."""
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+    def message(self, arguments_as_text: bool = False) -> dict:
+        """As an assistant message's ``tool_calls`` entry (OpenAI's shape, which
+        chat templates read); ``arguments_as_text``: OpenAI's wire form, the
+        arguments as JSON text."""
+        arguments = json.dumps(self.arguments) if arguments_as_text else self.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
 
 
 @dataclass

@@ -103,6 +103,7 @@ class EnvironmentPlan:
     tools: list[str] = field(default_factory=list)  # "module:function" the model may call
     tool_format: str | None = None  # how its completions call them (TOOL_FORMATS); None: they never do
     max_observation_tokens: int | None = None  # each environment or tool message's content at most
+    straggler: float = 0.0  # a call this many times the usual call time is taken for hung (0: only the timeout)
 
 
 TOOL_FORMATS = ("hermes", "pythonic")  # rldsl.runtime.environments.tool_calls parses each

@@ -181,6 +181,34 @@ def test_a_hung_call_holds_only_its_own_episode():
     assert host.episodes_started == 7
 
 
+
+def test_a_call_far_slower_than_usual_is_cut_as_a_straggler_long_before_its_timeout():
+    """`straggler = 8`: once 16 quick calls have set the usual call time, a
+    hung step is killed at the floor (0.2 s), not at its 30 s timeout, and
+    says why; reset calls count as calls, closes and harness episodes never."""
+    import time
+
+    from rldsl.runtime.environments.host import STRAGGLER_AFTER_CALLS, STRAGGLER_FLOOR_S
+
+    host = EnvironmentHost(f"flaky:Flaky@{_module_dir('flaky', FLAKY)}", 30.0, 1, straggler=8.0)
+    try:
+        answers = ["hang"] + ["ok"] * (STRAGGLER_AFTER_CALLS - 1)
+        processes = host.open(len(answers))
+        assert host._straggler_limit() is None  # nothing timed yet: only the timeout
+        host.exchange([(pr, ("reset", "1+1=", a)) for pr, a in zip(processes, answers)])
+        assert host._straggler_limit() == STRAGGLER_FLOOR_S  # 16 resets of milliseconds: 8x that is under it
+        started = time.monotonic()
+        replies = host.exchange([(process, ("step", [], "2")) for process in processes])
+        took = time.monotonic() - started
+    finally:
+        host.close()
+    assert replies[0].status == EpisodeStatus.STRAGGLER, replies[0]
+    assert "8 times the environment's usual call time" in replies[0].detail
+    assert STRAGGLER_FLOOR_S <= took < 10.0
+    assert [r[0] for r in replies[1:]] == ["ok"] * (STRAGGLER_AFTER_CALLS - 1)
+    assert DROP_REASONS[EpisodeStatus.STRAGGLER] == "environment_straggler"
+
+
 STATEFUL = """
     import asyncio, subprocess, sys, threading
 

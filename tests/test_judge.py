@@ -208,7 +208,7 @@ def test_a_reward_model_stage_is_placed_and_planned_like_a_gpu_stage():
 def test_a_reward_stage_without_a_model_plans_as_before():
     stage = _compile(GOLDEN_BASE).plan.pipeline().stage("score")
     assert stage.engine is None and stage.model is None and stage.ranks[0].gpus == []
-    assert set(stage.settings) == {"fn", "workers", "timeout", "processes"}
+    assert set(stage.settings) == {"fn", "workers", "timeout", "straggler", "processes"}
 
 
 def test_a_reward_model_colocates_and_counts_in_the_gpus_it_shares():

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from rldsl.rewards import RewardLoadError
-from rldsl.runtime.control.ledger import REWARD_INVALID, REWARD_RAISED, REWARD_TIMEOUT
+from rldsl.runtime.control.ledger import REWARD_INVALID, REWARD_RAISED, REWARD_STRAGGLER, REWARD_TIMEOUT
 from rldsl.runtime.protocols import RewardFailure
-from rldsl.runtime.reward_pool import RewardPool
+from rldsl.runtime.reward_pool import STRAGGLER_AFTER_SAMPLES, STRAGGLER_FLOOR_S, RewardPool
 
 ROOT = Path(__file__).resolve().parent.parent
 SLACK_S = 1.0  # process replacement and a loaded 2-core machine
@@ -20,8 +20,8 @@ SLACK_S = 1.0  # process replacement and a loaded 2-core machine
 def make_pool():
     pools = []
 
-    def make(fn: str, processes: int = 2, timeout_s: float | None = None) -> RewardPool:
-        pool = RewardPool(fn, processes, timeout_s)
+    def make(fn: str, processes: int = 2, timeout_s: float | None = None, straggler: float = 0.0) -> RewardPool:
+        pool = RewardPool(fn, processes, timeout_s, straggler)
         pools.append(pool)
         pool.wait_ready()
         return pool
@@ -53,6 +53,25 @@ def test_a_hang_costs_only_its_sample_and_about_the_timeout(make_pool):
     assert len(after) == 2 and len(before - after) == 1  # the hung process was replaced
     assert pool.score(samples("a", "b")) == [1.0, 0.0]
 
+
+
+def test_a_sample_far_slower_than_usual_is_dropped_as_a_straggler_long_before_its_timeout(make_pool):
+    """`straggler = 8` with a 30 s timeout: once 16 quick samples set the usual
+    time, a hang is dropped at the floor (0.1 s), mid-chunk or last in it, with
+    its own reason; before that, only the timeout applies."""
+    pool = make_pool("tests.reward_fns:hang_on_hang", timeout_s=30.0, straggler=8.0)
+    assert pool.sample_limit()[0] == 30.0  # nothing timed yet
+    assert pool.score(samples(*["a"] * STRAGGLER_AFTER_SAMPLES)) == [1.0] * STRAGGLER_AFTER_SAMPLES
+    limit, failure = pool.sample_limit()
+    assert limit == STRAGGLER_FLOOR_S and failure.reason == REWARD_STRAGGLER
+    spare = pool._spare.process.pid  # kept ready: the first slot that loses its process takes it
+    started = time.monotonic()
+    results = pool.score(samples("a", "hang", "b", "a", "hang", "a"))  # one hang per chunk: in line, then last
+    assert time.monotonic() - started < 2 * STRAGGLER_FLOOR_S + 2 * SLACK_S
+    assert [getattr(r, "reason", r) for r in results] == [1.0, REWARD_STRAGGLER, 0.0, 1.0, REWARD_STRAGGLER, 1.0]
+    assert "8 times the reward's usual time per sample" in results[1].detail
+    assert spare in pool.process_ids() and pool._spare.process.pid not in pool.process_ids()  # and a new spare
+    assert pool.score(samples("a", "b")) == [1.0, 0.0]
 
 def test_hangs_in_different_processes_overlap(make_pool):
     pool = make_pool("tests.reward_fns:hang_on_hang", timeout_s=0.5)

@@ -4,7 +4,9 @@ processes, joined by a gloo group of their own (rldsl.runtime.transport)."""
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import resource
+import time
 import traceback
 
 import pytest
@@ -25,12 +27,29 @@ def _spawn(target, world: int, tmp_path, *args) -> list:
                  for rank in range(world)]
     for process in processes:
         process.start()
-    out = dict(results.get(timeout=240) for _ in processes)
+    out = _results(results, len(processes), 240, processes)
     for process in processes:
         process.join(timeout=60)
     failures = [v for v in out.values() if isinstance(v, str) and v.startswith("Traceback")]
     assert not failures, failures[0]
     return [out[rank] for rank in range(world)]
+
+
+def _results(results, count: int, timeout_s: float, processes) -> dict:
+    """``count`` (rank, result) pairs from ``results``; past ``timeout_s`` in all, a failure
+    that says which ranks answered what and which processes still run (else lost with the hang)."""
+    deadline, out = time.monotonic() + timeout_s, {}
+    while len(out) < count:
+        try:
+            rank, result = results.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            running = [rank for rank, process in enumerate(processes) if process.is_alive()]
+            for process in processes:
+                process.kill()
+            pytest.fail(f"{count - len(out)} rank(s) gave no result within {timeout_s:g}s; still running: "
+                        f"{running}; answered: {out}")
+        out[rank] = result
+    return out
 
 
 def _run(target, rank, world, store_path, results, *args):
@@ -190,7 +209,7 @@ def test_a_dead_member_does_not_hold_the_others_until_the_timeout(tmp_path):
                  for rank in range(3)]
     for process in processes:
         process.start()
-    out = dict(results.get(timeout=100) for _ in range(2))  # rank 2 reports nothing
+    out = _results(results, 2, 100, processes)  # rank 2 reports nothing
     for process in processes:
         process.join(timeout=30)
     assert out[0] == "send failed: RuntimeError"

@@ -71,7 +71,7 @@ def _environment(decl: Decl, base_dir: Path) -> EnvironmentPlan:
                            float(decl["timeout"]), decl["processes"],
                            [_anchored_spec(tool, base_dir) for tool in decl["tools"]],
                            None if decl["tool_format"] == "none" else decl["tool_format"],
-                           decl["max_observation_tokens"])
+                           decl["max_observation_tokens"], float(decl["straggler"]))
 
 
 def _run(run: Decl, rollout_batch: int, gpu_defaults: dict) -> RunPlan:

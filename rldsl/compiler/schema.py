@@ -214,6 +214,9 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
                   "(required unless `model` is given)"),
         "workers": Key(Int(low=1), 1, "CPU worker processes"),
         "timeout": Key(DURATION, 10.0, "per-sample limit; a slower reward drops the sample"),
+        "straggler": Key(Float(low=0), 0.0, "a sample that runs this many times the reward's usual time per "
+                                            "sample (at least 0.1 s) is taken for hung and dropped before "
+                                            "`timeout` (0: only `timeout`)"),
         # 2: rldsl.runtime.reward_pool.DEFAULT_PROCESSES (the compiler imports no runtime)
         "processes": Key(Int(low=1), 2, "reward processes per worker: a call's samples are scored across "
                                         "them, and a hung or crashed one is killed and replaced"),
@@ -355,6 +358,9 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "max_tokens": Key(Int(low=1), REQUIRED, "an episode's response budget in tokens, the model's and the "
                                                 "environment's together"),
         "timeout": Key(DURATION, 10.0, "limit of one `reset` or `step` call; a slower one drops its sample"),
+        "straggler": Key(Float(low=0), 0.0, "a `reset` or `step` call that runs this many times the "
+                                            "environment's usual call time (at least 0.2 s) is taken for hung "
+                                            "and drops its sample before `timeout` (0: only `timeout`)"),
         "max_observation_tokens": Key(Int(low=1), None, "each environment or tool message's content at most, in "
                                                         "tokens (cut there); none: as long as it is"),
         "processes": Key(Int(low=1), 2, "forking servers per generator replica: each episode runs in a process of "

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from rldsl.rewards import RewardLoadError
-from rldsl.runtime.control.ledger import REWARD_INVALID, REWARD_RAISED, REWARD_TIMEOUT
+from rldsl.runtime.control.ledger import REWARD_INVALID, REWARD_RAISED, REWARD_STRAGGLER, REWARD_TIMEOUT
 from rldsl.runtime.protocols import ComponentReward, RewardFailure
 from rldsl.runtime.reward_process import FrameBuffer, describe_spec, write_frame
 
@@ -151,6 +151,11 @@ def timeout_failure(timeout_s: float) -> RewardFailure:
     return RewardFailure(REWARD_TIMEOUT, f"no result within the {timeout_s:g}s timeout; its process was killed")
 
 
+def straggler_failure(limit_s: float, factor: float) -> RewardFailure:
+    return RewardFailure(REWARD_STRAGGLER, f"no result after {limit_s:.2g}s, {factor:g} times the reward's usual "
+                                           "time per sample; its process was killed")
+
+
 def lowest_priority(pid: int) -> None:
     """A handed-off process (it will serve nothing more) runs at nice 19: a
     hang that spins gets only the CPU that the run's own work leaves, not a
@@ -161,11 +166,12 @@ def lowest_priority(pid: int) -> None:
         pass
 
 
-def watch_handed_off(child: RewardChild, deadline: float, timeout_s: float, record: Callable[[object], None],
+def watch_handed_off(child: RewardChild, deadline: float, overran: RewardFailure, record: Callable[[object], None],
                      done: Callable[[RewardChild], None]) -> threading.Thread:
     """A thread that waits for the one sample ``child`` is running until
-    ``deadline``, records its result, kills the process and calls ``done``;
-    meanwhile the process runs at the lowest priority."""
+    ``deadline``, records its result (``overran`` past the deadline), kills
+    the process and calls ``done``; meanwhile the process runs at the lowest
+    priority."""
     lowest_priority(child.process.pid)
 
     def watch() -> None:
@@ -173,7 +179,7 @@ def watch_handed_off(child: RewardChild, deadline: float, timeout_s: float, reco
             reply = child.receive(deadline)
             if reply is TIMED_OUT:
                 answers = child.kill()  # an answer written just before the kill still counts
-                record(reply_result(answers[0]) if answers else timeout_failure(timeout_s))
+                record(reply_result(answers[0]) if answers else overran)
             elif reply is DIED:
                 record(RewardFailure(REWARD_RAISED, f"the reward process died ({child.reap()}) scoring this sample"))
             else:

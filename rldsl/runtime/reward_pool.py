@@ -13,6 +13,12 @@ that dies (a segfault, ``os._exit``) drops its running sample the same way,
 as ``reward_raised``, with or without a timeout. A sample that runs long
 while other work waits is handed off (reward_child.py) well before its
 deadline, so that a hang costs its own sample and not a slot's throughput.
+With a ``straggler`` factor, a sample's deadline comes sooner: that many
+times the usual time per sample (at least ``STRAGGLER_FLOOR_S``), dropped
+as ``reward_straggler``, so that a hang costs its call about that long.
+With a deadline the pool keeps one spare process ready, so that a slot
+that lost its process to a deadline goes on at once, not after a new
+process's start.
 
 Why ``subprocess`` with two pipes and not ``multiprocessing``:
 ``ProcessPoolExecutor`` cannot kill one hung task (only break the whole
@@ -45,6 +51,7 @@ from rldsl.runtime.reward_child import (
     TIMED_OUT,
     RewardChild,
     reply_result,
+    straggler_failure,
     timeout_failure,
     watch_handed_off,
 )
@@ -55,6 +62,8 @@ HAND_OFF_SHARE = 0.1  # of the timeout a sample may run while work waits, before
 HAND_OFF_SLOWER_THAN = 8  # ... and never before 8x the reward's usual time per sample
 HANDED_OFF_PER_PROCESS = 2  # handed-off processes waiting out their deadline, per pool process at most
 _POLL_S = 0.05  # how often a slot whose sample runs long looks for waiting work
+STRAGGLER_FLOOR_S = 0.1  # never taken for hung sooner: a sample timed in its own process, jitter is small
+STRAGGLER_AFTER_SAMPLES = 16  # samples scored before their usual time is trusted
 
 _HANDED_OFF = object()
 
@@ -70,14 +79,21 @@ class RewardPool:
     ``RewardLoadError`` when the function does not import.
     """
 
-    def __init__(self, fn_spec: str | list, processes: int = DEFAULT_PROCESSES, timeout_s: float | None = None):
+    def __init__(self, fn_spec: str | list, processes: int = DEFAULT_PROCESSES, timeout_s: float | None = None,
+                 straggler: float = 0.0):
         self.fn_spec = fn_spec
         self.timeout_s = timeout_s or None  # 0 or None: no deadline, crashes are still isolated
+        self.straggler = straggler  # 0: a sample runs until its timeout
+        self._samples_timed = 0
         self._queue = _ChunkQueue()
         self._handed_off: set[RewardChild] = set()  # processes a slot gave up, waiting out their deadline
         self._handed_off_lock = threading.Lock()
         self._sample_s: float | None = None  # the usual time per sample (a moving average)
+        self._spare_lock = threading.Lock()
+        self._spare: RewardChild | None = None
         self._slots = [_Slot(self, index) for index in range(max(1, processes))]
+        if self.timeout_s or straggler:  # deadlines replace processes: one waits ready
+            self._start_spare()
         atexit.register(self.close)
 
     @property
@@ -104,11 +120,30 @@ class RewardPool:
             raise RuntimeError("the reward pool is closed")
         return call.wait()
 
+    def new_child(self) -> RewardChild:
+        """A process for a slot: the spare (importing since it started), replaced in turn; else a new one."""
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is None:
+            return RewardChild(self.fn_spec)
+        self._start_spare()
+        return spare
+
+    def _start_spare(self) -> None:
+        with self._spare_lock:
+            if self._spare is None and not self._queue.closed:
+                with contextlib.suppress(OSError):  # then the next slot that needs one starts its own
+                    self._spare = RewardChild(self.fn_spec)
+
     def close(self) -> None:
         """Stop every process; calls still queued fail their samples."""
         atexit.unregister(self.close)
         for chunk in self._queue.close():
             chunk.fail_all(RewardFailure(REWARD_RAISED, "the reward pool closed"))
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.kill()
         for slot in self._slots:
             slot.interrupt()
         with self._handed_off_lock:
@@ -125,7 +160,16 @@ class RewardPool:
         usual = HAND_OFF_SLOWER_THAN * (self._sample_s or 0.0)
         return min(max(HAND_OFF_SHARE * self.timeout_s, usual), self.timeout_s / 2)
 
-    def hand_off(self, child: RewardChild, deadline: float, record) -> bool:
+    def sample_limit(self) -> tuple[float | None, RewardFailure | None]:
+        """How long a sample may run now (None: no limit), and its failure past that."""
+        cut = None
+        if self.straggler and self._samples_timed >= STRAGGLER_AFTER_SAMPLES:
+            cut = max(STRAGGLER_FLOOR_S, self.straggler * self._sample_s)
+        if cut is not None and (self.timeout_s is None or cut < self.timeout_s):
+            return cut, straggler_failure(cut, self.straggler)
+        return self.timeout_s, None if self.timeout_s is None else timeout_failure(self.timeout_s)
+
+    def hand_off(self, child: RewardChild, deadline: float, overran: RewardFailure, record) -> bool:
         """Take over a process whose sample runs long, so that its slot can go
         on; False when as many are handed off as the pool allows (each may
         hold a CPU until its deadline)."""
@@ -133,7 +177,7 @@ class RewardPool:
             if self._queue.closed or len(self._handed_off) >= HANDED_OFF_PER_PROCESS * len(self._slots):
                 return False
             self._handed_off.add(child)
-        watch_handed_off(child, deadline, self.timeout_s, record, self._handed_off_ended)
+        watch_handed_off(child, deadline, overran, record, self._handed_off_ended)
         return True
 
     def _handed_off_ended(self, child: RewardChild) -> None:
@@ -146,6 +190,7 @@ class RewardPool:
 
     def note_sample_time(self, seconds: float) -> None:
         self._sample_s = seconds if self._sample_s is None else 0.9 * self._sample_s + 0.1 * seconds
+        self._samples_timed += 1
 
     def work_waiting(self) -> bool:
         return self._queue.waiting
@@ -317,38 +362,43 @@ class _Slot:
                 self._replace_child()
                 self.pool.requeue(chunk.rest(position + 1))
                 return
-            if reply is TIMED_OUT or reply is DIED:
+            if isinstance(reply, RewardFailure) or reply is DIED:  # it overran its deadline, or died
                 self._lose_child(chunk, position, reply)
                 return
             chunk.call.record(index, reply_result(reply))
 
     def _answer(self, child: RewardChild, record, more: bool = False):
-        """The running sample's answer, ``TIMED_OUT`` or ``DIED``; or
-        ``_HANDED_OFF`` when it ran long while other work waited (``more``:
-        the rest of its own chunk) and the pool took its process over
-        (``record`` then gets its result later)."""
-        timeout_s = self.pool.timeout_s
-        if timeout_s is None:
+        """The running sample's answer, ``DIED``, or the ``RewardFailure`` of
+        its deadline once past it; or ``_HANDED_OFF`` when it ran long while
+        other work waited (``more``: the rest of its own chunk) and the pool
+        took its process over (``record`` then gets its result later)."""
+        limit_s, overran = self.pool.sample_limit()
+        if limit_s is None:
             return child.receive(None)
         started = time.monotonic()
-        deadline, patience = started + timeout_s, self.pool.hand_off_after()
+        patience = self.pool.hand_off_after()  # a straggler's deadline comes sooner: half of it at most
+        patience = limit_s / 2 if patience is None else min(patience, limit_s / 2)
+        deadline = started + limit_s
         reply = child.receive(started + patience)
         while reply is TIMED_OUT and time.monotonic() < deadline:
-            if (more or self.pool.work_waiting()) and self.pool.hand_off(child, deadline, record):
+            if (more or self.pool.work_waiting()) and self.pool.hand_off(child, deadline, overran, record):
                 self.child = None
                 return _HANDED_OFF
             reply = child.receive(min(deadline, time.monotonic() + min(patience, _POLL_S)))
-        if reply is not TIMED_OUT and reply is not DIED:
+        if reply is TIMED_OUT:
+            return overran
+        if reply is not DIED:
             self.pool.note_sample_time(time.monotonic() - started)
         return reply
 
     def _lose_child(self, chunk: _Chunk, position: int, how) -> None:
-        """Drop the sample the process was running, replace the process, requeue the rest."""
+        """Drop the sample the process was running (``how``: its deadline's
+        failure, or ``DIED``), replace the process, requeue the rest."""
         child = self.child
-        if how is TIMED_OUT:
+        if how is not DIED:
             results = [reply_result(reply) for reply in child.kill()]  # answers written before the kill count
             if not results:  # else the running sample had not had its full time: it goes again
-                results.append(timeout_failure(self.pool.timeout_s))
+                results.append(how)
         else:
             results = [RewardFailure(REWARD_RAISED, f"the reward process died ({child.reap()}) scoring this sample")]
         self._replace_child()  # before the results: a caller they complete finds the pool whole
@@ -362,7 +412,7 @@ class _Slot:
         self.child = None
         if not self.pool._queue.closed:
             with contextlib.suppress(OSError):  # else the next chunk tries again, and says why
-                self.child = RewardChild(self.pool.fn_spec)
+                self.child = self.pool.new_child()
 
     def interrupt(self) -> None:
         """From another thread: kill the process; this slot's thread sees it die and cleans up."""

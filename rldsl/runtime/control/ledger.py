@@ -27,6 +27,7 @@ TOO_STALE = "too_stale"
 REWARD_FAILED = "reward_failed"  # the reward call failed as a whole, or gave no reason
 REWARD_RAISED = "reward_raised"  # the function raised for this sample
 REWARD_TIMEOUT = "reward_timeout"  # it overran the stage's timeout and was killed
+REWARD_STRAGGLER = "reward_straggler"  # it ran the stage's `straggler` times the usual time and was killed
 REWARD_INVALID = "reward_invalid"  # it returned something that is not a finite number
 LOGPROB_FAILED = "logprob_failed"
 GENERATION_FAILED = "generation_failed"
@@ -45,6 +46,8 @@ DROP_MEANINGS = {
     REWARD_FAILED: "the reward call failed as a whole (its worker lost, or the function no longer imports)",
     REWARD_RAISED: "the reward function raised, or its process died",
     REWARD_TIMEOUT: "the reward overran the stage's `timeout` and its process was killed",
+    REWARD_STRAGGLER: "the reward ran the stage's `straggler` times its usual time per sample and was taken for "
+                      "hung",
     REWARD_INVALID: "the reward returned something that is not a finite number (for a judge: text it could not "
                     "parse)",
     LOGPROB_FAILED: "a logprob call failed",
@@ -59,6 +62,7 @@ DROP_MEANINGS = {
     "environment_raised": "the environment's reset or step raised, or returned something malformed",
     "environment_timeout": "an environment call overran its timeout",
     "environment_died": "the process running an environment call died",
+    "environment_straggler": "an environment call ran `straggler` times its usual time and was taken for hung",
     "environment_tokenization": "the conversation did not extend the tokens generated so far (an agent harness "
                                 "that rewrote earlier turns; runs before turns were kept as tokens: text that "
                                 "re-tokenized differently)",

@@ -32,7 +32,7 @@ def episode_runner(pipe, stage, batcher, tokenizer):
                          "sglang)")
     env = pipe.environment(name)
     model = next((m for m in pipe.models if m.name == stage.model), None)
-    host = EnvironmentHost(env.fn, env.timeout_s or None, env.processes, env.tools)
+    host = EnvironmentHost(env.fn, env.timeout_s or None, env.processes, env.tools, env.straggler)
     chat = model is not None and bool(model.chat_template)
     turns = conversation_turns(tokenizer, chat, host.tool_schemas if env.tool_format else None,
                                env.max_observation_tokens)

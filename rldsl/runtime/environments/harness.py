@@ -81,7 +81,7 @@ class HarnessRunner:
             started = [(i, e) for i, e in enumerate(episodes) if id(e) in opened]
             calls = [(e.process, ("harness", e.raw_prompt, e.prompt.answer, self.endpoint.url, self._token, ids[i]))
                      for i, e in started]
-            replies = self.host.exchange(calls, excused=lambda k: records[started[k][0]].model_s)
+            replies = self.host.exchange(calls, excused=lambda k: records[started[k][0]].model_s, stragglers=False)
             for (index, episode), reply in zip(started, replies):
                 with records[index].lock:
                     records[index].open = False  # a request still in flight is refused from now on

@@ -10,8 +10,11 @@ A turn's calls go to their episodes' processes at once and are read back as
 they answer (``exchange``), so a slow call holds only its own episode. A
 call that overruns ``timeout_s`` has its process killed and a process that
 dies is noticed when its socket closes: either way only that episode fails
-(``EpisodeStatus``). A server that dies is started again on the next
-episode.
+(``EpisodeStatus``). With a ``straggler`` factor, a reset or step call is
+taken for hung, and killed the same way, once it has run that many times
+the usual call time (a moving average, at least ``STRAGGLER_FLOOR_S``): a
+hang then costs its turn about that long, not the whole timeout. A server
+that dies is started again on the next episode.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ STARTUP_TIMEOUT_S = 120.0  # importing the environment's module may be slow; it 
 FORK_TIMEOUT_S = 30.0  # a server answers a fork in milliseconds; one that does not is replaced
 FORKS_PER_MESSAGE = 128  # episodes a server forks per request (SCM_RIGHTS carries at most 253 descriptors)
 CLOSE_TIMEOUT_S = 5.0  # an environment's close() at the end of its episode, at most (then it is killed)
+STRAGGLER_FLOOR_S = 0.2  # never taken for hung sooner: a loaded machine delays a quick call this much
+STRAGGLER_AFTER_CALLS = 16  # calls answered before their usual time is trusted
 
 
 @dataclass(frozen=True)
@@ -150,8 +155,12 @@ class _Server:
 
 
 class EnvironmentHost:
-    def __init__(self, spec: str, timeout_s: float | None, processes: int, tools: tuple[str, ...] = ()):
+    def __init__(self, spec: str, timeout_s: float | None, processes: int, tools: tuple[str, ...] = (),
+                 straggler: float = 0.0):
         self.spec, self.timeout_s, self.tool_specs = spec, timeout_s, tuple(tools)
+        self.straggler = straggler
+        self._usual_s: float | None = None  # a reset or step call's usual time (moving average)
+        self._calls_timed = 0
         self._servers: list[_Server | None] = [_Server(spec, self.tool_specs)]  # at once: one that does not load fails
         self.tool_schemas: list[dict] = self._servers[0].tool_schemas  # the tools' and the class's, as templates take them
         self.kind = self._servers[0].kind
@@ -191,16 +200,28 @@ class EnvironmentHost:
             return server
 
     def exchange(self, calls: list[tuple[EpisodeProcess, tuple]], timeout_s: float | None = None,
-                 excused=None) -> list:
+                 excused=None, stragglers: bool = True) -> list:
         """Each call sent to its episode's process at once, each answer (the
         reply tuple, or a ``CallFailure``) read as it comes; in order.
         ``excused(index)``: seconds of that call's time its timeout does not
-        count (an agent harness's waits on the model)."""
+        count (an agent harness's waits on the model). ``stragglers``: these
+        are reset or step calls, timed into the usual call time and cut at
+        ``straggler`` times it."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        cut_s = self._straggler_limit() if stragglers else None
+        limit_s = min(s for s in (timeout_s, cut_s, float("inf")) if s)
         started = time.monotonic()
 
         def deadline(index: int) -> float:
-            return started + timeout_s + (excused(index) if excused else 0.0)
+            return started + limit_s + (excused(index) if excused else 0.0)
+
+        def overran() -> CallFailure:
+            if cut_s is not None and limit_s == cut_s:
+                return CallFailure(EpisodeStatus.STRAGGLER, f"no answer after {cut_s:.2g}s, {self.straggler:g} "
+                                                            "times the environment's usual call time; its process "
+                                                            "was killed")
+            return CallFailure(EpisodeStatus.TIMEOUT, f"no answer within the {timeout_s:g}s timeout; its process "
+                                                      "was killed")
 
         answers: list = [None] * len(calls)
         waiting: dict[int, int] = {}  # fd -> index
@@ -212,15 +233,14 @@ class EnvironmentHost:
                 waiting[process.sock.fileno()] = index
                 poll.register(process.sock.fileno(), select.POLLIN)
         while waiting:
-            soonest = min(deadline(index) for index in waiting.values()) if timeout_s else None
+            soonest = min(deadline(index) for index in waiting.values()) if limit_s != float("inf") else None
             wait_ms = None if soonest is None else max(0, int((soonest - time.monotonic()) * 1000) + 1)
             events = poll.poll(wait_ms)
             if not events:  # a deadline passed: what has not answered by its own is killed
                 for fd, index in list(waiting.items()):
                     if time.monotonic() >= deadline(index):
                         calls[index][0].kill()
-                        answers[index] = CallFailure(EpisodeStatus.TIMEOUT, f"no answer within the {timeout_s:g}s "
-                                                                            "timeout; its process was killed")
+                        answers[index] = overran()
                         poll.unregister(fd)
                         del waiting[fd]
                 continue
@@ -231,7 +251,21 @@ class EnvironmentHost:
                     answers[index] = answer
                     poll.unregister(fd)
                     del waiting[fd]
+                    if stragglers and not isinstance(answer, CallFailure):
+                        self._time_call(time.monotonic() - started)
         return answers
+
+    def _straggler_limit(self) -> float | None:
+        """How long a reset or step call may run before it is taken for hung (None: until its timeout)."""
+        with self._lock:
+            if not self.straggler or self._calls_timed < STRAGGLER_AFTER_CALLS:
+                return None
+            return max(STRAGGLER_FLOOR_S, self.straggler * self._usual_s)
+
+    def _time_call(self, seconds: float) -> None:
+        with self._lock:
+            self._usual_s = seconds if self._usual_s is None else 0.9 * self._usual_s + 0.1 * seconds
+            self._calls_timed += 1
 
     def _read(self, process: EpisodeProcess):
         """The process's answer once whole, a ``CallFailure`` if it ended, else None."""
@@ -256,7 +290,7 @@ class EnvironmentHost:
         ``CLOSE_TIMEOUT_S``), then its process."""
         running = [process for process in processes if not process.ended]
         if self._has_close:
-            self.exchange([(process, ("close",)) for process in running], CLOSE_TIMEOUT_S)
+            self.exchange([(process, ("close",)) for process in running], CLOSE_TIMEOUT_S, stragglers=False)
         for process in running:
             process.kill()
 

@@ -50,10 +50,12 @@ class EpisodeStatus(enum.IntEnum):
     # an agent harness sent a conversation that does not extend the tokens so far (it rewrote earlier turns);
     # runs from before turns were kept as tokens also failed so when the re-encoded text differed
     TOKENIZATION = 4
+    STRAGGLER = 5  # a call ran far longer than the environment's usual (its `straggler`); its process was killed
 
 
 DROP_REASONS = {EpisodeStatus.RAISED: "environment_raised", EpisodeStatus.TIMEOUT: "environment_timeout",
-                EpisodeStatus.DIED: "environment_died", EpisodeStatus.TOKENIZATION: "environment_tokenization"}
+                EpisodeStatus.DIED: "environment_died", EpisodeStatus.TOKENIZATION: "environment_tokenization",
+                EpisodeStatus.STRAGGLER: "environment_straggler"}
 
 
 # The header an agent harness's client names its episode in, on every request to the replica's endpoint.

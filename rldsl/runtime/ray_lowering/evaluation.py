@@ -97,7 +97,8 @@ class EvalMetric:
         self.specs = self.specs or ["rldsl.rewards:exact_match"]
         self.name = "reward" if named == "reward" else named.partition("@")[0]
         self.timeout_s = float(rewards[0].settings.get("timeout", 10.0)) if rewards else 10.0
-        self.pools = [RewardPool(spec, self.PROCESSES, self.timeout_s) for spec in self.specs]
+        straggler = float(rewards[0].settings.get("straggler", 0.0)) if rewards else 0.0
+        self.pools = [RewardPool(spec, self.PROCESSES, self.timeout_s, straggler) for spec in self.specs]
         for pool in self.pools:
             pool.wait_ready()  # a function that does not import fails here, as before
 

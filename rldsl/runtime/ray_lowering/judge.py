@@ -127,8 +127,8 @@ class JudgeWorker(RewardWorker):
         settings = stage.settings
         self.reads_episodes = False
         fn = settings.get("fn")
-        self.pool = RewardPool(fn, settings.get("processes", DEFAULT_PROCESSES), settings.get("timeout")) \
-            if fn else None
+        self.pool = RewardPool(fn, settings.get("processes", DEFAULT_PROCESSES), settings.get("timeout"),
+                               settings.get("straggler", 0.0)) if fn else None
         self.function_name = fn.partition("@")[0].partition(":")[2] if isinstance(fn, str) else None
         self.tokenizer = policy_tokenizer(pipe)
         self.scoring = judge_scoring(stage, build_judge(stage, pipe, seed=pipe.run.seed + 3000 + rank))

@@ -202,7 +202,8 @@ class RewardWorker(StageWorker):
         self.episode_fields = episode_fields(pipe)
         # the processes start now, in the background, while the rest of the run starts
         self.pool = None if self.reads_episodes else RewardPool(
-            stage.settings["fn"], stage.settings.get("processes", DEFAULT_PROCESSES), stage.settings.get("timeout"))
+            stage.settings["fn"], stage.settings.get("processes", DEFAULT_PROCESSES), stage.settings.get("timeout"),
+            stage.settings.get("straggler", 0.0))
         self.tokenizer = policy_tokenizer(pipe)
 
     def ready(self) -> bool:

@@ -1,4 +1,4 @@
-"""`check` and `plan` for multi-turn environments: the block, the fields, the plan, RLP601-RLP607."""
+"""`check` and `plan` for multi-turn environments: the block, the fields, the plan, RLP601-RLP608."""
 
 import sys
 from pathlib import Path
@@ -31,6 +31,19 @@ def test_the_example_plans_its_environment():
     fields = {f for e in pipe.edges if e.src == "rollout" for f in e.fields}
     assert {"loss_mask", "episode_reward", "episode_status", "turns"} <= fields
 
+
+def test_straggler_cuts_reach_the_plan_and_a_low_factor_is_a_warning():
+    cut = PIPELINE.replace("  timeout = 5s\n", "  timeout = 5s\n  straggler = 8\n")
+    result = _compile(cut)
+    assert result.ok and not result.diagnostics, result.diagnostics
+    assert ExecutionPlan.from_json(result.plan.to_json()).pipeline().environment("retry").straggler == 8.0
+    assert _compile(PIPELINE).plan.pipeline().environment("retry").straggler == 0.0  # off unless asked for
+    low = [d for d in _compile(cut.replace("straggler = 8", "straggler = 3")).diagnostics]
+    assert [(d.code, d.severity) for d in low] == [("RLP608", "warning")] and "environment `retry`" in low[0].message
+    reward = (ROOT / "pipelines" / "grpo_async.rlp").read_text().replace("timeout = 5s }", "timeout = 5s  straggler = 2 }")
+    found = [d for d in _compile(reward).diagnostics if d.code == "RLP608"]
+    assert len(found) == 1 and "reward stage `score`" in found[0].message
+    assert _compile(reward).plan.pipeline().stage("score").settings["straggler"] == 2.0
 
 def test_a_pipeline_without_environment_plans_none():
     text = (ROOT / "pipelines" / "grpo_async.rlp").read_text()

@@ -54,6 +54,7 @@ EXEMPT = {
     "RLP603": "an unused environment: use it or remove it, the author's choice",
     "RLP604": "a class that does not import: which class is meant is the author's",
     "RLP607": "tools without a format: which format (hermes, pythonic) the model writes is the model's",
+    "RLP608": "a low straggler factor: how much variation the calls have is the author's knowledge",
 }
 
 

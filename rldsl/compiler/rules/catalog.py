@@ -563,7 +563,15 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "`[name(arg=value)]` for Llama 3.2 and 4). With `tool_format = none` (the default) completions are never "
        "read as calls, so the tools would never run.",
        "environment calc { fn = \"...\"  tools = [\"rldsl.environments:calculate\"] }   # no tool_format",
-       "each environment's `tools` and `tool_format`."),]}
+       "each environment's `tools` and `tool_format`."),
+    _r("RLP608", WARNING, "a straggler cut that drops healthy calls",
+       "`straggler = F` on an environment or a reward stage takes a call for hung once it has run F times the "
+       "usual time (a moving average) and drops its sample before `timeout`. Calls vary around their average, "
+       "so a factor under 4 cuts calls of ordinary length, the longer ones first: samples lost, and a bias "
+       "toward short episodes and quick rewards. 8 keeps a hang's cost near the usual time "
+       "(bench/hang_cost.py) and drops no healthy call there.",
+       "environment retry { fn = \"rldsl.environments:ArithRetry\"  max_turns = 3  max_tokens = 36  straggler = 2 }",
+       "each environment's and reward stage's `straggler`."),]}
 
 
 DEPENDENCIES = """\
@@ -607,7 +615,7 @@ So the rule families depend on each other only through these inputs:
 | placement | RLP501-RLP503, RLP507, RLP508, RLP512, RLP521 | cluster, `gpus`, `colocate`, placement groups, engines |
 | sharing | RLP401, RLP504, RLP505, RLP509, RLP513 | placed stages (RLP504 for a resident trainer also the memory estimate) |
 | memory | RLP506, RLP520 | placed stages and their models; RLP520 the logprob stages' forwards |
-| environments | RLP601-RLP607 | generate stages' environments, their budgets and tools, reward stages, `eval_metric` |
+| environments | RLP601-RLP608 | generate stages' environments, their budgets, tools and straggler cuts, reward stages, `eval_metric` |
 
 Each rule's entry below says what it reads.
 """

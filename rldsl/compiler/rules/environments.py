@@ -1,6 +1,7 @@
-"""Multi-turn environments (RLP601-RLP607): budgets that fit the model's
+"""Multi-turn environments (RLP601-RLP608): budgets that fit the model's
 context, environments and tools that are used and exist, a reward that is
-the episode's, and a loss mask that is the environment's."""
+the episode's, a loss mask that is the environment's, and a hang cut that
+spares healthy calls."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from rldsl.plan import EPISODE_REWARD_FN
 TINY_CONTEXT = BUILTIN_CONTEXT  # rldsl.models.tiny.TinyLMConfig.max_positions (a test keeps them equal)
 LIMITED_ENGINES = ("vllm", "sglang")  # engines whose `max_model_len` bounds a conversation
 BUILTIN_ENVIRONMENTS = "rldsl.environments"
+# Below this `straggler` factor healthy calls are cut: a call a few times the moving average is ordinary variation.
+STRAGGLER_AT_LEAST = 4
 
 
 def _users(ctx: Context) -> list[tuple[Decl, Decl]]:
@@ -168,4 +171,21 @@ def check_truncation(ctx: Context) -> list[Diagnostic]:
     return out
 
 
-PASSES = (check_budgets, check_use, check_reward, check_truncation)
+def check_straggler(ctx: Context) -> list[Diagnostic]:
+    """RLP608: a `straggler` factor so low that calls of ordinary length are taken for hung."""
+    owners = [(f"environment `{env.name}`", env) for env in ctx.pipe.environments.values()]
+    owners += [(f"reward stage {ctx.label(stage.name)}", stage) for stage in ctx.pipe.stages_of("reward")]
+    out = []
+    for label, decl in owners:
+        if decl.valid("straggler") and 0 < decl["straggler"] < STRAGGLER_AT_LEAST:
+            out.append(Diagnostic(
+                "RLP608", WARNING, f"{label} takes a call for hung once it runs {decl['straggler']:g} times the "
+                "usual time: healthy calls run that long", decl.span_of("straggler"),
+                notes=("the usual time is a moving average, and calls vary around it: a cut this close drops "
+                       "healthy samples, the longer ones first",),
+                help=f"set `straggler` to {STRAGGLER_AT_LEAST} or more (8 keeps a hang's cost near the usual "
+                     "time), or to 0 to cut only at `timeout`"))
+    return out
+
+
+PASSES = (check_budgets, check_use, check_reward, check_truncation, check_straggler)

@@ -95,6 +95,7 @@ def test_a_right_answer_ends_the_episode_with_its_reward(model):
     assert not failures
     assert batch[p.FIELD_TURNS].tolist() == [1, 1, 1]
     assert batch[p.FIELD_EPISODE_REWARD].tolist() == [0.75] * 3
+    assert batch[p.FIELD_CONTEXT_FULL].tolist() == [0, 0, 0]
     assert torch.equal(batch[p.FIELD_LOSS_MASK], batch[p.FIELD_RESPONSE_MASK])  # one turn: every token the model's
 
 
@@ -279,6 +280,25 @@ def test_a_crashing_or_hanging_environment_drops_only_its_sample(model):
     assert after[p.FIELD_EPISODE_STATUS].tolist() == [0, 0]
 
 
+def test_each_turns_reward_is_a_statistic_of_its_sample_and_they_sum_to_the_episodes(model, arith_host):
+    """ArithRetry rewards a right answer at once and halves it per retry; a
+    wrong turn gets 0: per sample the turn rewards (NaN past its last turn,
+    a full `max_turns` wide so that groups stack) sum to its reward, and
+    `reward_turnK` counts only the turns the sample took."""
+    import math
+
+    batch, failures = _runner(model, arith_host, max_turns=3).run([p.Prompt(0, "12+19=", "31")], 8, seed=3)
+    assert not failures and batch[p.FIELD_TURN_REWARDS].shape == (8, 3)
+    for turns, rewards, total in zip(batch[p.FIELD_TURNS].tolist(), batch[p.FIELD_TURN_REWARDS].tolist(),
+                                     batch[p.FIELD_EPISODE_REWARD].tolist()):
+        assert not any(math.isnan(r) for r in rewards[:turns]) and all(math.isnan(r) for r in rewards[turns:])
+        assert sum(rewards[:turns]) == pytest.approx(total)
+    stats = [r.stats for r in episode_rewards({field: batch[field] for field in (
+        p.FIELD_EPISODE_REWARD, p.FIELD_EPISODE_STATUS, p.FIELD_TURNS, p.FIELD_TURN_REWARDS)})]
+    assert [list(s) for s in stats] == [["turns", *(f"reward_turn{k}" for k in range(1, int(s["turns"]) + 1))]
+                                        for s in stats]
+    assert [s["reward_turn1"] for s in stats] == batch[p.FIELD_TURN_REWARDS][:, 0].tolist()
+
 def test_an_environment_that_does_not_load_fails_at_start():
     with pytest.raises(EnvironmentLoadError, match="has no 'Nope'"):
         EnvironmentHost("rldsl.environments:Nope", 1.0, 1)
@@ -391,6 +411,10 @@ def test_an_episode_that_would_pass_the_models_context_ends_there_alone(model, a
     assert not failures and (batch[p.FIELD_EPISODE_STATUS] == EpisodeStatus.OK).all()
     lengths = batch[p.FIELD_PROMPT_MASK].sum(dim=1) + batch[p.FIELD_RESPONSE_MASK].sum(dim=1)
     assert int(lengths.max()) <= 64 and (batch[p.FIELD_TURNS] < 30).all() and (batch[p.FIELD_TURNS] > 2).all()
+    assert batch[p.FIELD_CONTEXT_FULL].tolist() == [1] * 4  # each sample says so (`context_ended` in the step)
+    rewards = episode_rewards({field: batch[field] for field in (p.FIELD_EPISODE_REWARD, p.FIELD_EPISODE_STATUS,
+                                                                 p.FIELD_TURNS, p.FIELD_CONTEXT_FULL)})
+    assert [r.stats["context_ended"] for r in rewards] == [1.0] * 4
 
 
 def test_a_long_observation_is_cut_to_max_observation_tokens(model):

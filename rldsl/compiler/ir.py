@@ -18,7 +18,8 @@ WEIGHTS = "weights"
 # What each node kind writes to the data plane (see rldsl.runtime.protocols).
 _GENERATED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "version")
 # ... and by a generate stage with an environment: which tokens are the model's, and each episode's outcome
-EPISODE_FIELDS = ("loss_mask", "episode_reward", "episode_status", "turns", "tool_calls", "tool_errors")
+EPISODE_FIELDS = ("loss_mask", "episode_reward", "episode_status", "turns", "tool_calls", "tool_errors", "turn_rewards",
+                  "context_full")
 
 
 def produced_fields(kind: str, decl: Decl | None, masks_prompts: bool = False) -> tuple[str, ...]:

@@ -51,6 +51,8 @@ FIELD_EPISODE_STATUS = "episode_status"
 FIELD_TURNS = "turns"
 FIELD_TOOL_CALLS = "tool_calls"  # an episode's tool calls, and those that failed
 FIELD_TOOL_ERRORS = "tool_errors"
+FIELD_TURN_REWARDS = "turn_rewards"  # [rows, max_turns]: the environment's reward at each model turn (NaN: none)
+FIELD_CONTEXT_FULL = "context_full"  # 1 where an episode ended because another turn would pass the context
 
 
 def trained_tokens(batch: Batch):

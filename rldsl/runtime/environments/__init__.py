@@ -11,6 +11,8 @@ an environment uses (None without one).
 
 from __future__ import annotations
 
+import math
+
 from rldsl.runtime.environments.protocol import DROP_REASONS, Environment, EpisodeStatus
 
 __all__ = ["DROP_REASONS", "Environment", "EpisodeStatus", "episode_fields", "episode_rewards", "episode_runner",
@@ -44,11 +46,12 @@ def episode_runner(pipe, stage, batcher, tokenizer):
 
 
 def episode_fields(pipe) -> list[str]:
-    """What a reward stage reads of episodes: their reward, status and
-    turns, and their tool calls where an environment has tools."""
+    """What a reward stage reads of episodes: their reward, status, turns,
+    turn rewards and context ends, and their tool calls where an environment
+    has tools."""
     from rldsl.runtime import protocols as p
 
-    fields = [p.FIELD_EPISODE_REWARD, p.FIELD_EPISODE_STATUS, p.FIELD_TURNS]
+    fields = [p.FIELD_EPISODE_REWARD, p.FIELD_EPISODE_STATUS, p.FIELD_TURNS, p.FIELD_TURN_REWARDS, p.FIELD_CONTEXT_FULL]
     if any(env.tool_format for env in pipe.environments):
         fields += [p.FIELD_TOOL_CALLS, p.FIELD_TOOL_ERRORS]
     return fields
@@ -56,20 +59,26 @@ def episode_fields(pipe) -> list[str]:
 
 def episode_rewards(fields: dict) -> list:
     """A reward stage's answers for episodes: each sample's summed reward
-    with its turns (and tool calls, when read) as its statistics (the step's
-    ``episode_stats``), or the ``RewardFailure`` that drops a sample whose
+    with its statistics (the step's ``episode_stats``: turns, whether it
+    ended at the model's context, the reward of each turn that got one, and
+    tool calls when read), or the ``RewardFailure`` that drops a sample whose
     episode failed."""
     from rldsl.runtime import protocols as p
 
     columns = {name: fields[field].tolist() for name, field in (("turns", p.FIELD_TURNS),
+                                                                ("context_ended", p.FIELD_CONTEXT_FULL),
                                                                 ("tool_calls", p.FIELD_TOOL_CALLS),
                                                                 ("tool_errors", p.FIELD_TOOL_ERRORS)) if field in fields}
+    turn_rewards = fields[p.FIELD_TURN_REWARDS].tolist() if p.FIELD_TURN_REWARDS in fields else None
     results = []
     for row, (reward, status) in enumerate(zip(fields[p.FIELD_EPISODE_REWARD].tolist(),
                                                fields[p.FIELD_EPISODE_STATUS].tolist())):
         status = EpisodeStatus(int(status))
         turns = int(columns["turns"][row])
-        results.append(p.ComponentReward(float(reward), {}, {name: float(values[row]) for name, values in columns.items()})
+        stats = {name: float(values[row]) for name, values in columns.items()}
+        if turn_rewards is not None:  # a turn without one (a tool call's, or never taken) is NaN: left out
+            stats.update((f"reward_turn{k}", r) for k, r in enumerate(turn_rewards[row], 1) if not math.isnan(r))
+        results.append(p.ComponentReward(float(reward), {}, stats)
                        if status == EpisodeStatus.OK else
                        p.RewardFailure(DROP_REASONS[status], f"its episode ended {status.name.lower()} after "
                                                              f"{turns} turns"))

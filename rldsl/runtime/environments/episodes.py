@@ -45,6 +45,7 @@ class Episode:
     trained: list[int] = field(default_factory=list)  # 1 on the model's tokens
     logprobs: list[float] = field(default_factory=list)
     reward: float = 0.0
+    turn_rewards: list[float] = field(default_factory=list)  # the environment's reward at each model turn (NaN: none)
     turns: int = 0
     tool_calls: int = 0  # calls made, read or not
     tool_errors: int = 0  # calls that could not be read, named no tool, or whose tool raised
@@ -93,7 +94,7 @@ class EpisodeRunner:
                 "%d of %d episodes of prompt %d ended at the model's context: another turn of up to %d tokens "
                 "would not fit (lower the environment's max_tokens or max_turns to end them sooner)", full,
                 len(episodes), prompts[0].index, getattr(_engine(self.batcher), "max_new_tokens", 0))
-        return episode_batch(episodes, self.tokenizer, self.batcher.version), failures
+        return episode_batch(episodes, self.tokenizer, self.batcher.version, self.max_turns), failures
 
     def _start(self, episodes: list[Episode]) -> None:
         """Each episode's process, and its environment's first messages."""
@@ -131,9 +132,11 @@ class EpisodeRunner:
             if parsed is None:  # the environment's step
                 observation, reward, done = reply[1]
                 episode.reward += reward
+                episode.turn_rewards.append(float(reward))
                 said, heard = {"role": "assistant", "content": self._text(completion)}, [observation]
-            else:  # tool calls: their results are the observation
+            else:  # tool calls: their results are the observation, and the environment gave no reward
                 (said, heard), done = self._tool_turn(episode, parsed, reply[1]), False
+                episode.turn_rewards.append(float("nan"))
             episode.messages += [said, *heard]
             if done or turn == self.max_turns - 1 or len(episode.tokens) >= self.max_tokens:
                 episode.done = True
@@ -169,9 +172,9 @@ class EpisodeRunner:
         return self.tokenizer.decode(completion)
 
 
-def episode_batch(episodes: list[Episode], tokenizer, version: int) -> p.Batch:
+def episode_batch(episodes: list[Episode], tokenizer, version: int, max_turns: int) -> p.Batch:
     """Rows prompt-major: each episode's prompt (left-padded, like an engine's) and response, with the
-    episode fields."""
+    episode fields (``max_turns`` wide, the turn rewards: every group's rows the same width)."""
     for e in episodes:
         if not e.prompt_ids:  # failed before its first turn: a row still needs a prompt
             e.prompt_ids = tokenizer.encode(e.prompt.text, add_bos=True)
@@ -198,6 +201,10 @@ def episode_batch(episodes: list[Episode], tokenizer, version: int) -> p.Batch:
     batch[p.FIELD_TURNS] = torch.tensor([e.turns for e in episodes], dtype=torch.long)
     batch[p.FIELD_TOOL_CALLS] = torch.tensor([e.tool_calls for e in episodes], dtype=torch.long)
     batch[p.FIELD_TOOL_ERRORS] = torch.tensor([e.tool_errors for e in episodes], dtype=torch.long)
+    batch[p.FIELD_TURN_REWARDS] = torch.full((rows, max(1, max_turns)), float("nan"))
+    for row, e in enumerate(episodes):
+        batch[p.FIELD_TURN_REWARDS][row, :len(e.turn_rewards)] = torch.tensor(e.turn_rewards[:max_turns])
+    batch[p.FIELD_CONTEXT_FULL] = torch.tensor([int(e.context_full) for e in episodes], dtype=torch.long)
     return batch
 
 

@@ -92,7 +92,7 @@ class HarnessRunner:
                 for key in ids:
                     self._recorded.pop(key, None)
         failures = [(e.status, e.detail) for e in episodes if e.status != EpisodeStatus.OK]
-        return episode_batch(episodes, self.tokenizer, self.batcher.version), failures
+        return episode_batch(episodes, self.tokenizer, self.batcher.version, self.max_turns), failures
 
     @staticmethod
     def _finish(episode: Episode, reply) -> None:

@@ -161,6 +161,7 @@ class EnvironmentHost:
         self.straggler = straggler
         self._usual_s: float | None = None  # a reset or step call's usual time (moving average)
         self._calls_timed = 0
+        self._timing_lock = threading.Lock()  # not the servers' lock: that one is held while a server starts
         self._servers: list[_Server | None] = [_Server(spec, self.tool_specs)]  # at once: one that does not load fails
         self.tool_schemas: list[dict] = self._servers[0].tool_schemas  # the tools' and the class's, as templates take them
         self.kind = self._servers[0].kind
@@ -257,13 +258,13 @@ class EnvironmentHost:
 
     def _straggler_limit(self) -> float | None:
         """How long a reset or step call may run before it is taken for hung (None: until its timeout)."""
-        with self._lock:
+        with self._timing_lock:
             if not self.straggler or self._calls_timed < STRAGGLER_AFTER_CALLS:
                 return None
             return max(STRAGGLER_FLOOR_S, self.straggler * self._usual_s)
 
     def _time_call(self, seconds: float) -> None:
-        with self._lock:
+        with self._timing_lock:
             self._usual_s = seconds if self._usual_s is None else 0.9 * self._usual_s + 0.1 * seconds
             self._calls_timed += 1
 

@@ -15,7 +15,13 @@ Printed per transport and size: seconds per version (median of --reps),
 GB/s, and how much each side's peak resident memory grew over the pushes
 (the model itself excluded; each transport runs in processes of its own). The projection uses the measured bandwidth.
 
-    python bench/weight_sync.py [--sizes-mib 1,64,512] [--bucket-mib 32] [--reps 3]
+With ``--lora-rank R``, the sizes measured are also a LoRA run's: the bytes
+of rank-R adapters on q_proj and v_proj (`lora_rank`, the default targets)
+of Llama-3.1-8B and Llama-3.1-70B in bf16 (``lora_push_bytes``: the
+memory model's count on their published shapes), measured side by side
+with the sizes above, and each set against the whole model's projected push.
+
+    python bench/weight_sync.py [--sizes-mib 1,64,512] [--bucket-mib 32] [--reps 3] [--lora-rank 16]
 """
 
 from __future__ import annotations
@@ -143,24 +149,41 @@ def measure(size: int, bucket: int, reps: int) -> dict:
             for name, runs in rows.items()}
 
 
+LLAMA3 = {"8B": 8.03e9, "70B": 70.6e9}  # parameters: their shapes are the memory model's reference shapes
+
+
+def lora_push_bytes(params: float, rank: int) -> int:
+    """bf16 bytes of rank-``rank`` adapters on q_proj and v_proj (the default targets), as the memory
+    model counts them."""
+    from rldsl.compiler import memory_model
+
+    return 2 * memory_model.lora_params(memory_model.REFERENCE_SHAPES[params], rank, ["q_proj", "v_proj"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", default="1,64,512")
     parser.add_argument("--bucket-mib", type=float, default=32)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--lora-rank", type=int, default=0, help="also measure LoRA adapters' pushes")
     args = parser.parse_args()
+    adapters = {label: lora_push_bytes(params, args.lora_rank) for label, params in LLAMA3.items()} \
+        if args.lora_rank else {}
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     bucket = int(args.bucket_mib * MIB)
     print(f"one version, trainer process -> generator process, buckets of {args.bucket_mib:g} MiB, "
           f"median of {args.reps}")
     print(f"{'model':>9}  {'transport':<13} {'s/version':>10} {'GB/s':>7}  {'sender +RSS':>12}  {'receiver +RSS':>14}")
     best: dict[str, float] = {}
-    for size_mib in (float(s) for s in args.sizes_mib.split(",")):
+    measured: dict[float, dict] = {}
+    sizes = [float(s) for s in args.sizes_mib.split(",")] + [nbytes / MIB for nbytes in adapters.values()]
+    for size_mib in sizes:
         size = int(size_mib * MIB)
-        for name, (seconds, sent, received) in measure(size, min(bucket, size), args.reps).items():
+        measured[size_mib] = measure(size, min(bucket, size), args.reps)
+        for name, (seconds, sent, received) in measured[size_mib].items():
             rate = size / seconds / 1e9
             best[name] = max(best.get(name, 0.0), rate)
             print(f"{size_mib:>6g}MiB  {name:<13} {seconds:>10.3f} {rate:>7.2f}  {sent / MIB:>9.0f}MiB  "
@@ -168,6 +191,13 @@ def main() -> None:
     print("projection from the best measured rate (bf16 weights; one receiver; this machine's loopback):")
     for params, label in ((7e9, "7B"), (70e9, "70B")):
         print(f"  {label}: " + ", ".join(f"{name} {params * 2 / 1e9 / rate:.0f} s" for name, rate in best.items()))
+    for label, nbytes in adapters.items():
+        params = LLAMA3[label]
+        seconds = {name: row[0] for name, row in measured[nbytes / MIB].items()}
+        print(f"LoRA rank {args.lora_rank} on q_proj, v_proj of Llama-3.1-{label}: {nbytes / MIB:.1f} MiB per push "
+              f"against {params * 2 / 2**30:.0f} GiB for the whole model ({params * 2 / nbytes:.0f}x less); "
+              "measured: " + ", ".join(f"{name} {s:.3f} s" for name, s in seconds.items()) + "; whole model "
+              "projected: " + ", ".join(f"{name} {params * 2 / 1e9 / rate:.0f} s" for name, rate in best.items()))
     ray.shutdown()
 
 

@@ -96,6 +96,18 @@ def textless_refusal(engine: str | None, use: str) -> str | None:
     return None
 
 
+LORA_ENGINES = ("torch", "sim")  # engines that train, score and serve LoRA adapters (sim: no model at all)
+
+
+def lora_refusal(engine: str | None, stage_kind: str, frozen: bool) -> str | None:
+    """RLP118: a stage that holds the policy's LoRA adapters on an engine that cannot (a frozen reference
+    holds the base alone, on any engine)."""
+    if engine is None or engine in LORA_ENGINES or (stage_kind == "logprob" and frozen):
+        return None
+    return (f"the model trains LoRA adapters (`lora_rank`), and engine `{engine}` cannot "
+            f"{'train' if stage_kind == 'train' else 'serve'} them yet")
+
+
 def longest_prompt(sources, max_prompt_tokens: int = 0) -> int:
     """The longest prompt of a dataset's sources, in builtin:tiny-lm tokens, as far as the file tells:
     its `max_prompt_tokens`, a builtin task's longest, or at least the BOS of a file's prompt."""
@@ -138,7 +150,8 @@ def plan_refusals(plan: ExecutionPlan) -> list[Refusal]:
     out = []
     for pipe in plan.pipelines:
         shared = plan.shared_gpus_of(pipe.name)
-        found = _models(pipe) + _sampling(pipe) + _text(pipe) + _context(pipe) + _shared_logprob(pipe, shared)
+        found = (_models(pipe) + _sampling(pipe) + _text(pipe) + _context(pipe) + _shared_logprob(pipe, shared)
+                 + _lora(pipe))
         out += [Refusal(code, pipe.name, message) for code, message in found]
     return out
 
@@ -149,6 +162,12 @@ def _models(pipe: PipelinePlan) -> list[tuple[str, str]]:
            for why in [checkpoint_refusal(s.engine.name, sources.get(s.model))] if why]
     return out + [("RLP112", f"model `{m.name}`: {why}") for m in pipe.models
                   for why in [chat_template_refusal(m.source, m.chat_template)] if why]
+
+
+def _lora(pipe: PipelinePlan) -> list[tuple[str, str]]:
+    adapted = {m.name for m in pipe.models if m.lora is not None}
+    return [("RLP118", f"stage `{s.name}`: {why}") for s in pipe.stages if s.engine and s.model in adapted
+            for why in [lora_refusal(s.engine.name, s.kind, bool(s.settings.get("frozen")))] if why]
 
 
 def _sampling(pipe: PipelinePlan) -> list[tuple[str, str]]:

@@ -81,12 +81,37 @@ class EdgePlan:
 
 
 @dataclass(frozen=True)
+class LoraPlan:
+    """Low-rank adapters trained, pushed and checkpointed instead of the
+    model's weights (rldsl.models.lora); the base stays as loaded."""
+
+    rank: int
+    alpha: float
+    targets: list[str]  # module names given an adapter
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+# The linear layers a model's adapters go on when `lora_targets` is left out: the attention's, as PEFT's
+# examples do (the builtin model's fused qkv and output projections; GPT-2's fused c_attn; q and v elsewhere).
+LORA_DEFAULT_TARGETS = {"builtin:tiny-lm": ["qkv", "out"], "builtin:tiny-gpt2": ["c_attn"]}
+LORA_HF_DEFAULT_TARGETS = ["q_proj", "v_proj"]
+
+
+def lora_default_targets(source: str) -> list[str]:
+    return list(LORA_DEFAULT_TARGETS.get(source, LORA_HF_DEFAULT_TARGETS))
+
+
+@dataclass(frozen=True)
 class ModelPlan:
     name: str
     source: str
     params: int | None = None
     dtype: str | None = None
     chat_template: bool = False  # prompts go through the tokenizer's chat template (hf: models)
+    lora: LoraPlan | None = None  # None: every weight is trained and pushed
 
 
 @dataclass(frozen=True)

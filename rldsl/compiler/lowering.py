@@ -15,7 +15,8 @@ from rldsl.compiler.schema import JUDGE_KEYS, stage_engine_args
 from rldsl.compiler.types import EngineSpec, GpuRequest, LossSpec, Ref
 from rldsl.plan import (
     ADVANTAGE_NORMALISATION, BatchPlan, ClusterPlan, DatasetPlan, EdgePlan, EnginePlan, EnvironmentPlan,
-    ExecutionPlan, ModelPlan, NodeGpus, PipelinePlan, RankPlan, RunPlan, SharingPlan, StagePlan, StalenessPlan,
+    ExecutionPlan, LoraPlan, ModelPlan, NodeGpus, PipelinePlan, RankPlan, RunPlan, SharingPlan, StagePlan,
+    StalenessPlan, lora_default_targets,
 )
 
 
@@ -47,7 +48,7 @@ def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None],
     return PipelinePlan(
         name=pipe.name,
         models=[ModelPlan(m.name, _anchored(m["source"], base_dir), params.get(f"{pipe.name}/{m.name}"), m.get("dtype"),
-                          bool(m.get("chat_template")))
+                          bool(m.get("chat_template")), _lora(m))
                 for m in pipe.models.values()],
         datasets=[_dataset(d, base_dir, eval_on_default(ctx.program, d, pipe.stages_of("generate")))
                   for d in pipe.datasets.values()],
@@ -103,6 +104,16 @@ def _dataset(decl: Decl, base_dir: Path, eval_on: str | None = None) -> DatasetP
     if decl.get("eval_source"):
         options["eval_source"] = _anchored(decl["eval_source"], base_dir)
     return DatasetPlan(decl.name, sources[0], _anchored_function(options, "eval_metric", base_dir))
+
+
+def _lora(model) -> LoraPlan | None:
+    rank = model.get("lora_rank") or 0
+    if not rank:
+        return None
+    alpha = model.get("lora_alpha")
+    targets = model.get("lora_targets")
+    return LoraPlan(rank, float(2 * rank if alpha is None else alpha),
+                    list(targets) if targets else lora_default_targets(model["source"]))
 
 
 def _anchored(source: str, base_dir: Path) -> str:

@@ -23,6 +23,7 @@ from rldsl.compiler.diagnostics import ERROR, Diagnostic
 from rldsl.compiler.placement import Placement, StagePlacement
 from rldsl.compiler.schema import can_sleep, stage_engine_args
 from rldsl.compiler.units import format_bytes
+from rldsl.plan import lora_default_targets
 
 # Builtin models' parameter counts (kept in sync by a test against the model) and shapes.
 BUILTIN_PARAMS = {"tiny-lm": 107_712, "tiny-gpt2": 280_448}  # the built models' counts (a test checks)
@@ -142,7 +143,15 @@ def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, 
     if engine.name == "megatron":
         return mm.megatron_trainer(params, shape, c, sp.tp, sp.pp, sp.dp,
                                    bool(engine.args.get("distributed_optimizer")), tokens, bucket, sleeps)
-    return mm.torch_trainer(params, shape, c, tokens, bucket, sleeps)
+    return mm.torch_trainer(params, shape, c, tokens, bucket, sleeps, _lora_trained(model, shape))
+
+
+def _lora_trained(model: Decl, shape: mm.ModelShape) -> int | None:
+    """A LoRA model's adapter parameters (what trains), None for full-parameter training."""
+    if not model.valid("lora_rank", "lora_targets", "source") or not model.get("lora_rank"):
+        return None
+    targets = model.get("lora_targets") or lora_default_targets(model["source"])
+    return mm.lora_params(shape, model["lora_rank"], list(targets))
 
 
 def _logprob_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, params: int, shape: mm.ModelShape, c: int,

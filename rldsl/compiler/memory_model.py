@@ -205,16 +205,37 @@ def megatron_trainer(params: float, shape: ModelShape, c: int, tp: int, pp: int,
 
 
 def torch_trainer(params: float, shape: ModelShape, c: int, tokens: int | None, bucket: float,
-                  sleeps: bool) -> StageMemory:
+                  sleeps: bool, trained: float | None = None) -> StageMemory:
     """Unsharded: weights, fp32 gradients, AdamW state (with the fp32 master
-    copy unless the weights are fp32) and every layer's activations."""
-    weights, grads, optimizer = params * c, params * 4, params * (12 if c < 4 else 8)
+    copy unless the weights are fp32) and every layer's activations. With
+    LoRA, gradients, optimizer state and pushes are the ``trained`` adapter
+    parameters' only (activations stay: gradients flow through every layer)."""
+    trained = params if trained is None else trained
+    weights, grads, optimizer = params * c, trained * 4, trained * (12 if c < 4 else 8)
     acts = activation_bytes(shape, tokens, c, CHECKPOINTS_ACTIVATIONS["torch"]) if tokens else 0.0
     return _peak([("train step", [("params", weights), ("grads", grads), ("optimizer", optimizer),
                                   ("activations", acts)]),
                   ("weight sync", [("params", weights), ("optimizer", optimizer),
-                                   ("buckets", bucket_bytes(bucket, params, c))])],
+                                   ("buckets", bucket_bytes(bucket, trained, c))])],
                  sleeps)
+
+
+# (inputs, outputs) of the linear layers LoRA adapters commonly go on, in units of the shape's widths
+_LORA_LAYER_WIDTHS = {
+    "q_proj": ("hidden", "hidden"), "k_proj": ("hidden", "kv"), "v_proj": ("hidden", "kv"),
+    "o_proj": ("hidden", "hidden"), "gate_proj": ("hidden", "ffn"), "up_proj": ("hidden", "ffn"),
+    "down_proj": ("ffn", "hidden"), "qkv": ("hidden", "qkv"), "c_attn": ("hidden", "qkv"),
+    "out": ("hidden", "hidden"), "c_proj": ("hidden", "hidden"),
+}
+
+
+def lora_params(shape: ModelShape, rank: int, targets: list[str]) -> int:
+    """Adapter parameters: rank x (inputs + outputs) of each targeted layer, in
+    every layer (a name not known here counts as a hidden -> hidden layer)."""
+    widths = {"hidden": shape.hidden, "kv": shape.kv, "ffn": shape.ffn, "qkv": shape.hidden + 2 * shape.kv}
+    per_layer = sum(widths[a] + widths[b] for a, b in (_LORA_LAYER_WIDTHS.get(t, ("hidden", "hidden"))
+                                                       for t in targets))
+    return rank * per_layer * shape.layers
 
 
 def logprob_stage(params: float, shape: ModelShape, c: int, split: int, tokens: int | None,

@@ -121,7 +121,10 @@ def _coords(stage, rank) -> str:
 
 
 def _stages(pipe: PipelinePlan) -> list[str]:
-    out = ["stages:"]
+    out = [f"model {m.name}: LoRA adapters of rank {m.lora.rank} (scale {m.lora.scale:g}) on "
+           f"{', '.join(m.lora.targets)}: only they train, are pushed and are checkpointed; a frozen stage "
+           "holds the base" for m in pipe.models if m.lora is not None]
+    out.append("stages:")
     for s in pipe.stages:
         if s.kind == "sync":
             bucket = format_bytes(s.settings["bucket"])

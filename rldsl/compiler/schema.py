@@ -317,6 +317,13 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
         "chat_template": Key(Bool(), False, "format each prompt with the tokenizer's chat template, as a user turn "
                                             "(a dataset's chat messages as they are) with the assistant's turn "
                                             "opened (`hf:` instruct models)"),
+        "lora_rank": Key(Int(low=0), 0, "train low-rank adapters of this rank instead of every weight, and push "
+                                        "only them (0: full-parameter training; torch engines)"),
+        "lora_alpha": Key(Float(low=0), None, "the adapters' scale numerator (scale = alpha / rank; default: "
+                                              "twice the rank)"),
+        "lora_targets": Key(ListOf(Str(r"[\w.]+", "a module name")), None,
+                            "the linear layers given adapters, by module name (default: `qkv` and `out` for "
+                            "the builtin model, `q_proj` and `v_proj` for Hugging Face models)"),
     },
     "dataset": {
         "source": Key(_DATA_SOURCE, DERIVED, "`builtin:arith`, `builtin:reverse` or `jsonl:<path>` "

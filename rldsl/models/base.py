@@ -21,6 +21,7 @@ class CausalLM:
         self.source = source
         self.config = config
         self.warm_start_report: dict | None = None  # set by rldsl.runtime.engines.torch.warmstart
+        self.lora = None  # the LoraPlan of its adapters, once rldsl.models.lora added them
 
     @property
     def eos_id(self) -> int:

@@ -164,6 +164,15 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "stage generate rollout { model = policy  max_new_tokens = 60 ... }   # builtin:tiny-lm on builtin:arith",
        "each generate stage's `max_new_tokens`, `engine`, `environment` and its model's `source`; the datasets' "
        "`source`, `sources` and `max_prompt_tokens`."),
+    _r("RLP118", ERROR, "LoRA adapters on an engine that cannot train or serve them",
+       "A model with `lora_rank` trains only its low-rank adapters, and every stage that holds the policy holds "
+       "them: the trainer trains them, generators and policy logprob stages receive them in each push (only "
+       "they are pushed). The `torch` engines do all three (and `sim`, which has no model); vLLM, SGLang, fsdp "
+       "and megatron do not yet, and `rldsl run` would refuse the stage when it starts. A frozen reference "
+       "(`frozen`) is the base model, the policy with its adapters off, and runs on any engine.",
+       "model policy { source = \"builtin:tiny-lm\"  lora_rank = 8 }\n"
+       "stage train actor { model = policy  engine = fsdp(shard = 2) ... }",
+       "each stage's `engine`, `model` and `frozen`; its model's `lora_rank`."),
     _r("RLP201", ERROR, "dataflow cycle",
        "Data edges (`flow`) must form a DAG; the cycle is named. Weight edges (`sync`) close the RL loop and "
        "are not part of this check.",
@@ -604,7 +613,7 @@ So the rule families depend on each other only through these inputs:
 |---|---|---|
 | syntax | RLP001, RLP002, RLP003 | the text |
 | declarations | RLP101-RLP107, RLP109 | the syntax tree |
-| engines | RLP108, RLP110-RLP112, RLP116, RLP117 | each stage's engine; `update`; logprob stages' `frozen` and `recompute`; the model's `source` and `chat_template`; evaluation and environments of sim generators; `max_new_tokens` and the prompts |
+| engines | RLP108, RLP110-RLP112, RLP116-RLP118 | each stage's engine; `update`; logprob stages' `frozen` and `recompute`; the model's `source`, `chat_template` and `lora_rank`; evaluation and environments of sim generators; `max_new_tokens` and the prompts |
 | reward models | RLP113-RLP115 | each reward stage's `fn`, `model` and judge keys, its config.json, the datasets |
 | dataflow | RLP201-RLP204, RLP207, RLP208 | the flows and the declarations |
 | weights | RLP205, RLP206, RLP209, RLP210, RLP511 | syncs, models, and the flows for RLP209; RLP210 `colocate` and placement groups; RLP511 the placement |

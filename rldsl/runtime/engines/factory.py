@@ -18,10 +18,21 @@ def _task_of(pipe: PipelinePlan) -> str | None:
     return sources[0] if sources else None
 
 
-def load_policy(model: ModelPlan, pipe: PipelinePlan, seed: int):
-    """The model a stage starts from. A builtin model on a builtin task
-    starts from the cached supervised warm start (docs/runtime.md), so RL has
-    something to improve within minutes on a CPU."""
+def load_policy(model: ModelPlan, pipe: PipelinePlan, seed: int, adapters: bool = True):
+    """The model a stage starts from, with the model's LoRA adapters if it
+    declares them (``adapters``; a frozen reference is the base alone). A
+    builtin model on a builtin task starts from the cached supervised warm
+    start (docs/runtime.md), so RL has something to improve within minutes
+    on a CPU."""
+    loaded = _load_base(model, pipe, seed)
+    if model.lora is not None and adapters:
+        from rldsl.models.lora import add_lora
+
+        add_lora(loaded, model.lora, seed)
+    return loaded
+
+
+def _load_base(model: ModelPlan, pipe: PipelinePlan, seed: int):
     from rldsl.models import BUILTIN_TINY, TINY_GPT2, load_model
 
     if model.source == TINY_GPT2:  # in its GPT-2 form, as the other engines load it
@@ -108,7 +119,7 @@ def build_logprob(stage: StagePlan, pipe: PipelinePlan, seed: int, process_group
     if name == "torch":
         from rldsl.runtime.engines.torch.logprob import TorchLogprob
 
-        model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
+        model = load_policy(_model(pipe, stage), pipe, pipe.run.seed, adapters=not stage.settings.get("frozen"))
         return TorchLogprob(model, rows_per_forward=stage.settings.get("micro_batch"),
                             tokens_per_forward=stage.settings.get("micro_batch_tokens", 0),
                             offload=offloads_between_calls(stage), temperature=sampling_temperature(pipe))
@@ -166,7 +177,7 @@ def build_judge(stage: StagePlan, pipe: PipelinePlan, seed: int):
         return judge.ScoreJudge(_hf_path(pipe, stage), dtype=stage.engine.args.get("dtype", "fp32"),
                                 rows_per_forward=settings.get("micro_batch", 8))
     if name == "torch":
-        model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)  # the builtin model: the cached warm start
+        model = load_policy(_model(pipe, stage), pipe, pipe.run.seed, adapters=False)  # frozen: the base
         return judge.GenerativeJudge(model, settings["max_new_tokens"], settings.get("micro_batch", 8))
     if name == "vllm" and settings.get("judge") == "generate":
         return judge.VLLMGenerativeJudge(_hf_path(pipe, stage), _vllm_options(stage), seed, settings["max_new_tokens"])

@@ -2,7 +2,8 @@
 
 Each trainer engine saves in its own format (docs/engines.md):
 
-- torch: ``trainer/torch.pt``, the module's full state dict under ``model``;
+- torch: ``trainer/torch.pt``, the module's full state dict under ``model`` (a LoRA run's: only its
+  adapters, merged into the base by ``export/adapters.py``);
 - fsdp: ``trainer/fsdp.pt``, the full (gathered) state dict under ``model``,
   the same names as the unsharded module;
 - megatron: one file per rank under ``trainer/megatron/``, merged back to
@@ -44,21 +45,23 @@ class ExportableModel:
     source: str  # the plan's model source
 
 
-def read_checkpoint(engine: str, trainer_dir: Path, source: str) -> ExportableModel:
+def read_checkpoint(engine: str, trainer_dir: Path, source: str, state: dict | None = None) -> ExportableModel:
+    """The checkpoint in ``trainer_dir`` as a model of ``source``'s architecture; ``state``: the
+    weights already read (a LoRA run's, merged: export/adapters.py) under the engine's names."""
     if engine not in (*SINGLE_FILE_ENGINES, "megatron"):
         raise ExportError(f"a {engine} trainer keeps no model weights, so there is nothing to export",
                           "export runs whose train stage uses engine torch, fsdp or megatron")
     if source == BUILTIN_TINY:
-        return _builtin_tiny(engine, trainer_dir)
+        return _builtin_tiny(engine, trainer_dir, state)
     if source.startswith("hf:"):
-        return _hf_model(engine, trainer_dir, Path(source[len("hf:"):]))
+        return _hf_model(engine, trainer_dir, Path(source[len("hf:"):]), state)
     raise ExportError(f"model source {source!r} cannot be exported", "sources: builtin:tiny-lm, builtin:tiny-gpt2, hf:<path>")
 
 
-def _builtin_tiny(engine: str, trainer_dir: Path) -> ExportableModel:
+def _builtin_tiny(engine: str, trainer_dir: Path, state: dict | None) -> ExportableModel:
     if engine not in SINGLE_FILE_ENGINES:
         raise ExportError(f"trainer.json names the {engine} engine, which does not train {BUILTIN_TINY}")
-    state = module_state(engine, trainer_dir)
+    state = module_state(engine, trainer_dir) if state is None else state
     try:
         config = tiny_gpt2.tiny_config_of(state)
     except (KeyError, ValueError) as err:
@@ -68,14 +71,15 @@ def _builtin_tiny(engine: str, trainer_dir: Path) -> ExportableModel:
                            tiny_gpt2.save_char_tokenizer, BUILTIN_TINY)
 
 
-def _hf_model(engine: str, trainer_dir: Path, path: Path) -> ExportableModel:
+def _hf_model(engine: str, trainer_dir: Path, path: Path, state: dict | None) -> ExportableModel:
     if not (path / "config.json").is_file():
         raise ExportError(f"the run's model directory {path} is gone (no config.json): the export takes the "
                           "architecture, tokenizer and generation defaults from it",
                           "restore the directory the run's plan.json names as the policy's source")
     transformers = transformers_offline()
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    state = _megatron_state(trainer_dir, path) if engine == "megatron" else module_state(engine, trainer_dir)
+    if state is None:
+        state = _megatron_state(trainer_dir, path) if engine == "megatron" else module_state(engine, trainer_dir)
 
     def write_tokenizer(out: Path) -> None:
         copy_tokenizer(path, out)

@@ -17,9 +17,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rldsl.plan import ExecutionPlan, PipelinePlan, PlanFormatError
+from rldsl.plan import ExecutionPlan, ModelPlan, PipelinePlan, PlanFormatError
 from rldsl.models import TINY_GPT2
-from rldsl.runtime.export.checkpoints import ExportError, read_checkpoint
+from rldsl.runtime.export.adapters import ADAPTER_DIR, AdaptedPolicy
+from rldsl.runtime.export.checkpoints import ExportError, module_state, read_checkpoint
 from rldsl.runtime.export.writer import DEFAULT_SHARD_SIZE, save_model, size_on_disk
 from rldsl.runtime.ray_lowering.checkpoint import TRAINER_DIR, TRAINER_MARKER, checkpoint_dir, complete_checkpoints
 
@@ -68,7 +69,8 @@ def export_run(run_dir: Path, out: Path, version: int | None = None, force: bool
     plan = _read_plan(run_dir)
     pipe, root = _pipeline(plan, run_dir, pipeline)
     checkpoint = _checkpoint(root, version)
-    source, planned_engine = _policy(pipe)
+    trained = _trained_model(pipe)
+    source, planned_engine = trained.source, pipe.stage(pipe.batch.train_stage).engine.name
     if source == TINY_GPT2:  # trained as the Hugging Face GPT-2 of its (cached) warm start: exported as that model
         from rldsl.runtime.engines.factory import builtin_model_dir
 
@@ -76,11 +78,16 @@ def export_run(run_dir: Path, out: Path, version: int | None = None, force: bool
         source = f"hf:{builtin_model_dir(model_plan, pipe, pipe.run.seed)}"
     engine = _marker(checkpoint).get("engine", planned_engine)  # the engine that wrote the files
     _check_out(out, run_dir, force)
-    model = read_checkpoint(engine, checkpoint / TRAINER_DIR, source)
+    adapted = None
+    if trained.lora is not None:  # the checkpoint holds the adapters: the base comes from where the run had it
+        adapted = AdaptedPolicy(trained, pipe, module_state(engine, checkpoint / TRAINER_DIR))
+    model = read_checkpoint(engine, checkpoint / TRAINER_DIR, source, None if adapted is None else adapted.merged())
     staging = out.parent / f".{out.name}.exporting"
     try:
         shutil.rmtree(staging, ignore_errors=True)  # left by an export that was killed
         staging.mkdir()
+        if adapted is not None and source.startswith("hf:"):
+            adapted.write_peft(staging / ADAPTER_DIR, source[len("hf:"):])
         architecture = save_model(staging, model.config, model.state, max_shard_size)
         model.write_tokenizer(staging)
         if out.exists():
@@ -118,13 +125,13 @@ def _pipeline(plan: ExecutionPlan, run_dir: Path, name: str | None) -> tuple[Pip
     return pipe, run_dir / pipe.name if len(names) > 1 else run_dir
 
 
-def _policy(pipe: PipelinePlan) -> tuple[str, str]:
-    """The trained model's source and the train stage's engine."""
+def _trained_model(pipe: PipelinePlan) -> ModelPlan:
+    """The train stage's model (the stage has an engine)."""
     train = next((stage for stage in pipe.stages if stage.name == pipe.batch.train_stage), None)
-    source = next((model.source for model in pipe.models if train and model.name == train.model), None)
-    if source is None or train.engine is None:
+    model = next((model for model in pipe.models if train and model.name == train.model), None)
+    if model is None or train.engine is None:
         raise ExportError(f"pipeline {pipe.name} trains no model, so there is nothing to export")
-    return source, train.engine.name
+    return model
 
 
 def _checkpoint(root: Path, version: int | None) -> Path:

@@ -81,7 +81,7 @@ class PipelineDriver(PipelineEvaluations):
 
         started, cached = time.monotonic(), _entries(cache_dir())
         self.say(f"loading {model.source}")
-        load_policy(model, self.pipe, self.pipe.run.seed)
+        load_policy(model, self.pipe, self.pipe.run.seed, adapters=False)
         built = _entries(cache_dir()) - cached
         how = (f"its warm start built and cached in {cache_dir()}: later runs load it" if built
                else "its warm start from the cache")

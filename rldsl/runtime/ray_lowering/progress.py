@@ -109,9 +109,10 @@ class Progress:
                   if "replicas_awake" in r else "")
         mismatch = _mismatch(r.get("trainer") or {})
         masked = f" masked {r['masked']}" if r.get("masked") else ""  # difficulty_mask: in the step, not the loss
+        pushed = (r.get("trainer") or {}).get("push_bytes")
         return (f"step {r['step']}/{self.settings.steps} v{r['version']} lag {_hist(r['lag_histogram'])} "
                 f"{r['samples_per_s']:.1f} samples/s{reward_text}{masked} busy {_busy(r['busy'])}{leases}"
-                f"{' mismatch ' + mismatch if mismatch else ''}")
+                f"{' mismatch ' + mismatch if mismatch else ''}{' push ' + _mib(pushed) if pushed else ''}")
 
     def _render(self):
         from rich.table import Table
@@ -204,6 +205,11 @@ def _mismatch(trainer: dict) -> str:
         text += (f" same-weights |dlogp| {trainer['mismatch/abs_diff_mean']:.1e} (max "
                  f"{trainer['mismatch/abs_diff_max']:.1e})")
     return text
+
+
+def _mib(nbytes: float) -> str:
+    """A push's size: MiB, or KiB below one (LoRA adapters)."""
+    return f"{nbytes / 2**20:.1f}MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f}KiB"
 
 
 def _busy(busy: dict) -> str:

@@ -159,9 +159,11 @@ def decode_responses(tokenizer, batch: Mapping[str, torch.Tensor]) -> list[str]:
 
 
 def state_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """The state dict as CPU copies in buckets of at most ``bucket_bytes``
-    (a tensor larger than that travels alone)."""
-    return tensor_buckets(module.state_dict().items(), bucket_bytes)
+    """What a push carries (the state dict, or only the LoRA adapters: ``trained_state``)
+    as CPU copies in buckets of at most ``bucket_bytes`` (a tensor larger than that travels alone)."""
+    from rldsl.models.lora import trained_state
+
+    return tensor_buckets(trained_state(module).items(), bucket_bytes)
 
 
 def tensor_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:

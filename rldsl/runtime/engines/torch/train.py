@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rldsl.models.lora import load_trained_state, state_bytes, trained_state
 from rldsl.runtime.engines.policy_loss import (
     STAT_NAMES,
     PolicyLossConfig,
@@ -122,7 +123,8 @@ class TorchTrainer:
         self.rows_per_forward = rows_per_forward  # bounds activation memory per backward
         self.tokens_per_forward = tokens_per_forward  # 0: off; else the token budget of a forward
         self.process_group = process_group
-        self.parameters = [p for p in model.module.parameters() if p.requires_grad]
+        self.parameters = [p for p in model.module.parameters() if p.requires_grad]  # with LoRA: the adapters
+        self.push_bytes = state_bytes(trained_state(model.module))  # what a push of a version carries
         self.optimizer = torch.optim.AdamW(self.parameters, lr=lr, betas=tuple(betas), eps=eps,
                                            weight_decay=weight_decay)
         self.base_lr = lr
@@ -188,7 +190,7 @@ class TorchTrainer:
         if not self._taken:
             return StepResult(self.version, dict(SKIPPED))
         self.version += 1
-        return StepResult(self.version, rollout_metrics(self._taken))
+        return StepResult(self.version, {**rollout_metrics(self._taken), "push_bytes": float(self.push_bytes)})
 
     def abort_train_step(self, step: int) -> None:
         """Drop the open step (whichever it is) and its gradients; safe to repeat."""
@@ -226,14 +228,15 @@ class TorchTrainer:
     # -- checkpoints -------------------------------------------------------------
 
     def save_checkpoint(self, directory) -> None:
-        """Model, optimizer and version in ``directory/torch.pt``, written by
-        rank 0 only: data-parallel replicas hold the same state."""
+        """Model (its LoRA adapters only, if it has them), optimizer and version
+        in ``directory/torch.pt``, written by rank 0 only: data-parallel
+        replicas hold the same state."""
         from rldsl.runtime.atomic import save_torch_state
 
         self._require_idle("save_checkpoint")
         self._require_awake("save_checkpoint")
         if self.process_group is None or dist.get_rank(self.process_group) == 0:
-            state = {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+            state = {"model": trained_state(self.model.module), "optimizer": self.optimizer.state_dict(),
                      "version": self.version, "optimizer_steps": self.optimizer_steps}
             save_torch_state(Path(directory) / CHECKPOINT_FILE, state)
 
@@ -242,7 +245,7 @@ class TorchTrainer:
         from rldsl.runtime.atomic import load_torch_state
 
         state = load_torch_state(Path(directory) / CHECKPOINT_FILE)
-        self.model.module.load_state_dict(state["model"])
+        load_trained_state(self.model.module, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = state["version"]
         self.optimizer_steps = state.get("optimizer_steps", 0)

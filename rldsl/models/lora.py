@@ -1,0 +1,114 @@
+"""Low-rank adapters on a model (`lora_rank` on a `model` block): PEFT's
+LoRA layers injected into the module's named linear layers.
+
+Only the adapters train (PEFT freezes every other weight), only they are
+pushed to generators and kept in checkpoints: a push is the size of the
+adapters, not of the model. Every engine that holds the policy injects the
+same adapters from the same seed, so all copies agree before the first push
+(PEFT starts ``lora_B`` at zero: the adapted model equals the base); a frozen
+reference loads the base alone, which is the policy with its adapters off.
+
+Names keep PEFT's ``.lora_A.default.`` form inside the engines (a push
+applies tensors by name); ``peft_adapter_state`` gives PEFT's saved form
+(``.lora_A.weight``), which ``rldsl export`` writes.
+"""
+
+from __future__ import annotations
+
+from rldsl.models.base import CausalLM
+
+ADAPTER_PARTS = (".lora_A.", ".lora_B.")
+ADAPTER_NAME = "default"  # PEFT's name for a model's one adapter
+
+
+def is_adapter(name: str) -> bool:
+    return any(part in name for part in ADAPTER_PARTS)
+
+
+def add_lora(model: CausalLM, lora, seed: int = 0) -> CausalLM:
+    """Inject adapters (a ``rldsl.plan.LoraPlan``) into ``model`` in place;
+    the same seed gives the same initial adapters in every engine."""
+    import torch
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets), lora_dropout=0.0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            inject_adapter_in_model(config, model.module)
+        except ValueError as error:  # PEFT: no module matched the targets
+            raise ValueError(f"`lora_targets = {list(lora.targets)}` names no linear layer of {model.source} "
+                             f"({error}); its linear layers: {', '.join(linear_layer_names(model.module)[:12])}"
+                             ) from None
+    model.lora = lora
+    return model
+
+
+def linear_layer_names(module) -> list[str]:
+    """The last part of each linear layer's name, once each, in model order (what `lora_targets` names)."""
+    import torch
+
+    names: dict[str, None] = {}
+    for name, child in module.named_modules():
+        if isinstance(child, torch.nn.Linear) or type(child).__name__ == "Conv1D":
+            names[name.rpartition(".")[2]] = None
+    return list(names)
+
+
+def has_adapters(module) -> bool:
+    return any(is_adapter(name) for name, _ in module.named_parameters())
+
+
+def trained_state(module) -> dict:
+    """What training changes and a push or checkpoint carries: the adapters
+    when the module has them, else the whole state dict."""
+    state = module.state_dict()
+    if not has_adapters(module):
+        return state
+    return {name: tensor for name, tensor in state.items() if is_adapter(name)}
+
+
+def load_trained_state(module, state: dict) -> None:
+    """``trained_state``'s output back into ``module``: adapters by name
+    (each must exist, none may be missing), or the whole state dict."""
+    if not has_adapters(module):
+        module.load_state_dict(state)
+        return
+    own = trained_state(module)
+    if set(own) != set(state):
+        missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        raise ValueError(f"the checkpoint's adapters do not match the model's (missing {missing[:3]}, "
+                         f"unknown {extra[:3]}): it was written with other `lora_rank` / `lora_targets`")
+    module.load_state_dict(state, strict=False)
+
+
+def peft_adapter_state(module, prefix: str = "base_model.model.") -> dict:
+    """The adapters under PEFT's saved names (``adapter_model.safetensors``:
+    ``base_model.model.<layer>.lora_A.weight``)."""
+    marker = f".{ADAPTER_NAME}."
+    return {prefix + name.replace(marker, "."): tensor.detach().cpu().contiguous()
+            for name, tensor in trained_state(module).items()}
+
+
+def peft_adapter_config(lora, base: str) -> dict:
+    """``adapter_config.json`` for ``peft.PeftModel.from_pretrained(base_model, directory)``."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
+            "lora_alpha": lora.alpha, "target_modules": list(lora.targets), "lora_dropout": 0.0, "bias": "none",
+            "fan_in_fan_out": False, "inference_mode": True}
+
+
+def merged_state(module) -> dict:
+    """The module's weights with the adapters merged in, under the base
+    model's own names (what a model without adapters would hold). Merges
+    in place: the module is not trained further."""
+    from peft.tuners.lora import LoraLayer
+
+    for layer in module.modules():
+        if isinstance(layer, LoraLayer):
+            layer.merge()
+    return {name.replace(".base_layer.", "."): tensor for name, tensor in module.state_dict().items()
+            if not is_adapter(name)}
+
+
+def state_bytes(state: dict) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in state.values())

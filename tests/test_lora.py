@@ -1,0 +1,194 @@
+"""LoRA (`lora_rank` on a model): only the adapters train, are pushed and are
+checkpointed; generators and policy logprob stages hold the same adapters,
+a frozen reference the base alone; engines that cannot are refused (RLP118)."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from rldsl.compiler import memory_model
+from rldsl.compiler.driver import compile_source
+from rldsl.compiler.memory import BUILTIN_SHAPES
+from rldsl.launch_rules import plan_refusals
+from rldsl.models.lora import has_adapters, is_adapter, trained_state
+from rldsl.plan import ExecutionPlan, LoraPlan
+from rldsl.runtime.engines.factory import build_generator, build_logprob, build_trainer
+from rldsl.runtime.engines.torch.common import response_logprobs
+
+PIPELINE = Path(__file__).parent.parent / "pipelines" / "grpo_lora.rlp"
+
+
+def planned(text: str | None = None):
+    result = compile_source(text or PIPELINE.read_text(), str(PIPELINE), base_dir=PIPELINE.parent)
+    assert result.ok, [d.message for d in result.diagnostics if d.is_error]
+    return result.plan
+
+
+def stage(pipe, kind):
+    return next(s for s in pipe.stages if s.kind == kind)
+
+
+def test_a_model_with_a_lora_rank_plans_its_adapters_and_an_older_plan_has_none():
+    plan = planned()
+    assert plan.pipelines[0].models[0].lora == LoraPlan(rank=8, alpha=16.0, targets=["qkv", "out"])
+    assert ExecutionPlan.from_json(plan.to_json()).pipelines[0].models[0].lora == plan.pipelines[0].models[0].lora
+    defaults = planned(PIPELINE.read_text().replace('  lora_targets = ["qkv", "out"]\n', "")
+                       .replace("lora_rank = 8", "lora_rank = 4"))
+    assert defaults.pipelines[0].models[0].lora == LoraPlan(rank=4, alpha=8.0, targets=["qkv", "out"])
+    old = json.loads(plan.to_json())
+    del old["pipelines"][0]["models"][0]["lora"]  # a plan saved before LoRA existed
+    assert ExecutionPlan.from_json(json.dumps(old)).pipelines[0].models[0].lora is None
+
+
+def batch_for(model, rows: int = 8) -> dict:
+    gen = torch.Generator().manual_seed(5)
+    vocab = model.tokenizer.vocab_size
+    batch = {"prompt_ids": torch.randint(4, vocab, (rows, 6), generator=gen),
+             "prompt_mask": torch.ones(rows, 6, dtype=torch.long),
+             "response_ids": torch.randint(4, vocab, (rows, 5), generator=gen),
+             "response_mask": torch.ones(rows, 5, dtype=torch.long)}
+    with torch.no_grad():
+        current = response_logprobs(model, batch)
+    batch["behaviour_logprobs"] = current.clone()
+    batch["ref_logprobs"] = current.clone()
+    batch["advantage"] = torch.randn(rows, generator=gen)
+    return batch
+
+
+def trained(trainer, steps: int = 2):
+    batch = batch_for(trainer.model)
+    for step in range(steps):
+        trainer.begin_train_step(step)
+        trainer.train_microbatch(step, batch)
+        result = trainer.finish_train_step(step)
+    return result
+
+
+def test_the_trainer_trains_and_pushes_only_the_adapters_and_a_generator_applies_them():
+    pipe = planned().pipelines[0]
+    trainer = build_trainer(stage(pipe, "train"), pipe, seed=0)
+    module = trainer.model.module
+    base = {name: tensor.clone() for name, tensor in module.state_dict().items() if not is_adapter(name)}
+    adapters = {name: tensor.clone() for name, tensor in trained_state(module).items()}
+    assert adapters and all(p.requires_grad == is_adapter(n) for n, p in module.named_parameters())
+    result = trained(trainer)
+    assert result.version == 2
+    assert all(torch.equal(module.state_dict()[name], tensor) for name, tensor in base.items())  # base untouched
+    assert any(not torch.equal(trained_state(module)[name], tensor) for name, tensor in adapters.items())
+
+    buckets = list(trainer.weight_buckets(1 << 20))
+    pushed = {name: tensor for bucket in buckets for name, tensor in bucket.items()}
+    assert set(pushed) == set(adapters)  # only the adapters travel
+    pushed_bytes = sum(t.numel() * t.element_size() for t in pushed.values())
+    full_bytes = sum(t.numel() * t.element_size() for t in base.values())
+    assert result.metrics["push_bytes"] == pushed_bytes < 0.06 * full_bytes, (pushed_bytes, full_bytes)  # 5.7%
+    # the memory model counts the adapters the trainer really holds
+    assert 4 * memory_model.lora_params(BUILTIN_SHAPES["tiny-lm"], 8, ["qkv", "out"]) == pushed_bytes
+
+    generator = build_generator(stage(pipe, "generate"), pipe, seed=0)
+    batch = batch_for(trainer.model)
+    assert not torch.allclose(response_logprobs(generator.model, batch), response_logprobs(trainer.model, batch))
+    for index, bucket in enumerate(buckets):
+        generator.update_weights(bucket, result.version, index == len(buckets) - 1)
+    assert generator.version == 2
+    assert torch.equal(response_logprobs(generator.model, batch), response_logprobs(trainer.model, batch))
+
+    reference = build_logprob(next(s for s in pipe.stages if s.kind == "logprob"), pipe, seed=0)
+    assert not has_adapters(reference.model.module)  # frozen: the base, the policy with its adapters off
+
+
+def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_them(tmp_path):
+    pipe = planned().pipelines[0]
+    trainer = build_trainer(stage(pipe, "train"), pipe, seed=0)
+    trained(trainer)
+    trainer.save_checkpoint(tmp_path)
+    saved = torch.load(tmp_path / "torch.pt", weights_only=False)
+    assert set(saved["model"]) == set(trained_state(trainer.model.module)) and all(map(is_adapter, saved["model"]))
+
+    resumed = build_trainer(stage(pipe, "train"), pipe, seed=1)  # other initial adapters
+    assert resumed.load_checkpoint(tmp_path) == 2
+    for name, tensor in trained_state(trainer.model.module).items():
+        assert torch.equal(trained_state(resumed.model.module)[name], tensor)
+    mine, theirs = trainer.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k]["exp_avg"], theirs[k]["exp_avg"]) for k in mine)
+
+    full = build_trainer(replace(stage(pipe, "train")), replace(pipe, models=[replace(pipe.models[0], lora=None)]),
+                         seed=0)
+    with pytest.raises(RuntimeError):  # a full-parameter trainer cannot take an adapter checkpoint
+        full.load_checkpoint(tmp_path)
+    other = replace(pipe, models=[replace(pipe.models[0], lora=LoraPlan(4, 8.0, ["qkv"]))])
+    with pytest.raises(ValueError, match="other `lora_rank` / `lora_targets`"):
+        build_trainer(stage(other, "train"), other, seed=0).load_checkpoint(tmp_path)
+
+
+def test_targets_that_match_no_layer_name_the_model_layers():
+    pipe = planned().pipelines[0]
+    wrong = replace(pipe, models=[replace(pipe.models[0], lora=LoraPlan(4, 8.0, ["q_proj"]))])
+    with pytest.raises(ValueError, match="names no linear layer.*qkv, out"):
+        build_trainer(stage(wrong, "train"), wrong, seed=0)
+
+
+def test_a_hand_made_plan_with_adapters_on_vllm_is_refused_by_the_launcher():
+    plan = planned()
+    pipe = plan.pipelines[0]
+    gen = stage(pipe, "generate")
+    vllm = replace(pipe, stages=[replace(s, engine=replace(s.engine, name="vllm")) if s is gen else s
+                                 for s in pipe.stages])
+    refusals = [r for r in plan_refusals(replace(plan, pipelines=[vllm])) if r.code == "RLP118"]
+    assert len(refusals) == 1 and "stage `rollout`" in str(refusals[0]) and "`vllm` cannot serve them" in str(refusals[0])
+
+
+# -- export: the merged model, and PEFT's adapter directory for an hf: base -----------------------------
+
+
+def lora_run(run_dir: Path, text: str):
+    """A LoRA run of ``text`` checkpointed after two steps, as `rldsl run` leaves it; and its trainer."""
+    from tests.test_export import make_run_dir, mark_complete, trainer_dir
+
+    make_run_dir(run_dir, text)
+    pipe = ExecutionPlan.from_json((run_dir / "plan.json").read_text()).pipelines[0]
+    trainer = build_trainer(stage(pipe, "train"), pipe, seed=0)
+    trained(trainer)
+    trainer.save_checkpoint(trainer_dir(run_dir, 2))
+    mark_complete(run_dir, 2, "torch")
+    return trainer
+
+
+def test_a_lora_run_exports_the_merged_model_with_the_policy_logits(tmp_path):
+    from tests.test_export import assert_same_logits, export, rldsl_logits, token_rows
+
+    trainer = lora_run(tmp_path / "run", PIPELINE.read_text().replace("lr = 5e-3", "lr = 5e-2"))
+    assert export(tmp_path / "run", tmp_path / "hf") == 0
+    ids = token_rows(trainer.model.tokenizer)
+    policy = rldsl_logits(trainer.model, ids)
+    base = build_trainer(stage(planned().pipelines[0], "train"), planned().pipelines[0], seed=0).model
+    assert not torch.allclose(rldsl_logits(base, ids), policy, atol=1e-3)  # the adapters moved it
+    assert_same_logits(tmp_path / "hf", ids, policy)
+    assert not (tmp_path / "hf" / "adapter").exists()  # a builtin base has no directory PEFT could name
+
+
+def test_an_hf_lora_run_exports_a_peft_adapter_that_loads_on_its_base(tmp_path):
+    import transformers
+    from peft import PeftModel
+
+    from tests.test_export import assert_same_logits, export, hf_llama, pipeline_text, rldsl_logits, token_rows
+
+    source = hf_llama(tmp_path / "source")
+    text = pipeline_text(f"hf:{source}").replace(f'source = "hf:{source}"',
+                                                 f'source = "hf:{source}"  lora_rank = 4')
+    trainer = lora_run(tmp_path / "run", text.replace("lr = 5e-4", "lr = 5e-2"))
+    assert trainer.model.lora.targets == ["q_proj", "v_proj"]  # the default for Hugging Face models
+    assert export(tmp_path / "run", tmp_path / "hf") == 0
+    ids = token_rows(trainer.model.tokenizer)
+    policy = rldsl_logits(trainer.model, ids)
+    assert_same_logits(tmp_path / "hf", ids, policy)
+    adapter = tmp_path / "hf" / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(source)
+    base = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
+    with torch.no_grad():
+        assert not torch.allclose(base(ids).logits, policy, atol=1e-3)
+        peft_logits = PeftModel.from_pretrained(base, adapter)(ids).logits
+    assert torch.allclose(peft_logits, policy, atol=1e-5), float((peft_logits - policy).abs().max())

@@ -97,13 +97,19 @@ def textless_refusal(engine: str | None, use: str) -> str | None:
 
 
 LORA_ENGINES = ("torch", "sim")  # engines that train, score and serve LoRA adapters (sim: no model at all)
+LORA_SERVING_ENGINES = ("vllm",)  # generators that serve them per request
 
 
-def lora_refusal(engine: str | None, stage_kind: str, frozen: bool) -> str | None:
+def lora_refusal(engine: str | None, stage_kind: str, frozen: bool, update: str | None = None) -> str | None:
     """RLP118: a stage that holds the policy's LoRA adapters on an engine that cannot (a frozen reference
-    holds the base alone, on any engine)."""
+    holds the base alone, on any engine); vLLM serves them to generate, a request keeping its adapter to
+    its end, so versions cannot land mid-response."""
     if engine is None or engine in LORA_ENGINES or (stage_kind == "logprob" and frozen):
         return None
+    if stage_kind == "generate" and engine in LORA_SERVING_ENGINES:
+        return None if update != "interrupt" else (
+            f"engine `{engine}` serves LoRA adapters per request and a request keeps its adapter to its end, "
+            "so `update = interrupt` cannot land a version mid-response")
     return (f"the model trains LoRA adapters (`lora_rank`), and engine `{engine}` cannot "
             f"{'train' if stage_kind == 'train' else 'serve'} them yet")
 
@@ -167,7 +173,8 @@ def _models(pipe: PipelinePlan) -> list[tuple[str, str]]:
 def _lora(pipe: PipelinePlan) -> list[tuple[str, str]]:
     adapted = {m.name for m in pipe.models if m.lora is not None}
     return [("RLP118", f"stage `{s.name}`: {why}") for s in pipe.stages if s.engine and s.model in adapted
-            for why in [lora_refusal(s.engine.name, s.kind, bool(s.settings.get("frozen")))] if why]
+            for why in [lora_refusal(s.engine.name, s.kind, bool(s.settings.get("frozen")), s.settings.get("update"))]
+            if why]
 
 
 def _sampling(pipe: PipelinePlan) -> list[tuple[str, str]]:

@@ -131,14 +131,22 @@ def test_targets_that_match_no_layer_name_the_model_layers():
         build_trainer(stage(wrong, "train"), wrong, seed=0)
 
 
-def test_a_hand_made_plan_with_adapters_on_vllm_is_refused_by_the_launcher():
+def test_a_hand_made_plan_with_adapters_where_they_cannot_be_is_refused_by_the_launcher():
     plan = planned()
     pipe = plan.pipelines[0]
-    gen = stage(pipe, "generate")
-    vllm = replace(pipe, stages=[replace(s, engine=replace(s.engine, name="vllm")) if s is gen else s
-                                 for s in pipe.stages])
-    refusals = [r for r in plan_refusals(replace(plan, pipelines=[vllm])) if r.code == "RLP118"]
-    assert len(refusals) == 1 and "stage `rollout`" in str(refusals[0]) and "`vllm` cannot serve them" in str(refusals[0])
+
+    def refused(kind: str, engine: str, **settings) -> list[str]:
+        target = stage(pipe, kind)
+        changed = replace(target, engine=replace(target.engine, name=engine),
+                          settings={**target.settings, **settings})
+        edited = replace(pipe, stages=[changed if s is target else s for s in pipe.stages])
+        return [str(r) for r in plan_refusals(replace(plan, pipelines=[edited])) if r.code == "RLP118"]
+
+    assert refused("generate", "vllm") == []  # vLLM serves them per request
+    assert "cannot land a version mid-response" in refused("generate", "vllm", update="interrupt")[0]
+    assert "`sglang` cannot serve them" in refused("generate", "sglang")[0]
+    assert "`fsdp` cannot train them" in refused("train", "fsdp")[0]
+    assert refused("logprob", "vllm") == []  # the frozen reference: the base, on any engine
 
 
 # -- export: the merged model, and PEFT's adapter directory for an hf: base -----------------------------
@@ -192,3 +200,19 @@ def test_an_hf_lora_run_exports_a_peft_adapter_that_loads_on_its_base(tmp_path):
         assert not torch.allclose(base(ids).logits, policy, atol=1e-3)
         peft_logits = PeftModel.from_pretrained(base, adapter)(ids).logits
     assert torch.allclose(peft_logits, policy, atol=1e-5), float((peft_logits - policy).abs().max())
+
+
+def test_check_refuses_interrupting_updates_on_a_vllm_generator_serving_adapters():
+    text = PIPELINE.read_text().replace('source = "builtin:tiny-lm"', 'source = "hf:/models/llama"  params = 8B')
+    text = text.replace('  lora_targets = ["qkv", "out"]\n', "").replace("  engine = torch\n  gpus = 1\n  samples",
+                                                                           "  engine = vllm\n  gpus = 1\n  samples")
+    assert "engine = vllm" in text
+
+    def findings(source: str) -> list:
+        result = compile_source(source, str(PIPELINE), base_dir=PIPELINE.parent)
+        return [d for d in result.diagnostics if d.code == "RLP118"]
+
+    assert findings(text) == []
+    interrupting = findings(text.replace("  temperature = 1.0\n", "  temperature = 1.0\n  update = interrupt\n"))
+    assert len(interrupting) == 1 and "mid-response" in interrupting[0].message
+    assert interrupting[0].help == "set `update = between_requests` (the default)"

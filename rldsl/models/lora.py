@@ -82,19 +82,24 @@ def load_trained_state(module, state: dict) -> None:
     module.load_state_dict(state, strict=False)
 
 
-def peft_adapter_state(module, prefix: str = "base_model.model.") -> dict:
-    """The adapters under PEFT's saved names (``adapter_model.safetensors``:
-    ``base_model.model.<layer>.lora_A.weight``)."""
+def peft_names(adapters: dict, prefix: str = "base_model.model.") -> dict:
+    """Engine-held adapter tensors (``<layer>.lora_A.default.weight``) under
+    the names PEFT saves them (``base_model.model.<layer>.lora_A.weight``)."""
     marker = f".{ADAPTER_NAME}."
-    return {prefix + name.replace(marker, "."): tensor.detach().cpu().contiguous()
-            for name, tensor in trained_state(module).items()}
+    return {prefix + name.replace(marker, "."): tensor.detach().cpu().contiguous() for name, tensor in adapters.items()}
 
 
-def peft_adapter_config(lora, base: str) -> dict:
-    """``adapter_config.json`` for ``peft.PeftModel.from_pretrained(base_model, directory)``."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
-            "lora_alpha": lora.alpha, "target_modules": list(lora.targets), "lora_dropout": 0.0, "bias": "none",
-            "fan_in_fan_out": False, "inference_mode": True}
+def peft_adapter_state(module) -> dict:
+    """The module's adapters as PEFT saves them (``adapter_model.safetensors``)."""
+    return peft_names(trained_state(module))
+
+
+def peft_adapter_config(rank: int, alpha: float, targets, base: str, fan_in_fan_out: bool = False) -> dict:
+    """``adapter_config.json`` for ``peft.PeftModel.from_pretrained(base_model, directory)`` (vLLM's
+    ``LoRARequest`` reads the same directory)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
+            "lora_alpha": alpha, "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none",
+            "fan_in_fan_out": fan_in_fan_out, "inference_mode": True}
 
 
 def merged_state(module) -> dict:

@@ -18,9 +18,9 @@ from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
 from rldsl.compiler.schema import ENGINES
 from rldsl.compiler.types import arg_span
 from rldsl.launch_rules import (
-    BUILTIN_CONTEXT, BUILTIN_TINY, UNKNOWN_PROMPT_TOKENS, chat_template_refusal, checkpoint_refusal, clip_refusal,
-    context_refusal, longest_prompt, lora_refusal, min_tokens_refusal, response_limit, shared_logprob_refusal, temperature_refusal, textless_refusal,
-    top_p_refusal,
+    BUILTIN_CONTEXT, BUILTIN_TINY, LORA_SERVING_ENGINES, UNKNOWN_PROMPT_TOKENS, chat_template_refusal,
+    checkpoint_refusal, clip_refusal, context_refusal, longest_prompt, lora_refusal, min_tokens_refusal,
+    response_limit, shared_logprob_refusal, temperature_refusal, textless_refusal, top_p_refusal,
 )
 from rldsl.plan import evaluates_held_out
 
@@ -242,8 +242,14 @@ def check_lora(ctx: Context) -> list[Diagnostic]:
             continue
         engine = _engine(stage)
         serves = engine is not None and stage.stage_kind in ENGINES[engine].stage_kinds  # else RLP108's
-        why = serves and lora_refusal(engine, stage.stage_kind, bool(stage.get("frozen", False)))
-        if why:
+        update = stage.get("update") if stage.stage_kind == "generate" and stage.valid("update") else None
+        why = serves and lora_refusal(engine, stage.stage_kind, bool(stage.get("frozen", False)), update)
+        if why and engine in LORA_SERVING_ENGINES and stage.stage_kind == "generate":  # it serves them: not mid-response
+            out.append(Diagnostic("RLP118", ERROR, f"{ctx.label(stage.name)}: {why}", stage.span_of("update"),
+                                  notes=(f"model `{model.name}` declares `lora_rank = {model['lora_rank']}`",),
+                                  help="set `update = between_requests` (the default)",
+                                  edit=(stage.span_of("update"), "between_requests")))
+        elif why:
             out.append(Diagnostic("RLP118", ERROR, f"{ctx.label(stage.name)}: {why}",
                                   stage["engine"].name_span or stage.span_of("engine"),
                                   notes=(f"model `{model.name}` declares `lora_rank = {model['lora_rank']}`",),

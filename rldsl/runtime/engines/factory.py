@@ -6,7 +6,7 @@ already checked that the engine serves the stage kind.
 
 from __future__ import annotations
 
-from rldsl.plan import ModelPlan, PipelinePlan, StagePlan
+from rldsl.plan import LoraPlan, ModelPlan, PipelinePlan, StagePlan
 
 
 class EngineUnavailable(RuntimeError):
@@ -89,8 +89,8 @@ def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int):
     if name == "vllm":
         from rldsl.runtime.engines.vllm import VLLMGenerator
 
-        return VLLMGenerator.from_path(_hf_path(pipe, stage), _vllm_options(stage), seed=seed,
-                                       **sampling_settings(stage))
+        return VLLMGenerator.from_path(_hf_path(pipe, stage), _vllm_options(stage, _model(pipe, stage).lora),
+                                       seed=seed, **sampling_settings(stage))
     if name == "sglang":
         from rldsl.runtime.engines.sglang import SGLangGenerator
 
@@ -294,13 +294,16 @@ def _hf_path(pipe: PipelinePlan, stage: StagePlan) -> str:
     return source[len("hf:"):]
 
 
-def _vllm_options(stage: StagePlan):
+def _vllm_options(stage: StagePlan, lora: LoraPlan | None = None):
+    """A vllm stage's engine options; ``lora``: the policy's adapters, which a generator serves."""
     from rldsl.runtime.engines.vllm import VLLMOptions
 
     args = stage.engine.args
+    adapters = {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": tuple(lora.targets)} if lora else {}
     return VLLMOptions(tp=args["tp"], pp=args.get("pp", 1), spans_nodes=any(r.remote for r in stage.ranks),
                        gpu_memory=args["gpu_memory"], sleep=args["sleep"],
-                       max_model_len=args.get("max_model_len"), dtype=args["dtype"], kv_cache=args.get("kv_cache"))
+                       max_model_len=args.get("max_model_len"), dtype=args["dtype"], kv_cache=args.get("kv_cache"),
+                       **adapters)
 
 
 def _sglang_options(stage: StagePlan):

@@ -25,6 +25,11 @@ vLLM's CPU build: docs/engines.md).
   version; with ``update = interrupt`` a version lands in the middle of
   groups and vLLM reports the version of every token (each request
   recomputes its KV cache under the new weights).
+- LoRA (a model with `lora_rank`): vLLM starts with ``enable_lora`` and a
+  push carries only the adapters, which become vLLM's adapter of that
+  version (``AsyncVLLM.load_adapter``); every request submitted after it
+  runs on it. A request keeps its adapter to its end, so versions land
+  between requests only (`check` refuses `update = interrupt`, RLP118).
 - Colocated placement: ``enable_sleep_mode`` lets ``sleep`` release the GPU
   (level 1 keeps the weights in host memory, level 2 drops them: use it only
   when a full weight sync follows every wake) and ``wake`` take it back.
@@ -123,6 +128,9 @@ class VLLMOptions:
     dtype: str = "bf16"
     sleep_level: int = 1  # the level for `sleep = True`
     enforce_eager: bool | None = None  # None: on a GPU capture graphs, on a CPU run eagerly (see engine_args)
+    lora_rank: int = 0  # the policy's LoRA adapters (rank, alpha, targets): served per request; 0: none
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()
 
     @property
     def level(self) -> int:
@@ -144,6 +152,8 @@ class VLLMOptions:
             # vLLM's CPU build would compile the model with inductor first, minutes for a tiny model
             "enforce_eager": not torch.cuda.is_available() if self.enforce_eager is None else self.enforce_eager,
         }
+        if self.lora_rank:
+            kwargs.update(enable_lora=True, max_lora_rank=lora_rank_served(self.lora_rank), max_loras=1)
         if self.max_model_len:
             kwargs["max_model_len"] = self.max_model_len
         if self.kv_cache:
@@ -160,6 +170,17 @@ class VLLMOptions:
         if self.spans_nodes:
             return "ray"
         return "mp" if self.tp * self.pp > 1 else None
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's `max_lora_rank` choices
+
+
+def lora_rank_served(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM takes that serves adapters of ``rank``."""
+    fits = [served for served in LORA_RANKS if served >= rank]
+    if not fits:
+        raise ValueError(f"vLLM serves LoRA ranks up to {LORA_RANKS[-1]}, not {rank}")
+    return fits[0]
 
 
 def start_engine(model_path: str, options: VLLMOptions, seed: int) -> AsyncVLLM:
@@ -223,16 +244,33 @@ class _VLLMEngine(ServingEngine):
         self.llm = llm
         self.options = options
         self._buckets: list[list[tuple[str, torch.Tensor]]] = []  # of the version being received
+        self.adapter = None  # with LoRA: the newest version's LoRARequest (None: the base, version 0's)
 
     def update_weights(self, bucket: Mapping[str, Any], version: int, last: bool) -> None:
-        """Gathered until the last bucket of ``version``; then all loaded in place at once."""
+        """Gathered until the last bucket of ``version``; then all loaded in
+        place at once, or with LoRA made vLLM's adapter of that version."""
         self._require_awake("update_weights")
         self._sync.check_accepts(version)
         self._buckets.append(bucket_items(bucket))
         if last:
             buckets, self._buckets = self._buckets, []
-            self.llm.load_weights(buckets, version)
+            if self.options.lora_rank:
+                self.adapter = self._load_adapter(buckets, version)
+            else:
+                self.llm.load_weights(buckets, version)
         self._sync.receive(version, last)
+
+    def _load_adapter(self, buckets, version: int):
+        from rldsl.models.lora import is_adapter, peft_adapter_config, peft_names
+
+        tensors = dict(item for bucket in buckets for item in bucket)
+        others = sorted(name for name in tensors if not is_adapter(name))
+        if others:
+            raise ValueError(f"a LoRA push holds weights that are no adapters ({others[:3]}): the trainer must "
+                             "train the same adapters (`lora_rank` on its model)")
+        options = self.options
+        config = peft_adapter_config(options.lora_rank, options.lora_alpha, options.lora_targets, "base")
+        return self.llm.load_adapter(peft_names(tensors), config, version, self.adapter)
 
     def _sleeps(self) -> bool:
         return bool(self.options.sleep)
@@ -279,7 +317,8 @@ class VLLMGenerator(ServingGeneration, _VLLMEngine):
         ids = prompt_token_ids(self.tokenizer, prompts)
         params = [self._params(n, request_seed) for request_seed in request_seeds(seed, len(ids))]
         version = self.version
-        return then(self.llm.submit(ids, params), lambda samples: batch_from_samples(ids, samples, n, version))
+        return then(self.llm.submit(ids, params, self.adapter),
+                    lambda samples: batch_from_samples(ids, samples, n, version))
 
     def _params(self, n: int, seed: int | None, temperature: float | None = None):
         """A rollout's sampling; with ``temperature`` given, an evaluation's (never held back from EOS)."""
@@ -303,7 +342,7 @@ class VLLMGenerator(ServingGeneration, _VLLMEngine):
         self._require_ready()
         ids = prompt_token_ids(self.tokenizer, prompts)
         params = [self._params(1, None, temperature=0.0)] * len(ids)
-        samples = self.llm.generate(ids, params)
+        samples = self.llm.generate(ids, params, self.adapter)
         return decode_responses(self.tokenizer, batch_from_samples(ids, samples, 1, self.version))
 
     def abort_requests(self) -> int:

@@ -17,6 +17,9 @@ What the vLLM engines (vllm.py) need of vLLM, in calls that return at once
   ``pause_generation(mode="keep")``, each bucket loaded by the workers
   (vllm_worker.py), the version set, the prefix cache reset (running
   requests recompute theirs under the new weights), ``resume_generation``;
+- LoRA adapters (``load_adapter``): each version written as PEFT's
+  directory and added to vLLM as a ``LoRARequest`` of its own, which the
+  requests submitted after it name; the version before it removed;
 - ``abort``: every request in flight ends now (a stop, a timeout).
 
 vLLM is imported only when an engine is built (``AsyncVLLM.start``).
@@ -26,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
@@ -74,13 +79,14 @@ class AsyncVLLM:
 
     # -- generation --------------------------------------------------------------------
 
-    def submit(self, prompts: Sequence[Sequence[int]], params: Sequence) -> Future:
-        """Each prompt a request with its own ``SamplingParams`` (``n`` children);
-        a future of, per prompt, its samples in child order."""
-        return self.loop.submit(self._requests(prompts, params))
+    def submit(self, prompts: Sequence[Sequence[int]], params: Sequence, adapter=None) -> Future:
+        """Each prompt a request with its own ``SamplingParams`` (``n`` children),
+        on the LoRA ``adapter`` if given (a ``LoRARequest``); a future of, per
+        prompt, its samples in child order."""
+        return self.loop.submit(self._requests(prompts, params, adapter))
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence) -> list[list[Sample]]:
-        return self.submit(prompts, params).result()
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence, adapter=None) -> list[list[Sample]]:
+        return self.submit(prompts, params, adapter).result()
 
     def score(self, rows: Sequence[Sequence[int]], params) -> list:
         """Each row once as a prompt (``prompt_logprobs``): its final outputs."""
@@ -89,10 +95,10 @@ class AsyncVLLM:
     async def _finals(self, rows, params) -> list:
         return list(await asyncio.gather(*(self._final(row, params) for row in rows)))
 
-    async def _requests(self, prompts, params) -> list[list[Sample]]:
-        return list(await asyncio.gather(*(self._request(list(p), sp) for p, sp in zip(prompts, params))))
+    async def _requests(self, prompts, params, adapter=None) -> list[list[Sample]]:
+        return list(await asyncio.gather(*(self._request(list(p), sp, adapter) for p, sp in zip(prompts, params))))
 
-    async def _request(self, prompt: list[int], params) -> list[Sample]:
+    async def _request(self, prompt: list[int], params, adapter=None) -> list[Sample]:
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.DELTA
@@ -100,7 +106,8 @@ class AsyncVLLM:
         request_id = f"rldsl-{next(self._ids)}"
         self._in_flight.add(request_id)
         try:
-            async for output in self.engine.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
+            async for output in self.engine.generate({"prompt_token_ids": prompt}, params, request_id=request_id,
+                                                     lora_request=adapter):
                 for delta in output.outputs:
                     self._take(samples[delta.index], delta)
         finally:
@@ -162,6 +169,35 @@ class AsyncVLLM:
             await self.engine.collective_rpc(LOAD_BUCKET_RPC, args=(path, first, last))
         finally:
             os.unlink(path)
+
+    def load_adapter(self, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int, previous=None):
+        """LoRA adapters (PEFT's names and ``adapter_config.json``) as vLLM's
+        adapter of ``version``, which requests name from now on; vLLM's
+        version set, the ``previous`` adapter removed (no request in flight
+        uses it: versions land between requests). Returns its ``LoRARequest``."""
+        return self.loop.run(self._load_adapter(dict(tensors), dict(config), version, previous))
+
+    async def _load_adapter(self, tensors, config, version: int, previous):
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        directory = tempfile.mkdtemp(prefix=f"rldsl-adapter-v{version}-",
+                                     dir=SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None)
+        try:
+            with open(os.path.join(directory, "adapter_config.json"), "w") as file:
+                json.dump(config, file)
+            save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
+            adapter = LoRARequest(f"rldsl-v{version}", version + 1, directory)  # ids start at 1
+            if not await self.engine.add_lora(adapter):
+                raise RuntimeError(f"vLLM refused the LoRA adapter of version {version}")
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        await self.engine.update_weight_version(str(version))
+        if previous is not None:
+            await self.engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        return adapter
 
     async def weight_version(self) -> int:
         return int(await self.engine.get_weight_version())

@@ -35,8 +35,8 @@ class AdaptedPolicy:
         from safetensors.torch import save_file
 
         out.mkdir(parents=True)
-        config = peft_adapter_config(self.lora, base)
-        config["fan_in_fan_out"] = _conv1d_targets(self.policy.module)  # GPT-2's Conv1D holds [in, out]
+        config = peft_adapter_config(self.lora.rank, self.lora.alpha, self.lora.targets, base,
+                                     _conv1d_targets(self.policy.module))  # GPT-2's Conv1D holds [in, out]
         (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(peft_adapter_state(self.policy.module), str(out / "adapter_model.safetensors"))
 

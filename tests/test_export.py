@@ -244,7 +244,7 @@ def _fsdp_worker(rank: int, port: int, runs: dict, results: dict):
         dist.destroy_process_group()
 
 
-def test_fsdp_two_ranks_export_from_the_full_state_file(tmp_path):
+def test_fsdp_two_ranks_export_from_their_shards(tmp_path):
     from rldsl.models import CharTokenizer, load_tokenizer
 
     source = hf_llama(tmp_path / "source")

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import copy
 import os
+import time
+from pathlib import Path
 
 import pytest
 
@@ -102,6 +104,8 @@ def full_optimizer_state(trainer) -> dict:
 def checkpoint_round_trip(batch, directory, **options) -> None:
     trainer = two_optimizer_steps(batch, **options)
     trainer.save_checkpoint(directory)
+    shards = Path(directory) / "fsdp"  # each rank wrote its own shards; nothing was gathered into one file
+    assert list(shards.glob(f"__{dist.get_rank()}_*.distcp")) and not (Path(directory) / "fsdp.pt").exists()
     restored = FsdpTrainer(make_model(), lr=1e-2, **options)
     assert restored.load_checkpoint(directory) == 1 and restored.optimizer_steps == 2
     for a, b in zip(full_values(trainer.parameters), full_values(restored.parameters)):
@@ -298,6 +302,21 @@ def test_one_rank_matches_full_batch_and_keeps_state(one_process_group, tmp_path
     buckets_match_the_model()
     sleep_and_wake_keep_values(batch)
     assert isinstance(FsdpTrainer(make_model()), Trainer)
+
+
+def test_a_checkpoint_written_before_as_one_gathered_file_still_loads(one_process_group, tmp_path):
+    from rldsl.runtime.atomic import save_torch_state
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    trainer = two_optimizer_steps(make_batch(make_model()))
+    model_state, optimizer_state = get_state_dict(trainer.model.module, trainer.optimizer,
+                                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    save_torch_state(tmp_path / "fsdp.pt", {"model": model_state, "optimizer": optimizer_state, "version": 1,
+                                            "optimizer_steps": 2})  # as every checkpoint was written before
+    restored = FsdpTrainer(make_model(), lr=1e-2)
+    assert restored.load_checkpoint(tmp_path) == 1 and restored.optimizer_steps == 2
+    for a, b in zip(full_values(trainer.parameters), full_values(restored.parameters)):
+        assert torch.equal(a, b)
 
 
 def test_layers_recompute_only_when_training(one_process_group):

@@ -4,8 +4,9 @@ Each trainer engine saves in its own format (docs/engines.md):
 
 - torch: ``trainer/torch.pt``, the module's full state dict under ``model`` (a LoRA run's: only its
   adapters, merged into the base by ``export/adapters.py``);
-- fsdp: ``trainer/fsdp.pt``, the full (gathered) state dict under ``model``,
-  the same names as the unsharded module;
+- fsdp: ``trainer/fsdp/``, each rank's shards (``torch.distributed.checkpoint``),
+  read whole under the unsharded module's names (an earlier run's
+  ``trainer/fsdp.pt``: the gathered state dict under ``model``);
 - megatron: one file per rank under ``trainer/megatron/``, merged back to
   Hugging Face tensors by ``engines.megatron.hf_export``.
 
@@ -26,7 +27,7 @@ from rldsl.models.base import BUILTIN_TINY
 import rldsl.models.tiny_gpt2 as tiny_gpt2
 from rldsl.runtime.export.writer import copy_generation_config, copy_tokenizer, transformers_offline
 
-SINGLE_FILE_ENGINES = ("torch", "fsdp")
+MODULE_STATE_ENGINES = ("torch", "fsdp")  # checkpoints that hold the model under its module's names
 
 
 class ExportError(Exception):
@@ -48,7 +49,7 @@ class ExportableModel:
 def read_checkpoint(engine: str, trainer_dir: Path, source: str, state: dict | None = None) -> ExportableModel:
     """The checkpoint in ``trainer_dir`` as a model of ``source``'s architecture; ``state``: the
     weights already read (a LoRA run's, merged: export/adapters.py) under the engine's names."""
-    if engine not in (*SINGLE_FILE_ENGINES, "megatron"):
+    if engine not in (*MODULE_STATE_ENGINES, "megatron"):
         raise ExportError(f"a {engine} trainer keeps no model weights, so there is nothing to export",
                           "export runs whose train stage uses engine torch, fsdp or megatron")
     if source == BUILTIN_TINY:
@@ -59,7 +60,7 @@ def read_checkpoint(engine: str, trainer_dir: Path, source: str, state: dict | N
 
 
 def _builtin_tiny(engine: str, trainer_dir: Path, state: dict | None) -> ExportableModel:
-    if engine not in SINGLE_FILE_ENGINES:
+    if engine not in MODULE_STATE_ENGINES:
         raise ExportError(f"trainer.json names the {engine} engine, which does not train {BUILTIN_TINY}")
     state = module_state(engine, trainer_dir) if state is None else state
     try:
@@ -89,17 +90,26 @@ def _hf_model(engine: str, trainer_dir: Path, path: Path, state: dict | None) ->
 
 
 def module_state(engine: str, trainer_dir: Path) -> dict[str, torch.Tensor]:
-    """The ``model`` entry of a torch or fsdp checkpoint; memory-mapped, so
-    the optimizer state beside it is never read."""
+    """The model of a torch or fsdp checkpoint; the optimizer state beside it
+    is never read (a torch file is memory-mapped; fsdp shards are read by
+    their metadata, fsdp/state.py)."""
+    if engine == "fsdp":
+        from rldsl.runtime.engines.fsdp.state import CHECKPOINT_DIR, read_model_state
+
+        if (trainer_dir / CHECKPOINT_DIR).is_dir():
+            return _read(trainer_dir / CHECKPOINT_DIR, lambda: read_model_state(trainer_dir))
     file = trainer_dir / _checkpoint_file(engine)
     if not file.is_file():
         raise ExportError(f"{file} is missing: the checkpoint is not a {engine} trainer's",
                           "check trainer.json's engine, or export another version with --version")
+    return _read(file, lambda: dict(torch.load(file, map_location="cpu", weights_only=True, mmap=True)["model"]))
+
+
+def _read(where: Path, read) -> dict[str, torch.Tensor]:
     try:
-        saved = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        return dict(saved["model"])
+        return read()
     except Exception as err:  # noqa: BLE001 - a damaged file, whatever torch raises for it
-        raise ExportError(f"cannot read {file}: {type(err).__name__}: {err}",
+        raise ExportError(f"cannot read {where}: {type(err).__name__}: {err}",
                           "export another version with --version") from err
 
 

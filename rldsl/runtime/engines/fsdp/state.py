@@ -1,25 +1,32 @@
 """The fsdp trainer's state outside a step: weight export and checkpoints
 (offload: rldsl.runtime.engines.torch.offload).
 
-Checkpoints are one file, ``fsdp.pt``, holding the full (unsharded) model
-and optimizer state dicts under the parameters' names plus the version and
-the optimizer-step count, gathered to and written by rank 0. A full file
-loads at any rank count or shard size (and its ``model`` entry is a plain
-state dict), at the price of gathering everything on rank 0's host memory;
-sharded (``torch.distributed.checkpoint``) files would avoid that but tie a
-checkpoint to its layout.
+Checkpoints are sharded (``torch.distributed.checkpoint``): under
+``directory/fsdp/`` each rank writes its own shards of the model and of the
+optimizer state, nothing is gathered, and rank 0 adds the metadata and
+``fsdp.json`` (the version and the optimizer-step count). A rank's host
+memory holds its shards and one write buffer, so a checkpoint's time and
+memory shrink with the rank count instead of growing with the model. The
+files load at any rank count or ``shard`` size (each rank reads the pieces
+its own shards cover), and ``read_model_state`` reads the model alone,
+without a process group (`rldsl export`). A checkpoint written before, one
+gathered file ``fsdp.pt``, still loads.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-CHECKPOINT_FILE = "fsdp.pt"
+CHECKPOINT_DIR = "fsdp"  # the shards and their metadata
+COUNTERS_FILE = "fsdp.json"
+CHECKPOINT_FILE = "fsdp.pt"  # the gathered single file of earlier checkpoints
 
 
 def full_state_buckets(module: torch.nn.Module, bucket_bytes: int):
@@ -48,22 +55,53 @@ def full_state_buckets(module: torch.nn.Module, bucket_bytes: int):
         yield bucket
 
 
-def save_full_checkpoint(directory, module, optimizer, counters: dict) -> None:
-    from rldsl.runtime.atomic import save_torch_state
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # ranks > 0 get empty dicts
-    model_state, optimizer_state = get_state_dict(module, optimizer, options=options)
+def save_checkpoint(directory, module, optimizer, counters: dict) -> None:
+    """Each rank writes its shards of the model and optimizer state; rank 0
+    the metadata and the counters. A collective: returns on every rank once
+    the checkpoint is complete."""
+    model_state, optimizer_state = get_state_dict(module, optimizer)  # DTensors: this rank's shards
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=Path(directory) / CHECKPOINT_DIR)
     if dist.get_rank() == 0:
-        save_torch_state(Path(directory) / CHECKPOINT_FILE, {"model": model_state, "optimizer": optimizer_state,
-                                                             **counters})
-    dist.barrier()  # returns on every rank once the file is complete
+        from rldsl.runtime.atomic import write_json_atomically
+
+        write_json_atomically(Path(directory) / COUNTERS_FILE, counters)
+    dist.barrier()
 
 
-def load_full_checkpoint(directory, module, optimizer) -> dict:
-    """Loads ``fsdp.pt`` into this rank's shards; returns its counters."""
+def load_checkpoint(directory, module, optimizer) -> dict:
+    """This rank's shards from ``directory`` (sharded, or an earlier gathered
+    ``fsdp.pt``); returns the counters."""
+    directory = Path(directory)
+    if not (directory / CHECKPOINT_DIR).is_dir() and (directory / CHECKPOINT_FILE).is_file():
+        return _load_full_checkpoint(directory, module, optimizer)
+    model_state, optimizer_state = get_state_dict(module, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=directory / CHECKPOINT_DIR)  # in place, into this rank's shards
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return json.loads((directory / COUNTERS_FILE).read_text())
+
+
+def read_model_state(directory) -> dict[str, torch.Tensor]:
+    """The whole model, unsharded, from a checkpoint ``directory``, in this
+    process alone (no process group): the metadata says every tensor's
+    shape and dtype, and each is read whole. The optimizer state is not read."""
+    directory = Path(directory)
+    if not (directory / CHECKPOINT_DIR).is_dir():
+        from rldsl.runtime.atomic import load_torch_state
+
+        return dict(load_torch_state(directory / CHECKPOINT_FILE)["model"])
+    metadata = dcp.FileSystemReader(directory / CHECKPOINT_DIR).read_metadata()
+    prefix = "model."
+    state = {key[len(prefix):]: torch.empty(entry.size, dtype=entry.properties.dtype)
+             for key, entry in metadata.state_dict_metadata.items() if key.startswith(prefix)}
+    dcp.load({"model": state}, checkpoint_id=directory / CHECKPOINT_DIR, no_dist=True)
+    return state
+
+
+def _load_full_checkpoint(directory: Path, module, optimizer) -> dict:
     from rldsl.runtime.atomic import load_torch_state
 
-    saved = load_torch_state(Path(directory) / CHECKPOINT_FILE)
+    saved = load_torch_state(directory / CHECKPOINT_FILE)
     set_state_dict(module, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"],
                    options=StateDictOptions(full_state_dict=True))
     return {key: value for key, value in saved.items() if key not in ("model", "optimizer")}

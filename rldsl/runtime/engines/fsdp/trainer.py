@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from rldsl.runtime.engines.fsdp.loading import build_sharded
 from rldsl.runtime.engines.fsdp.sharding import build_mesh, ensure_process_group, reshard_all, training_device
-from rldsl.runtime.engines.fsdp.state import full_state_buckets, load_full_checkpoint, save_full_checkpoint
+from rldsl.runtime.engines.fsdp.state import full_state_buckets, load_checkpoint, save_checkpoint
 from rldsl.runtime.engines.torch.offload import Offloaded
 from rldsl.runtime.engines.policy_loss import PER_FORWARD_AGGREGATIONS, merge_stats
 from rldsl.runtime.engines.torch.packing import concat_rows, forward_rows, take_rows
@@ -102,17 +102,18 @@ class FsdpTrainer(TorchTrainer):
     # -- checkpoints and offload -------------------------------------------------
 
     def save_checkpoint(self, directory) -> None:
-        """Full model and optimizer state gathered to rank 0, which writes
-        ``directory/fsdp.pt`` (with version and optimizer steps). A collective."""
+        """Each rank writes its shards of the model and optimizer state under
+        ``directory/fsdp/``, rank 0 the version and optimizer steps
+        (fsdp/state.py). A collective."""
         self._require_idle("save_checkpoint")
-        save_full_checkpoint(directory, self.model.module, self.optimizer,
-                             {"version": self.version, "optimizer_steps": self.optimizer_steps})
+        save_checkpoint(directory, self.model.module, self.optimizer,
+                        {"version": self.version, "optimizer_steps": self.optimizer_steps})
 
     def load_checkpoint(self, directory) -> int:
-        """Every rank reads the file and keeps its shards (any rank count or
+        """Every rank reads the pieces its shards cover (any rank count or
         ``shard`` may load it); returns the version."""
         self._require_idle("load_checkpoint")
-        counters = load_full_checkpoint(directory, self.model.module, self.optimizer)
+        counters = load_checkpoint(directory, self.model.module, self.optimizer)
         self.version = counters["version"]
         self.optimizer_steps = counters.get("optimizer_steps", 0)
         return self.version

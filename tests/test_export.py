@@ -258,6 +258,14 @@ def test_fsdp_two_ranks_export_from_their_shards(tmp_path):
         tokenizer = CharTokenizer() if kind == "tiny" else load_tokenizer(source_name)
         assert_same_logits(tmp_path / f"{kind}-hf", token_rows(tokenizer), results[kind])
         assert_tokenizes_like(tmp_path / f"{kind}-hf", tokenizer)
+    # the same checkpoint of a bf16 trainer (`fsdp(dtype = bf16)`): exported in bf16, the dtype its forwards used
+    plan = json.loads((runs["tiny"][1] / "plan.json").read_text())
+    next(s for s in plan["pipelines"][0]["stages"] if s["kind"] == "train")["engine"]["args"]["dtype"] = "bf16"
+    (runs["tiny"][1] / "plan.json").write_text(json.dumps(plan))
+    assert export(runs["tiny"][1], tmp_path / "bf16-hf") == 0
+    assert json.loads((tmp_path / "bf16-hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    fp32, bf16 = (sum(f.stat().st_size for f in (tmp_path / d).glob("*.safetensors")) for d in ("tiny-hf", "bf16-hf"))
+    assert bf16 < 0.55 * fp32
 
 
 # -- megatron: tp = 2 and pp = 2 on two ranks over gloo -------------------------------------------------

@@ -5,7 +5,7 @@
   process, dp 2 and 4 (full shard) and dp 4 with shard 2 (hybrid);
 - a rollout batch in two optimizer steps bumps the version once;
 - checkpoints restore weights, optimizer state, version and step count;
-- weight buckets are the unsharded model's state dict;
+- weight buckets are the unsharded model's state dict, in the compute dtype;
 - sleep / wake keep every value;
 - the model is sharded as it is built: parameters on meta when sharded, no
   rank holding a full parameter, an ``hf:`` model read from its safetensors
@@ -353,6 +353,10 @@ def test_bf16_compute_stays_close_to_fp32(one_process_group):
     assert error < 5e-2  # bf16 forwards against an fp32 reference
     trainer = FsdpTrainer(make_model(), dtype="bf16")
     assert all(p.dtype == torch.float32 for p in trainer.parameters)  # fp32 master shards
+    pushed = {name: t for bucket in trainer.weight_buckets(bucket_bytes=4096) for name, t in bucket.items()}
+    masters = model.module.state_dict()
+    assert all(t.dtype == torch.bfloat16 for t in pushed.values())  # pushes in the compute dtype: half the bytes
+    assert all(torch.equal(pushed[name], masters[name].to(torch.bfloat16)) for name in masters)
 
 
 def test_abort_drops_unreduced_gradients(one_process_group):

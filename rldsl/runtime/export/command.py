@@ -82,6 +82,8 @@ def export_run(run_dir: Path, out: Path, version: int | None = None, force: bool
     if trained.lora is not None:  # the checkpoint holds the adapters: the base comes from where the run had it
         adapted = AdaptedPolicy(trained, pipe, module_state(engine, checkpoint / TRAINER_DIR))
     model = read_checkpoint(engine, checkpoint / TRAINER_DIR, source, None if adapted is None else adapted.merged())
+    if engine == "fsdp":
+        model.state = in_compute_dtype(model.state, pipe.stage(pipe.batch.train_stage).engine.args.get("dtype"))
     staging = out.parent / f".{out.name}.exporting"
     try:
         shutil.rmtree(staging, ignore_errors=True)  # left by an export that was killed
@@ -101,6 +103,16 @@ def export_run(run_dir: Path, out: Path, version: int | None = None, force: bool
             raise ExportError(f"the checkpoint does not fit the model ({model.source}): {err}") from err
         raise
     return Exported(out, int(checkpoint.name[1:]), engine, model.source, architecture, size_on_disk(out))
+
+
+def in_compute_dtype(state: dict, dtype: str | None) -> dict:
+    """An fsdp checkpoint's fp32 master weights in the compute dtype the trainer's forwards used
+    (`bf16`: half the bytes, as its pushes); unchanged for `fp32`."""
+    if dtype in (None, "fp32"):
+        return state
+    from rldsl.runtime.engines.fsdp.sharding import DTYPES
+
+    return {name: t.to(DTYPES[dtype]) if t.is_floating_point() else t for name, t in state.items()}
 
 
 def _read_plan(run_dir: Path) -> ExecutionPlan:

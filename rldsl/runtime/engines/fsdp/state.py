@@ -29,9 +29,11 @@ COUNTERS_FILE = "fsdp.json"
 CHECKPOINT_FILE = "fsdp.pt"  # the gathered single file of earlier checkpoints
 
 
-def full_state_buckets(module: torch.nn.Module, bucket_bytes: int):
+def full_state_buckets(module: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None):
     """The state dict with every shard gathered, as CPU copies in buckets of
-    at most ``bucket_bytes`` (a larger tensor travels alone). Streams: a
+    at most ``bucket_bytes`` (a larger tensor travels alone); floating
+    tensors in ``dtype`` when given (the compute dtype: what the trainer's
+    forwards use, half the bytes of the fp32 masters in bf16). Streams: a
     bucket is yielded before the next tensor is gathered (sizes come from the
     sharded tensors' global shapes), so beyond its shards a rank holds about
     one bucket. Every rank gathers (one collective per tensor); only the
@@ -41,14 +43,15 @@ def full_state_buckets(module: torch.nn.Module, bucket_bytes: int):
     keeps = dist.get_rank() == 0
     bucket, used = {}, 0
     for name, tensor in module.state_dict().items():
-        size = tensor.numel() * tensor.element_size()  # a DTensor's numel is the full tensor's
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        size = tensor.numel() * cast.itemsize  # a DTensor's numel is the full tensor's
         if used and used + size > bucket_bytes:
             if keeps:
                 yield bucket
             bucket, used = {}, 0
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if keeps:
-            bucket[name] = full.detach().to("cpu", copy=True)
+            bucket[name] = full.detach().to("cpu", dtype=cast, copy=True)
         del full  # the gathered copy goes before the next gather
         used += size
     if keeps and bucket:

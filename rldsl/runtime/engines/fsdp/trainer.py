@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rldsl.runtime.engines.fsdp.loading import build_sharded
-from rldsl.runtime.engines.fsdp.sharding import build_mesh, ensure_process_group, reshard_all, training_device
+from rldsl.runtime.engines.fsdp.sharding import DTYPES, build_mesh, ensure_process_group, reshard_all, training_device
 from rldsl.runtime.engines.fsdp.state import full_state_buckets, load_checkpoint, save_checkpoint
 from rldsl.runtime.engines.torch.offload import Offloaded
 from rldsl.runtime.engines.policy_loss import PER_FORWARD_AGGREGATIONS, merge_stats
@@ -94,10 +94,11 @@ class FsdpTrainer(TorchTrainer):
 
     def weight_buckets(self, bucket_bytes: int):
         """Full (unsharded) tensors under the torch engine's (Hugging Face)
-        names, as CPU copies. A collective: every rank iterates it; only the
-        first rank yields buckets."""
+        names, as CPU copies in the compute dtype (the values the forwards
+        use). A collective: every rank iterates it; only the first rank
+        yields buckets."""
         self._require_awake("weight_buckets")
-        return full_state_buckets(self.model.module, bucket_bytes)
+        return full_state_buckets(self.model.module, bucket_bytes, DTYPES[self.dtype])
 
     # -- checkpoints and offload -------------------------------------------------
 

@@ -509,12 +509,31 @@ def _parallel_worker(rank: int, port: int, results: dict):
                 offset = megatron_model.layer_offset(trainer.model.module)
                 grads = {hmw.with_layer_offset(n, offset): p.main_grad.clone()
                          for n, p in trainer.model.module.named_parameters()}
-                exported = {n: t for b in trainer.weight_buckets(4096) for n, t in b.items()}
+                exported, gathers = streamed_export(trainer)
                 tp_rank = parallel_state.get_tensor_model_parallel_rank()
                 results[(tp, pp, overlap, rank)] = (tp_rank, grads, exported, metrics)
+                results[("gathers", tp, pp, overlap, rank)] = gathers
                 parallel_state.destroy_model_parallel()
     finally:
         dist.destroy_process_group()
+
+
+def streamed_export(trainer) -> tuple[dict, tuple[int, int]]:
+    """The trainer's exported weights, and how many tensor-parallel gathers
+    ran before its first bucket came and in all: a streamed export gathers a
+    tensor only when the buckets before it are out."""
+    import torch.distributed as dist
+
+    calls, all_gather = [], dist.all_gather
+    dist.all_gather = lambda *args, **kwargs: calls.append(1) or all_gather(*args, **kwargs)
+    try:
+        buckets = trainer.weight_buckets(4096)
+        first = next(buckets, {})
+        before_first = len(calls)
+        exported = {n: t for b in (first, *buckets) for n, t in b.items()}
+    finally:
+        dist.all_gather = all_gather
+    return exported, (before_first, len(calls))
 
 
 @pytest.mark.megatron
@@ -550,6 +569,9 @@ def test_data_tensor_and_pipeline_parallel_gradients_and_export_on_two_ranks(meg
         assert worst < 1e-5, (layout, worst)
         _, _, exported, metrics = results[(*layout, 0)]
         assert exported.keys() == weights.keys() and all(torch.equal(exported[n], weights[n]) for n in weights)
+        before_first, gathers = results[("gathers", *layout, 0)]
+        if layout[0] == 2:  # tensor-parallel: one tensor gathered at a time, never the whole stage first
+            assert 0 < before_first < gathers, (layout, before_first, gathers)
         assert metrics == results[(*layout, 1)][3]  # every rank reports the same global metrics
         assert metrics["tokens"] == float(batch["response_mask"].sum())
         # the generator's logprobs against the trainer's: sums over dp ranks, extremes by max over dp and pp

@@ -239,37 +239,45 @@ def export_hf_weights(model, shape: LlamaShape) -> Iterator[tuple[str, torch.Ten
 
 
 def _stage_weights(model, stage, tp_group, pp_group, pp_size, relay) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pipeline stage ``stage``'s full tensors, gathered over tensor parallelism
-    and (on the first tensor-parallel rank) broadcast to every stage."""
+    """Pipeline stage ``stage``'s full tensors one at a time: each gathered
+    over tensor parallelism and (on the first tensor-parallel rank)
+    broadcast to every stage, then yielded before the next is gathered, so a
+    rank holds one full tensor beyond its shards (not the stage's)."""
     from megatron.core import parallel_state
 
     here = parallel_state.get_pipeline_model_parallel_rank() == stage
-    gathered = _gather_tensor_parallel(local_weights(model), tp_group) if here else {}
+    gathered = _gather_tensor_parallel(local_weights(model), tp_group) if here else iter(())
     if pp_size == 1:
-        yield from gathered.items()
+        yield from gathered
         return
     if not relay:
+        for _ in gathered:  # its part of each tensor-parallel gather; another rank relays the stage
+            pass
         return
     source = dist.get_process_group_ranks(pp_group)[stage]
-    header = [[(name, tuple(t.shape), t.dtype) for name, t in gathered.items()]]
-    dist.broadcast_object_list(header, src=source, group=pp_group)
-    for name, size, dtype in header[0]:
-        tensor = gathered[name] if here else torch.empty(size, dtype=dtype, device=compute_device())
+    while True:
+        name, tensor = next(gathered, (None, None)) if here else (None, None)
+        header = [(name, tuple(tensor.shape), tensor.dtype) if name is not None else None]
+        dist.broadcast_object_list(header, src=source, group=pp_group)
+        if header[0] is None:  # the stage's tensors are all sent
+            return
+        name, size, dtype = header[0]
+        tensor = tensor if here else torch.empty(size, dtype=dtype, device=compute_device())
         dist.broadcast(tensor, src=source, group=pp_group)
         yield name, tensor
 
 
-def _gather_tensor_parallel(weights: Mapping[str, torch.Tensor], tp_group) -> dict[str, torch.Tensor]:
+def _gather_tensor_parallel(weights: Mapping[str, torch.Tensor], tp_group) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each weight whole, gathered over the tensor-parallel group as it is asked for."""
     size = dist.get_world_size(tp_group)
-    full = {}
     for name, tensor in weights.items():
         if size == 1 or tensor_parallel_kind(name) == "replicated":
-            full[name] = tensor.detach()
+            yield name, tensor.detach()
             continue
         shards = [torch.empty_like(tensor) for _ in range(size)]
         dist.all_gather(shards, tensor.detach().contiguous(), group=tp_group)
-        full[name] = merge_tensor_parallel(name, shards)
-    return full
+        yield name, merge_tensor_parallel(name, shards)
+        del shards
 
 
 # -- rows and log-probabilities ---------------------------------------------------------

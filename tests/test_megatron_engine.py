@@ -16,6 +16,7 @@ optimizer and NCCL need GPUs (see docs/engines.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -119,6 +120,10 @@ def test_assembler_waits_for_every_part_of_a_fused_weight():
     assert all(torch.equal(assembled[n], expected[n]) for n in expected)
 
 
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
 def test_shape_from_hf_config_reads_qwen2_biases_and_new_rope_format():
     config = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
               "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
@@ -127,6 +132,12 @@ def test_shape_from_hf_config_reads_qwen2_biases_and_new_rope_format():
     assert shape.qkv_bias and shape.tied_embeddings and shape.rope_theta == 1e6 and shape.kv_channels == 64
     with pytest.raises(NotImplementedError):
         hmw.LlamaShape.from_hf_config({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    llama3 = {**config, "rope_scaling": LLAMA31_ROPE}  # Llama 3.1 / 3.3 (3.2: factor 32)
+    assert hmw.LlamaShape.from_hf_config(llama3).rope_scaling_factor == 8.0
+    assert hmw.LlamaShape.from_hf_config(config).rope_scaling_factor is None
+    with pytest.raises(NotImplementedError, match="original_max_position_embeddings"):  # megatron fixes it at 8192
+        hmw.LlamaShape.from_hf_config({**config, "rope_scaling": {**LLAMA31_ROPE,
+                                                                  "original_max_position_embeddings": 4096}})
 
 
 # -- megatron-core on CPU -------------------------------------------------------------
@@ -401,6 +412,9 @@ def test_moe_aux_loss_metrics_are_divided_by_the_pipeline_microbatches_of_the_st
 HF_CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    # Llama 3.1's rope: with theta 5e5 two of the four frequencies of a head of 8 are scaled or smoothed
+    "llama3.1": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, rope_theta=500000.0,
+                                                         rope_scaling=LLAMA31_ROPE)),
 }
 
 
@@ -431,6 +445,31 @@ def test_converted_model_gives_the_hf_logits(megatron, hf_checkpoint):
         actual = megatron.forward_logits(model.eval(), packed)
     assert actual.shape == expected.shape
     assert float((actual - expected).abs().max()) < 1e-5
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("hf_checkpoint", ["llama3.1"], indirect=True)
+def test_llama31_rope_scaling_is_converted_and_matters_at_long_positions(megatron, hf_checkpoint, tmp_path):
+    _, hf_model = hf_checkpoint
+    with torch.no_grad():  # sharp attention (a random init's is near uniform and hides the positions)
+        for name, parameter in hf_model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(40.0)
+    path = tmp_path / "sharp"
+    hf_model.save_pretrained(path)
+    shape = hmw.LlamaShape.from_hf_config(json.loads((path / "config.json").read_text()))
+    tokens = torch.randint(0, 64, (2, 60), generator=torch.Generator().manual_seed(1))
+    packed = megatron.PackedRows(tokens, torch.arange(60).expand(2, 60), None, None, {})
+    logits = {}
+    for name, built in (("scaled", shape), ("plain", dataclasses.replace(shape, rope_scaling_factor=None))):
+        model = megatron.build_gpt_model(built, megatron.transformer_config(built, "fp32"))
+        megatron.load_hf_weights(model, megatron.read_hf_weights(path), built)
+        with torch.no_grad():
+            logits[name] = megatron.forward_logits(model.eval(), packed)
+    with torch.no_grad():
+        expected = hf_model(input_ids=tokens).logits
+    assert float((logits["scaled"] - expected).abs().max()) < 1e-5
+    assert float((logits["plain"] - expected).abs().max()) > 1e-3  # unscaled rope would be visibly wrong
 
 
 @pytest.mark.megatron

@@ -55,6 +55,7 @@ class LlamaShape:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_positions: int = 4096
+    rope_scaling_factor: float | None = None  # Llama 3.1+'s "llama3" rope scaling (megatron's `rope_scaling`)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -72,8 +73,6 @@ class LlamaShape:
     def from_hf_config(cls, config: Mapping) -> "LlamaShape":
         """From ``config.json`` of a Llama / Mistral / Qwen2 / Qwen3 model."""
         rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # older / newer transformers
-        if rope.get("rope_type", rope.get("type")) not in (None, "default"):
-            raise NotImplementedError(f"rope scaling {rope} is not converted; only plain rotary embeddings are")
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise NotImplementedError("output-projection and MLP biases are not converted")
         return cls(
@@ -89,7 +88,25 @@ class LlamaShape:
             norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=config.get("rope_theta") or rope.get("rope_theta", 10000.0),
             max_positions=config.get("max_position_embeddings", 4096),
+            rope_scaling_factor=llama3_rope_factor(rope),
         )
+
+
+# megatron-core's llama3 rope scaling takes the factor; the rest is fixed at Llama 3.1's values
+LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_rope_factor(rope: Mapping) -> float | None:
+    """The factor of Llama 3.1+'s rope scaling (3.1, 3.3: 8; 3.2: 32); None for plain rotary
+    embeddings. Other scalings (yarn, linear, dynamic), or llama3 with other fixed values, are refused."""
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind in (None, "default"):
+        return None
+    other = {key: rope.get(key) for key, value in LLAMA3_ROPE_FIXED.items() if rope.get(key, value) != value}
+    if kind != "llama3" or other:
+        raise NotImplementedError(f"rope scaling {dict(rope)} is not converted: only plain rotary embeddings and "
+                                  f"Llama 3.1's `llama3` scaling ({LLAMA3_ROPE_FIXED}, any factor) are")
+    return float(rope["factor"])
 
 
 @dataclass(frozen=True)

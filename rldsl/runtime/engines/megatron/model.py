@@ -149,6 +149,8 @@ def build_gpt_model(shape: LlamaShape, config):
         share_embeddings_and_output_weights=shape.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=int(shape.rope_theta),
+        **({"rope_scaling": True, "rope_scaling_factor": shape.rope_scaling_factor}
+           if shape.rope_scaling_factor else {}),
     )
     return model.to(compute_device())
 

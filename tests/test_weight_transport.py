@@ -222,6 +222,46 @@ def test_a_dead_member_does_not_hold_the_others_until_the_timeout(tmp_path):
     assert float(out[1].split()[-1].rstrip("s")) < 10  # the group's timeout is 120 s
 
 
+def _closes_with_a_transfer_pending(rank: int, store_path: str, results) -> None:
+    """Rank 1 waits on a broadcast rank 0 never sends, closes the group, and
+    both form the next epoch's group and use it."""
+    try:
+        store = torch.distributed.FileStore(store_path, 2)
+        first = form_group(store, "edge/0", rank, 2, timeout_s=8)
+        closed_in = 0.0
+        if rank == 1:
+            pending = first.broadcast(torch.zeros(4))  # never sent: pending until the group's timeout
+            time.sleep(0.2)
+            started = time.monotonic()
+            first.close()
+            del pending
+            closed_in = time.monotonic() - started
+        started = time.monotonic()
+        second = form_group(store, "edge/1", rank, 2, timeout_s=8)
+        tensor = torch.full((4,), 7.0) if rank == 0 else torch.zeros(4)
+        second.wait(second.broadcast(tensor))
+        results.put((rank, (closed_in, time.monotonic() - started, tensor.tolist())))
+        time.sleep(9)  # rank 0 keeps its first group until rank 1's dropped one has timed out
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((rank, traceback.format_exc()))
+
+
+def test_closing_a_group_with_a_transfer_pending_returns_at_once_and_the_next_group_forms(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    store = str(tmp_path / "store")
+    processes = [context.Process(target=_closes_with_a_transfer_pending, args=(rank, store, results))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    out = _results(results, 2, 60, processes)
+    for process in processes:
+        process.kill()
+    closed_in, next_formed_in, received = out[1]
+    assert closed_in < 1.0, out  # dropping it in place waited 7.5 s of its 8 s timeout
+    assert next_formed_in < 5.0 and received == [7.0] * 4, out
+
+
 def test_a_wait_that_is_called_off_raises_instead_of_waiting():
     from rldsl.runtime.transport.group import WeightGroup
 

@@ -98,7 +98,9 @@ class WeightGroupMember:
         from rldsl.runtime.transport.group import form_group
 
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self._weight_group = None  # the previous epoch's group is dropped first
+        if self._weight_group is not None:  # the previous epoch's group goes first, without waiting on it
+            self._weight_group.close()
+            self._weight_group = None
         store = group_store(name, rank, size, store_dir)
         self._weight_group = form_group(store, name, rank, size, device, collective_timeout_s(),
                                         should_abort=_called_off(name))

@@ -11,6 +11,7 @@ by ``new_group``.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -52,6 +53,22 @@ class WeightGroup:
                     next_check = time.monotonic() + _ABORT_POLL_S
                 time.sleep(0.001)
         work.wait()
+
+    def close(self) -> None:
+        """Let go of the group at once, even with a transfer still pending in
+        it (a member died mid-push). NCCL's ``abort()`` ends the pending
+        work. Gloo cannot end it: its group's destructor waits the pending
+        work out to the group's timeout (measured: 7.5 s of 8 s), so the last
+        reference is dropped on a thread of its own, not in the caller."""
+        group, self.process_group = self.process_group, None
+        if group is None:
+            return
+        if self.device.type == "cuda":
+            group.abort()
+            return
+        holder = [group]
+        del group
+        threading.Thread(target=holder.clear, name="weight-group-drop", daemon=True).start()
 
     def broadcast(self, tensor: torch.Tensor):
         """Rank 0's ``tensor`` into everyone's; returns the pending work (``.wait()`` it)."""

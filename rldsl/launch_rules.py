@@ -98,6 +98,7 @@ def textless_refusal(engine: str | None, use: str) -> str | None:
 
 LORA_ENGINES = ("torch", "sim")  # engines that train, score and serve LoRA adapters (sim: no model at all)
 LORA_SERVING_ENGINES = ("vllm",)  # generators that serve them per request
+LORA_TRAINING_ENGINES = ("fsdp",)  # sharded trainers that train them
 
 
 def lora_refusal(engine: str | None, stage_kind: str, frozen: bool, update: str | None = None) -> str | None:
@@ -105,6 +106,8 @@ def lora_refusal(engine: str | None, stage_kind: str, frozen: bool, update: str 
     holds the base alone, on any engine); vLLM serves them to generate, a request keeping its adapter to
     its end, so versions cannot land mid-response."""
     if engine is None or engine in LORA_ENGINES or (stage_kind == "logprob" and frozen):
+        return None
+    if stage_kind == "train" and engine in LORA_TRAINING_ENGINES:
         return None
     if stage_kind == "generate" and engine in LORA_SERVING_ENGINES:
         return None if update != "interrupt" else (

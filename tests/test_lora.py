@@ -145,8 +145,10 @@ def test_a_hand_made_plan_with_adapters_where_they_cannot_be_is_refused_by_the_l
     assert refused("generate", "vllm") == []  # vLLM serves them per request
     assert "cannot land a version mid-response" in refused("generate", "vllm", update="interrupt")[0]
     assert "`sglang` cannot serve them" in refused("generate", "sglang")[0]
-    assert "`fsdp` cannot train them" in refused("train", "fsdp")[0]
+    assert "`megatron` cannot train them" in refused("train", "megatron")[0]
+    assert refused("train", "fsdp") == []  # fsdp trains them
     assert refused("logprob", "vllm") == []  # the frozen reference: the base, on any engine
+    assert "`fsdp` cannot serve them" in refused("logprob", "fsdp", frozen=False)[0]  # a policy logprob stage
 
 
 # -- export: the merged model, and PEFT's adapter directory for an hf: base -----------------------------
@@ -216,3 +218,72 @@ def test_check_refuses_interrupting_updates_on_a_vllm_generator_serving_adapters
     interrupting = findings(text.replace("  temperature = 1.0\n", "  temperature = 1.0\n  update = interrupt\n"))
     assert len(interrupting) == 1 and "mid-response" in interrupting[0].message
     assert interrupting[0].help == "set `update = between_requests` (the default)"
+
+
+# -- fsdp: the adapters sharded, trained, pushed and checkpointed alone ----------------------------
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    from tests.ports import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def on_fsdp(pipe):
+    train = stage(pipe, "train")
+    fsdp = replace(train, engine=replace(train.engine, name="fsdp", args={"shard": 0, "offload": False,
+                                                                           "dtype": "fp32"}))
+    return replace(pipe, stages=[fsdp if s is train else s for s in pipe.stages]), fsdp
+
+
+def full(module) -> dict:
+    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+            for name, t in trained_state(module).items()}
+
+
+def test_fsdp_trains_the_same_adapters_as_the_torch_trainer_and_checkpoints_them_alone(one_rank, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    pipe = planned().pipelines[0]
+    torch_trainer = build_trainer(stage(pipe, "train"), pipe, seed=0)
+    fsdp_pipe, fsdp_stage = on_fsdp(pipe)
+    fsdp_trainer = build_trainer(fsdp_stage, fsdp_pipe, seed=0)
+    assert [n for n, p in fsdp_trainer.model.module.named_parameters() if p.requires_grad] == \
+        [n for n, p in torch_trainer.model.module.named_parameters() if p.requires_grad]
+    trained(torch_trainer)
+    trained(fsdp_trainer)
+    expected, got = full(torch_trainer.model.module), full(fsdp_trainer.model.module)
+    assert got.keys() == expected.keys()
+    assert max(float((got[n] - expected[n]).abs().max()) for n in got) < 1e-5
+    pushed = {n: t for b in fsdp_trainer.weight_buckets(1 << 12) for n, t in b.items()}
+    assert pushed.keys() == expected.keys()  # only the adapters travel
+
+    fsdp_trainer.save_checkpoint(tmp_path)
+    saved = FileSystemReader(tmp_path / "fsdp").read_metadata().state_dict_metadata
+    assert {k for k in saved if k.startswith("model.")} == {f"model.{n}" for n in expected}  # no base weight
+    resumed = build_trainer(fsdp_stage, fsdp_pipe, seed=1)
+    assert resumed.load_checkpoint(tmp_path) == 2
+    assert all(torch.equal(full(resumed.model.module)[n], got[n]) for n in got)
+
+
+def test_fsdp_builds_an_hf_model_with_adapters_on_meta_and_reads_only_the_base_from_its_files(one_rank, tmp_path):
+    from rldsl.models import load_model
+    from tests.test_export import hf_llama, pipeline_text
+
+    source = hf_llama(tmp_path / "source")
+    text = pipeline_text(f"hf:{source}").replace(f'source = "hf:{source}"', f'source = "hf:{source}"  lora_rank = 4')
+    pipe, fsdp_stage = on_fsdp(planned(text).pipelines[0])
+    trainer = build_trainer(fsdp_stage, pipe, seed=0)
+    state = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in
+             trainer.model.module.state_dict().items()}
+    base = load_model(f"hf:{source}").module.state_dict()
+    assert all(torch.equal(state[n.replace("q_proj.", "q_proj.base_layer.").replace("v_proj.", "v_proj.base_layer.")],
+                           t) for n, t in base.items())
+    adapters = full(trainer.model.module)
+    assert adapters and all(not t.any() for n, t in adapters.items() if ".lora_B." in n)  # the base, exactly
+    assert all(t.abs().sum() > 0 for n, t in adapters.items() if ".lora_A." in n)

@@ -139,7 +139,8 @@ def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, 
         return _reward_model(pipe, stage, params, shape, c)
     tokens, bucket = _train_tokens(pipe, stage, shape), _sync_bucket(pipe, stage)
     if engine.name == "fsdp":
-        return mm.fsdp_trainer(params, shape, c, engine.args.get("shard") or sp.dp, tokens, bucket, sleeps)
+        return mm.fsdp_trainer(params, shape, c, engine.args.get("shard") or sp.dp, tokens, bucket, sleeps,
+                               _lora_trained(model, shape))
     if engine.name == "megatron":
         return mm.megatron_trainer(params, shape, c, sp.tp, sp.pp, sp.dp,
                                    bool(engine.args.get("distributed_optimizer")), tokens, bucket, sleeps)

@@ -175,18 +175,20 @@ def forward_bytes(shape: ModelShape, tokens: int, c: int, split: int = 1, sliced
 
 
 def fsdp_trainer(params: float, shape: ModelShape, c: int, shard: int, tokens: int | None,
-                 bucket: float, sleeps: bool) -> StageMemory:
+                 bucket: float, sleeps: bool, trained: float | None = None) -> StageMemory:
     """FSDP2 with reshard_after_forward: fp32 master shards, fp32 gradient
     shards (reduce-scattered), AdamW m and v shards, each / the shard group;
     during a step also the layers in flight and the root unit (embedding and
-    head, gathered from forward to backward) in the compute dtype."""
+    head, gathered from forward to backward) in the compute dtype. With
+    LoRA, gradients, optimizer state and pushes are the ``trained`` adapters'."""
     shard = max(1, shard)
-    master, grads, optimizer = params * 4 / shard, params * 4 / shard, params * 8 / shard
+    trained = params if trained is None else trained
+    master, grads, optimizer = params * 4 / shard, trained * 4 / shard, trained * 8 / shard
     gathered = (FSDP_LAYERS_IN_FLIGHT * shape.layer_params + shape.embedding_params) * c
     acts = activation_bytes(shape, tokens, c, CHECKPOINTS_ACTIVATIONS["fsdp"]) if tokens else 0.0
     step = [("params", master), ("gathered layers", gathered), ("grads", grads), ("optimizer", optimizer),
             ("activations", acts)]
-    sync = [("params", master), ("optimizer", optimizer), ("buckets", bucket_bytes(bucket, params, c))]
+    sync = [("params", master), ("optimizer", optimizer), ("buckets", bucket_bytes(bucket, trained, c))]
     return _peak([("train step", step), ("weight sync", sync)], sleeps)
 
 

@@ -44,6 +44,19 @@ def add_lora(model: CausalLM, lora, seed: int = 0) -> CausalLM:
     return model
 
 
+def init_adapter_shard(name: str, tensor) -> None:
+    """An adapter tensor (or a shard of one) initialised as PEFT does:
+    ``lora_A`` Kaiming-uniform over its inputs, ``lora_B`` zero."""
+    import math
+
+    import torch
+
+    if ".lora_B." in name:
+        tensor.zero_()
+    else:
+        torch.nn.init.kaiming_uniform_(tensor, a=math.sqrt(5))
+
+
 def linear_layer_names(module) -> list[str]:
     """The last part of each linear layer's name, once each, in model order (what `lora_targets` names)."""
     import torch

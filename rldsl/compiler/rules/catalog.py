@@ -167,14 +167,15 @@ RULES: dict[str, Rule] = {r.code: r for r in [
     _r("RLP118", ERROR, "LoRA adapters on an engine that cannot train or serve them",
        "A model with `lora_rank` trains only its low-rank adapters, and every stage that holds the policy holds "
        "them: the trainer trains them, generators and policy logprob stages receive them in each push (only "
-       "they are pushed). The `torch` engines do all three (and `sim`, which has no model); a vLLM generator "
+       "they are pushed). The `torch` engines do all three (and `sim`, which has no model); `fsdp` trains "
+       "them; a vLLM generator "
        "serves each pushed version as an adapter of its own, per request, and a request keeps its adapter to "
-       "its end, so there `update = interrupt` cannot land a version mid-response. SGLang, fsdp, megatron and a "
-       "vLLM policy logprob stage do not hold adapters yet, and `rldsl run` would refuse the stage when it "
+       "its end, so there `update = interrupt` cannot land a version mid-response. SGLang, megatron, and fsdp "
+       "or vLLM policy logprob stages do not hold adapters yet, and `rldsl run` would refuse the stage when it "
        "starts. A frozen reference (`frozen`) is the base model, the policy with its adapters off, and runs on "
        "any engine.",
-       "model policy { source = \"builtin:tiny-lm\"  lora_rank = 8 }\n"
-       "stage train actor { model = policy  engine = fsdp(shard = 2) ... }",
+       "model policy { source = \"hf:/models/llama-8b\"  lora_rank = 16 }\n"
+       "stage train actor { model = policy  engine = megatron(tp = 2) ... }",
        "each stage's `engine`, `model`, `frozen` and `update`; its model's `lora_rank`."),
     _r("RLP201", ERROR, "dataflow cycle",
        "Data edges (`flow`) must form a DAG; the cycle is named. Weight edges (`sync`) close the RL loop and "

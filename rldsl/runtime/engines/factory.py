@@ -206,6 +206,10 @@ def build_trainer(stage: StagePlan, pipe: PipelinePlan, seed: int, process_group
             from rldsl.runtime.engines.fsdp.loading import meta_hf_model
 
             model = meta_hf_model(plan.source)
+            if plan.lora is not None:  # on meta too: the sharded load starts them as PEFT does
+                from rldsl.models.lora import add_lora
+
+                add_lora(model, plan.lora, pipe.run.seed)
         else:
             model = load_policy(plan, pipe, pipe.run.seed)
         return FsdpTrainer(model, shard=args["shard"], dtype=args["dtype"], offload=args["offload"],

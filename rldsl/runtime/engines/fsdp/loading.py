@@ -130,11 +130,21 @@ def materialize(module: nn.Module, device: torch.device, buffers: dict[str, torc
 def fill_shards(module: nn.Module, source: HFTensors) -> None:
     """Copy each parameter's rows for this rank from ``source`` (tensors in
     memory, or a checkpoint read slice by slice) into its local shard. A
-    tied parameter is read once, under whichever of its names the source has."""
+    tied parameter is read once, under whichever of its names the source has.
+    With LoRA adapters (rldsl.models.lora) a base weight is read under the
+    checkpoint's name (``q_proj.weight`` for ``q_proj.base_layer.weight``) and
+    adapters the source lacks start as PEFT starts them (``lora_B`` zero:
+    the adapted model equals the base)."""
+    from rldsl.models.lora import init_adapter_shard, is_adapter
+
     available = set(source)
     with torch.no_grad():
         for names, param in _parameters_with_aliases(module):
-            name = next((n for n in names if n in available), None)
+            candidates = names + [n.replace(".base_layer.", ".") for n in names]
+            name = next((n for n in candidates if n in available), None)
+            if name is None and is_adapter(names[0]):
+                init_adapter_shard(names[0], param.to_local())
+                continue
             if name is None:
                 raise KeyError(f"fsdp: no weights for parameter {names[0]!r} (aliases {names[1:]})")
             if source.shape_of(name) != tuple(param.shape):

@@ -29,7 +29,8 @@ COUNTERS_FILE = "fsdp.json"
 CHECKPOINT_FILE = "fsdp.pt"  # the gathered single file of earlier checkpoints
 
 
-def full_state_buckets(module: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None):
+def full_state_buckets(module: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None,
+                       only=None):
     """The state dict with every shard gathered, as CPU copies in buckets of
     at most ``bucket_bytes`` (a larger tensor travels alone); floating
     tensors in ``dtype`` when given (the compute dtype: what the trainer's
@@ -37,12 +38,15 @@ def full_state_buckets(module: torch.nn.Module, bucket_bytes: int, dtype: torch.
     bucket is yielded before the next tensor is gathered (sizes come from the
     sharded tensors' global shapes), so beyond its shards a rank holds about
     one bucket. Every rank gathers (one collective per tensor); only the
-    first rank keeps copies and yields, the others iterate along."""
+    first rank keeps copies and yields, the others iterate along. ``only``:
+    a test of the names to push (LoRA: the adapters)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     keeps = dist.get_rank() == 0
     bucket, used = {}, 0
     for name, tensor in module.state_dict().items():
+        if only is not None and not only(name):
+            continue
         cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         size = tensor.numel() * cast.itemsize  # a DTensor's numel is the full tensor's
         if used and used + size > bucket_bytes:
@@ -58,11 +62,19 @@ def full_state_buckets(module: torch.nn.Module, bucket_bytes: int, dtype: torch.
         yield bucket
 
 
+def _options(module) -> StateDictOptions:
+    """With LoRA adapters only they (and their optimizer state) are checkpointed: the base is frozen."""
+    from rldsl.models.lora import has_adapters
+
+    adapters = has_adapters(module)
+    return StateDictOptions(ignore_frozen_params=adapters, strict=not adapters)
+
+
 def save_checkpoint(directory, module, optimizer, counters: dict) -> None:
-    """Each rank writes its shards of the model and optimizer state; rank 0
-    the metadata and the counters. A collective: returns on every rank once
-    the checkpoint is complete."""
-    model_state, optimizer_state = get_state_dict(module, optimizer)  # DTensors: this rank's shards
+    """Each rank writes its shards of the model and optimizer state (with
+    LoRA, of the adapters); rank 0 the metadata and the counters. A
+    collective: returns on every rank once the checkpoint is complete."""
+    model_state, optimizer_state = get_state_dict(module, optimizer, options=_options(module))  # this rank's shards
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=Path(directory) / CHECKPOINT_DIR)
     if dist.get_rank() == 0:
         from rldsl.runtime.atomic import write_json_atomically
@@ -77,10 +89,12 @@ def load_checkpoint(directory, module, optimizer) -> dict:
     directory = Path(directory)
     if not (directory / CHECKPOINT_DIR).is_dir() and (directory / CHECKPOINT_FILE).is_file():
         return _load_full_checkpoint(directory, module, optimizer)
-    model_state, optimizer_state = get_state_dict(module, optimizer)
+    options = _options(module)
+    model_state, optimizer_state = get_state_dict(module, optimizer, options=options)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=directory / CHECKPOINT_DIR)  # in place, into this rank's shards
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)
     return json.loads((directory / COUNTERS_FILE).read_text())
 
 

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from rldsl.models.lora import has_adapters, is_adapter
 from rldsl.runtime.engines.fsdp.loading import build_sharded
 from rldsl.runtime.engines.fsdp.sharding import DTYPES, build_mesh, ensure_process_group, reshard_all, training_device
 from rldsl.runtime.engines.fsdp.state import full_state_buckets, load_checkpoint, save_checkpoint
@@ -98,7 +99,8 @@ class FsdpTrainer(TorchTrainer):
         use). A collective: every rank iterates it; only the first rank
         yields buckets."""
         self._require_awake("weight_buckets")
-        return full_state_buckets(self.model.module, bucket_bytes, DTYPES[self.dtype])
+        only = is_adapter if has_adapters(self.model.module) else None  # LoRA: the adapters alone
+        return full_state_buckets(self.model.module, bucket_bytes, DTYPES[self.dtype], only)
 
     # -- checkpoints and offload -------------------------------------------------
 

@@ -101,7 +101,8 @@ LORA_SERVING_ENGINES = ("vllm",)  # generators that serve them per request
 LORA_TRAINING_ENGINES = ("fsdp",)  # sharded trainers that train them
 
 
-def lora_refusal(engine: str | None, stage_kind: str, frozen: bool, update: str | None = None) -> str | None:
+def lora_refusal(engine: str | None, stage_kind: str, frozen: bool, update: str | None = None,
+                 sleep_level: int = 0) -> str | None:
     """RLP118: a stage that holds the policy's LoRA adapters on an engine that cannot (a frozen reference
     holds the base alone, on any engine); vLLM serves them to generate, a request keeping its adapter to
     its end, so versions cannot land mid-response."""
@@ -110,9 +111,13 @@ def lora_refusal(engine: str | None, stage_kind: str, frozen: bool, update: str 
     if stage_kind == "train" and engine in LORA_TRAINING_ENGINES:
         return None
     if stage_kind == "generate" and engine in LORA_SERVING_ENGINES:
-        return None if update != "interrupt" else (
-            f"engine `{engine}` serves LoRA adapters per request and a request keeps its adapter to its end, "
-            "so `update = interrupt` cannot land a version mid-response")
+        if update == "interrupt":
+            return (f"engine `{engine}` serves LoRA adapters per request and a request keeps its adapter to its "
+                    "end, so `update = interrupt` cannot land a version mid-response")
+        if sleep_level == 2:
+            return (f"engine `{engine}` with `sleep = 2` discards the base weights while asleep, and a LoRA push "
+                    "carries only the adapters: nothing would restore the base")
+        return None
     return (f"the model trains LoRA adapters (`lora_rank`), and engine `{engine}` cannot "
             f"{'train' if stage_kind == 'train' else 'serve'} them yet")
 
@@ -176,7 +181,8 @@ def _models(pipe: PipelinePlan) -> list[tuple[str, str]]:
 def _lora(pipe: PipelinePlan) -> list[tuple[str, str]]:
     adapted = {m.name for m in pipe.models if m.lora is not None}
     return [("RLP118", f"stage `{s.name}`: {why}") for s in pipe.stages if s.engine and s.model in adapted
-            for why in [lora_refusal(s.engine.name, s.kind, bool(s.settings.get("frozen")), s.settings.get("update"))]
+            for why in [lora_refusal(s.engine.name, s.kind, bool(s.settings.get("frozen")), s.settings.get("update"),
+                                     int(s.engine.args.get("sleep", 0)))]
             if why]
 
 

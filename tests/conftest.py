@@ -1,5 +1,5 @@
 """The suite's shared pieces: the repository root, one Ray for the session's
-runs (tests/runs.py), and a time budget every test keeps.
+runs (tests/runs.py), a one-rank process group, and a time budget every test keeps.
 
 A test that takes over ``BUDGET_S`` fails unless it is marked
 ``@pytest.mark.slow(reason="what it needs the time for")``; the time of the
@@ -22,6 +22,21 @@ _slow_seconds: dict[str, float] = {}
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+@pytest.fixture
+def one_process_group():
+    """A one-rank default process group in this process, torn down after (other tests start their own);
+    NCCL beside gloo where there is a GPU, which the trainers then use."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.ports import free_port
+
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -285,15 +285,6 @@ def assert_all_ranks_exact(results: dict, world_size: int) -> None:
     assert max(results[(rank, "lockstep")] for rank in range(world_size)) < 1e-5, results
 
 
-@pytest.fixture
-def one_process_group():
-    """A one-rank group in this process, torn down after (other tests start their own)."""
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"  # the trainer uses the GPU if any
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_one_rank_matches_full_batch_and_keeps_state(one_process_group, tmp_path):
     errors = gradient_errors(1, 0)
     assert max(errors.values()) < 1e-5, errors

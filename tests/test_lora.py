@@ -144,6 +144,10 @@ def test_a_hand_made_plan_with_adapters_where_they_cannot_be_is_refused_by_the_l
 
     assert refused("generate", "vllm") == []  # vLLM serves them per request
     assert "cannot land a version mid-response" in refused("generate", "vllm", update="interrupt")[0]
+    generate = stage(pipe, "generate")
+    asleep = replace(generate, engine=replace(generate.engine, name="vllm", args={**generate.engine.args, "sleep": 2}))
+    edited = replace(pipe, stages=[asleep if s is generate else s for s in pipe.stages])
+    assert any("nothing would restore the base" in str(r) for r in plan_refusals(replace(plan, pipelines=[edited])))
     assert "`sglang` cannot serve them" in refused("generate", "sglang")[0]
     assert "`megatron` cannot train them" in refused("train", "megatron")[0]
     assert refused("train", "fsdp") == []  # fsdp trains them
@@ -218,20 +222,11 @@ def test_check_refuses_interrupting_updates_on_a_vllm_generator_serving_adapters
     interrupting = findings(text.replace("  temperature = 1.0\n", "  temperature = 1.0\n  update = interrupt\n"))
     assert len(interrupting) == 1 and "mid-response" in interrupting[0].message
     assert interrupting[0].help == "set `update = between_requests` (the default)"
+    discarding = findings(text.replace("  engine = vllm\n", "  engine = vllm(sleep = 2)\n"))
+    assert len(discarding) == 1 and "nothing would restore the base" in discarding[0].message
 
 
 # -- fsdp: the adapters sharded, trained, pushed and checkpointed alone ----------------------------
-
-
-@pytest.fixture
-def one_rank():
-    import torch.distributed as dist
-
-    from tests.ports import free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def on_fsdp(pipe):
@@ -246,7 +241,8 @@ def full(module) -> dict:
             for name, t in trained_state(module).items()}
 
 
-def test_fsdp_trains_the_same_adapters_as_the_torch_trainer_and_checkpoints_them_alone(one_rank, tmp_path):
+def test_fsdp_trains_the_same_adapters_as_the_torch_trainer_and_checkpoints_them_alone(one_process_group,
+                                                                                            tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     pipe = planned().pipelines[0]
@@ -271,7 +267,8 @@ def test_fsdp_trains_the_same_adapters_as_the_torch_trainer_and_checkpoints_them
     assert all(torch.equal(full(resumed.model.module)[n], got[n]) for n in got)
 
 
-def test_fsdp_builds_an_hf_model_with_adapters_on_meta_and_reads_only_the_base_from_its_files(one_rank, tmp_path):
+def test_fsdp_builds_an_hf_model_with_adapters_on_meta_and_reads_the_base_from_its_files(one_process_group,
+                                                                                         tmp_path):
     from rldsl.models import load_model
     from tests.test_export import hf_llama, pipeline_text
 

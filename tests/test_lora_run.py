@@ -30,7 +30,7 @@ def test_a_lora_run_pushes_only_its_adapters_and_the_generator_serves_them(tmp_p
     # pushed adapter reached it (a push that missed it would leave these far apart)
     same = [(t["mismatch/tokens"], t["mismatch/abs_diff_max"]) for t in trainer if t.get("mismatch/tokens")]
     assert same and all(largest < 1e-4 for _, largest in same), same
-    checkpoint = sorted((run_dir / "checkpoints").glob("v*"))[-1] / "trainer" / "torch.pt"
+    checkpoint = max((run_dir / "checkpoints").glob("v*")) / "trainer" / "torch.pt"
     saved = torch.load(checkpoint, weights_only=False)["model"]
     assert saved and all(".lora_A." in name or ".lora_B." in name for name in saved)
     assert sum(t.numel() * t.element_size() for t in saved.values()) == ADAPTER_BYTES

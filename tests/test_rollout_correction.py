@@ -337,17 +337,6 @@ def test_a_torch_run_with_tis_over_two_optimizer_steps_reports_the_mismatch(rloo
 # -- the fsdp trainer: the same proximal pass at its mini-batch boundaries ------------------------
 
 
-@pytest.fixture
-def one_process_group():
-    import torch.distributed as dist
-
-    from tests.ports import free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_the_fsdp_trainer_takes_the_torch_trainers_steps(one_process_group):
     from rldsl.runtime.engines.fsdp import FsdpTrainer
 

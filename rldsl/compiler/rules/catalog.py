@@ -170,13 +170,14 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "they are pushed). The `torch` engines do all three (and `sim`, which has no model); `fsdp` trains "
        "them; a vLLM generator "
        "serves each pushed version as an adapter of its own, per request, and a request keeps its adapter to "
-       "its end, so there `update = interrupt` cannot land a version mid-response. SGLang, megatron, and fsdp "
+       "its end, so there `update = interrupt` cannot land a version mid-response; and `sleep = 2` discards the "
+       "base weights, which no adapter push restores. SGLang, megatron, and fsdp "
        "or vLLM policy logprob stages do not hold adapters yet, and `rldsl run` would refuse the stage when it "
        "starts. A frozen reference (`frozen`) is the base model, the policy with its adapters off, and runs on "
        "any engine.",
        "model policy { source = \"hf:/models/llama-8b\"  lora_rank = 16 }\n"
        "stage train actor { model = policy  engine = megatron(tp = 2) ... }",
-       "each stage's `engine`, `model`, `frozen` and `update`; its model's `lora_rank`."),
+       "each stage's `engine` (its `sleep`), `model`, `frozen` and `update`; its model's `lora_rank`."),
     _r("RLP201", ERROR, "dataflow cycle",
        "Data edges (`flow`) must form a DAG; the cycle is named. Weight edges (`sync`) close the RL loop and "
        "are not part of this check.",

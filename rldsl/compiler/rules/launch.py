@@ -233,26 +233,33 @@ def check_shared_logprob(ctx: Context) -> list[Diagnostic]:
 
 
 def check_lora(ctx: Context) -> list[Diagnostic]:
-    """RLP118: a stage holding a model's LoRA adapters on an engine without them."""
+    """RLP118: a stage holding a model's LoRA adapters on an engine without them; on a vLLM generator
+    serving them, `update = interrupt` or a sleep that discards the base."""
     out = []
     for stage in ctx.pipe.stages.values():
         ref = stage.get("model") if stage.valid("model") else None
         model = ctx.pipe.models.get(ref.name) if ref is not None else None
-        if model is None or not model.valid("lora_rank") or not model.get("lora_rank"):
-            continue
         engine = _engine(stage)
-        serves = engine is not None and stage.stage_kind in ENGINES[engine].stage_kinds  # else RLP108's
+        if model is None or not model.valid("lora_rank") or not model.get("lora_rank") or engine is None \
+                or stage.stage_kind not in ENGINES[engine].stage_kinds:  # else RLP108's
+            continue
         update = stage.get("update") if stage.stage_kind == "generate" and stage.valid("update") else None
-        why = serves and lora_refusal(engine, stage.stage_kind, bool(stage.get("frozen", False)), update)
-        if why and engine in LORA_SERVING_ENGINES and stage.stage_kind == "generate":  # it serves them: not mid-response
+        spec = stage["engine"]
+        sleep = int(spec.args.get("sleep", 0))
+        why = lora_refusal(engine, stage.stage_kind, bool(stage.get("frozen", False)), update, sleep)
+        if not why:
+            continue
+        note = (f"model `{model.name}` declares `lora_rank = {model['lora_rank']}`",)
+        if engine in LORA_SERVING_ENGINES and update == "interrupt":
             out.append(Diagnostic("RLP118", ERROR, f"{ctx.label(stage.name)}: {why}", stage.span_of("update"),
-                                  notes=(f"model `{model.name}` declares `lora_rank = {model['lora_rank']}`",),
-                                  help="set `update = between_requests` (the default)",
+                                  notes=note, help="set `update = between_requests` (the default)",
                                   edit=(stage.span_of("update"), "between_requests")))
-        elif why:
+        elif engine in LORA_SERVING_ENGINES:
+            out.append(Diagnostic("RLP118", ERROR, f"{ctx.label(stage.name)}: {why}", arg_span(spec, "sleep"),
+                                  notes=note, help="set `sleep = 1`: the base weights wait in host memory"))
+        else:
             out.append(Diagnostic("RLP118", ERROR, f"{ctx.label(stage.name)}: {why}",
-                                  stage["engine"].name_span or stage.span_of("engine"),
-                                  notes=(f"model `{model.name}` declares `lora_rank = {model['lora_rank']}`",),
+                                  spec.name_span or stage.span_of("engine"), notes=note,
                                   help="use `engine = torch` for this stage, or train every weight (remove "
                                        "`lora_rank`)",
                                   edit=(stage.span_of("engine"), "torch")))

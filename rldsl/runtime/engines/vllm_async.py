@@ -175,24 +175,24 @@ class AsyncVLLM:
         adapter of ``version``, which requests name from now on; vLLM's
         version set, the ``previous`` adapter removed (no request in flight
         uses it: versions land between requests). Returns its ``LoRARequest``."""
-        return self.loop.run(self._load_adapter(dict(tensors), dict(config), version, previous))
-
-    async def _load_adapter(self, tensors, config, version: int, previous):
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         directory = tempfile.mkdtemp(prefix=f"rldsl-adapter-v{version}-",
                                      dir=SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None)
-        try:
+        try:  # written here, not on the event loop that streams the requests' tokens
             with open(os.path.join(directory, "adapter_config.json"), "w") as file:
-                json.dump(config, file)
-            save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
+                json.dump(dict(config), file)
+            save_file(dict(tensors), os.path.join(directory, "adapter_model.safetensors"))
             adapter = LoRARequest(f"rldsl-v{version}", version + 1, directory)  # ids start at 1
-            if not await self.engine.add_lora(adapter):
-                raise RuntimeError(f"vLLM refused the LoRA adapter of version {version}")
+            return self.loop.run(self._add_adapter(adapter, version, previous))
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
+
+    async def _add_adapter(self, adapter, version: int, previous):
+        if not await self.engine.add_lora(adapter):
+            raise RuntimeError(f"vLLM refused the LoRA adapter of version {version}")
         await self.engine.update_weight_version(str(version))
         if previous is not None:
             await self.engine.remove_lora(previous.lora_int_id)

@@ -45,4 +45,5 @@ class AdaptedPolicy:
 
 
 def _conv1d_targets(module) -> bool:
-    return any(type(layer).__name__ == "Conv1D" for name, layer in module.named_modules() if name.endswith("base_layer"))
+    return any(type(layer).__name__ == "Conv1D" for name, layer in module.named_modules()
+               if name.endswith("base_layer"))

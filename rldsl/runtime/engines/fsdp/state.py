@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -110,7 +111,8 @@ def read_model_state(directory) -> dict[str, torch.Tensor]:
     metadata = dcp.FileSystemReader(directory / CHECKPOINT_DIR).read_metadata()
     prefix = "model."
     state = {key[len(prefix):]: torch.empty(entry.size, dtype=entry.properties.dtype)
-             for key, entry in metadata.state_dict_metadata.items() if key.startswith(prefix)}
+             for key, entry in metadata.state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
     dcp.load({"model": state}, checkpoint_id=directory / CHECKPOINT_DIR, no_dist=True)
     return state
 

@@ -102,7 +102,7 @@ LORA_TRAINING_ENGINES = ("fsdp",)  # sharded trainers that train them
 
 
 def lora_refusal(engine: str | None, stage_kind: str, frozen: bool, update: str | None = None,
-                 sleep_level: int = 0) -> str | None:
+                 sleep_level: int = 0, source: str | None = None) -> str | None:
     """RLP118: a stage that holds the policy's LoRA adapters on an engine that cannot (a frozen reference
     holds the base alone, on any engine); vLLM serves them to generate, a request keeping its adapter to
     its end, so versions cannot land mid-response."""
@@ -114,6 +114,9 @@ def lora_refusal(engine: str | None, stage_kind: str, frozen: bool, update: str 
         if update == "interrupt":
             return (f"engine `{engine}` serves LoRA adapters per request and a request keeps its adapter to its "
                     "end, so `update = interrupt` cannot land a version mid-response")
+        if source == TINY_GPT2:
+            return (f"engine `{engine}` serves LoRA adapters only on the architectures it implements them for, "
+                    f"and {TINY_GPT2} is a GPT-2, which it does not")
         if sleep_level == 2:
             return (f"engine `{engine}` with `sleep = 2` discards the base weights while asleep, and a LoRA push "
                     "carries only the adapters: nothing would restore the base")
@@ -179,10 +182,10 @@ def _models(pipe: PipelinePlan) -> list[tuple[str, str]]:
 
 
 def _lora(pipe: PipelinePlan) -> list[tuple[str, str]]:
-    adapted = {m.name for m in pipe.models if m.lora is not None}
+    adapted = {m.name: m.source for m in pipe.models if m.lora is not None}
     return [("RLP118", f"stage `{s.name}`: {why}") for s in pipe.stages if s.engine and s.model in adapted
             for why in [lora_refusal(s.engine.name, s.kind, bool(s.settings.get("frozen")), s.settings.get("update"),
-                                     int(s.engine.args.get("sleep", 0)))]
+                                     int(s.engine.args.get("sleep", 0)), adapted[s.model])]
             if why]
 
 

@@ -224,6 +224,8 @@ def test_check_refuses_interrupting_updates_on_a_vllm_generator_serving_adapters
     assert interrupting[0].help == "set `update = between_requests` (the default)"
     discarding = findings(text.replace("  engine = vllm\n", "  engine = vllm(sleep = 2)\n"))
     assert len(discarding) == 1 and "nothing would restore the base" in discarding[0].message
+    gpt2 = findings(text.replace('source = "hf:/models/llama"  params = 8B', 'source = "builtin:tiny-gpt2"'))
+    assert len(gpt2) == 1 and "is a GPT-2, which it does not" in gpt2[0].message  # vLLM has no GPT-2 LoRA
 
 
 # -- fsdp: the adapters sharded, trained, pushed and checkpointed alone ----------------------------

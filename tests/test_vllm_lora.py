@@ -116,3 +116,18 @@ def test_a_vllm_generator_of_a_lora_model_starts_vllm_with_adapters_of_its_rank(
     assert [lora_rank_served(r) for r in (1, 4, 8, 12, 64)] == [1, 8, 8, 16, 64]
     with pytest.raises(ValueError, match="up to 512"):
         lora_rank_served(1024)
+
+
+@needs_vllm
+def test_an_architecture_vllm_serves_no_adapters_for_is_named_before_the_engine_starts(tmp_path):
+    import json
+
+    from rldsl.runtime.engines.vllm import VLLMOptions, lora_unsupported, start_engine
+
+    for architecture in ("GPT2LMHeadModel", "LlamaForCausalLM"):
+        (tmp_path / architecture).mkdir()
+        (tmp_path / architecture / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    assert lora_unsupported(str(tmp_path / "LlamaForCausalLM")) is None
+    assert "does not serve LoRA adapters for GPT2LMHeadModel" in lora_unsupported(str(tmp_path / "GPT2LMHeadModel"))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):  # before anything starts
+        start_engine(str(tmp_path / "GPT2LMHeadModel"), VLLMOptions(lora_rank=8), seed=0)

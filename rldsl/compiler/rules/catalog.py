@@ -170,8 +170,10 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "they are pushed). The `torch` engines do all three (and `sim`, which has no model); `fsdp` trains "
        "them; a vLLM generator "
        "serves each pushed version as an adapter of its own, per request, and a request keeps its adapter to "
-       "its end, so there `update = interrupt` cannot land a version mid-response; and `sleep = 2` discards the "
-       "base weights, which no adapter push restores. SGLang, megatron, and fsdp "
+       "its end, so there `update = interrupt` cannot land a version mid-response; `sleep = 2` discards the "
+       "base weights, which no adapter push restores; and vLLM implements LoRA for some architectures only, "
+       "not GPT-2 (`builtin:tiny-gpt2`; an `hf:` model of another such architecture is refused when the engine "
+       "starts, before vLLM does). SGLang, megatron, and fsdp "
        "or vLLM policy logprob stages do not hold adapters yet, and `rldsl run` would refuse the stage when it "
        "starts. A frozen reference (`frozen`) is the base model, the policy with its adapters off, and runs on "
        "any engine.",

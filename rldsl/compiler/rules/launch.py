@@ -246,7 +246,8 @@ def check_lora(ctx: Context) -> list[Diagnostic]:
         update = stage.get("update") if stage.stage_kind == "generate" and stage.valid("update") else None
         spec = stage["engine"]
         sleep = int(spec.args.get("sleep", 0))
-        why = lora_refusal(engine, stage.stage_kind, bool(stage.get("frozen", False)), update, sleep)
+        why = lora_refusal(engine, stage.stage_kind, bool(stage.get("frozen", False)), update, sleep,
+                           model["source"] if model.valid("source") else None)
         if not why:
             continue
         note = (f"model `{model.name}` declares `lora_rank = {model['lora_rank']}`",)
@@ -254,7 +255,7 @@ def check_lora(ctx: Context) -> list[Diagnostic]:
             out.append(Diagnostic("RLP118", ERROR, f"{ctx.label(stage.name)}: {why}", stage.span_of("update"),
                                   notes=note, help="set `update = between_requests` (the default)",
                                   edit=(stage.span_of("update"), "between_requests")))
-        elif engine in LORA_SERVING_ENGINES:
+        elif engine in LORA_SERVING_ENGINES and sleep == 2:
             out.append(Diagnostic("RLP118", ERROR, f"{ctx.label(stage.name)}: {why}", arg_span(spec, "sleep"),
                                   notes=note, help="set `sleep = 1`: the base weights wait in host memory"))
         else:

@@ -198,7 +198,33 @@ def start_engine(model_path: str, options: VLLMOptions, seed: int) -> AsyncVLLM:
         import vllm  # noqa: F401
     except ImportError as error:
         raise ImportError(INSTALL_HINT) from error
+    if options.lora_rank:
+        refused = lora_unsupported(model_path)
+        if refused:
+            raise ValueError(refused)
     return AsyncVLLM.start(options.engine_args(model_path, seed))
+
+
+def lora_unsupported(model_path: str) -> str | None:
+    """Why vLLM cannot serve LoRA adapters on this model (it implements them
+    for some architectures only: not GPT-2), said before its engine starts,
+    whose own error stays in a worker's log; None when it can or when vLLM's
+    registry cannot tell (vLLM then decides)."""
+    import json
+
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_lora
+
+        with open(os.path.join(model_path, "config.json")) as file:
+            architecture = json.load(file)["architectures"][0]
+        model_class = ModelRegistry._try_load_model_cls(architecture)  # vLLM's registry, by its own name
+    except Exception:  # noqa: BLE001 - an unreadable config or another vLLM: let vLLM say
+        return None
+    if model_class is None or supports_lora(model_class):
+        return None
+    return (f"vLLM does not serve LoRA adapters for {architecture} (the model at {model_path}); generate with "
+            "`engine = torch`, or train every weight (remove `lora_rank`)")
 
 
 def cpu_thread_binding(cores: Sequence[int], ranks: int) -> str | None:

@@ -49,6 +49,7 @@ EXEMPT = {
     "RLP113": "judge settings without a model: add a model or remove the settings, the author's choice",
     "RLP114": "a judge kind the model cannot serve: another model, engine or `judge`, the author's choice",
     "RLP115": "evaluation without the reward model: which `eval_metric` function is the author's choice",
+    "RLP119": "a LoRA setting without a rank: adapters (which rank?) or full training is the author's choice",
     "RLP601": "a conversation past the context: turns, tokens per turn or `max_model_len`, a trade-off",
     "RLP602": "turns the budget cannot hold: `max_turns` or `max_tokens`, the author's choice",
     "RLP603": "an unused environment: use it or remove it, the author's choice",

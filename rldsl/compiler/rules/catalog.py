@@ -180,6 +180,12 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "model policy { source = \"hf:/models/llama-8b\"  lora_rank = 16 }\n"
        "stage train actor { model = policy  engine = megatron(tp = 2) ... }",
        "each stage's `engine` (its `sleep`), `model`, `frozen` and `update`; its model's `lora_rank`."),
+    _r("RLP119", ERROR, "LoRA setting without `lora_rank`",
+       "`lora_alpha` and `lora_targets` shape the adapters that `lora_rank` asks for; without a rank the model "
+       "trains every weight and they would mean nothing, so a forgotten rank would silently train (and push) "
+       "the whole model.",
+       "model policy { source = \"builtin:tiny-lm\"  lora_targets = [\"qkv\"] }",
+       "each model's `lora_rank`, `lora_alpha` and `lora_targets`."),
     _r("RLP201", ERROR, "dataflow cycle",
        "Data edges (`flow`) must form a DAG; the cycle is named. Weight edges (`sync`) close the RL loop and "
        "are not part of this check.",
@@ -620,7 +626,7 @@ So the rule families depend on each other only through these inputs:
 |---|---|---|
 | syntax | RLP001, RLP002, RLP003 | the text |
 | declarations | RLP101-RLP107, RLP109 | the syntax tree |
-| engines | RLP108, RLP110-RLP112, RLP116-RLP118 | each stage's engine; `update`; logprob stages' `frozen` and `recompute`; the model's `source`, `chat_template` and `lora_rank`; evaluation and environments of sim generators; `max_new_tokens` and the prompts |
+| engines | RLP108, RLP110-RLP112, RLP116-RLP119 | each stage's engine; `update`; logprob stages' `frozen` and `recompute`; the model's `source`, `chat_template` and LoRA keys; evaluation and environments of sim generators; `max_new_tokens` and the prompts |
 | reward models | RLP113-RLP115 | each reward stage's `fn`, `model` and judge keys, its config.json, the datasets |
 | dataflow | RLP201-RLP204, RLP207, RLP208 | the flows and the declarations |
 | weights | RLP205, RLP206, RLP209, RLP210, RLP511 | syncs, models, and the flows for RLP209; RLP210 `colocate` and placement groups; RLP511 the placement |

@@ -3,8 +3,7 @@ launcher's own predicates (rldsl/launch_rules.py): an engine that loads a
 Hugging Face checkpoint, or a chat template, on a model that is none
 (RLP112); `top_p = 0`, a vLLM temperature above 2 and a `min_new_tokens` above
 `max_new_tokens` (RLP106); a loss `clip` of 1 (RLP312); a sim
-generator asked for text (RLP116); LoRA adapters on an engine that cannot
-train or serve them (RLP118); a logprob stage on GPUs another
+generator asked for text (RLP116); a logprob stage on GPUs another
 pipeline shares (RLP513). Each finding is the launcher's refusal, with its
 caret on the setting that causes it. Responses past the builtin model's
 context are cut to fit in the plan, with a warning where the file wrote
@@ -18,9 +17,9 @@ from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
 from rldsl.compiler.schema import ENGINES
 from rldsl.compiler.types import arg_span
 from rldsl.launch_rules import (
-    BUILTIN_CONTEXT, BUILTIN_TINY, LORA_SERVING_ENGINES, UNKNOWN_PROMPT_TOKENS, chat_template_refusal,
-    checkpoint_refusal, clip_refusal, context_refusal, longest_prompt, lora_refusal, min_tokens_refusal,
-    response_limit, shared_logprob_refusal, temperature_refusal, textless_refusal, top_p_refusal,
+    BUILTIN_CONTEXT, BUILTIN_TINY, UNKNOWN_PROMPT_TOKENS, chat_template_refusal, checkpoint_refusal, clip_refusal,
+    context_refusal, longest_prompt, min_tokens_refusal, response_limit, shared_logprob_refusal, temperature_refusal,
+    textless_refusal, top_p_refusal,
 )
 from rldsl.plan import evaluates_held_out
 
@@ -232,41 +231,5 @@ def check_shared_logprob(ctx: Context) -> list[Diagnostic]:
     return out
 
 
-def check_lora(ctx: Context) -> list[Diagnostic]:
-    """RLP118: a stage holding a model's LoRA adapters on an engine without them; on a vLLM generator
-    serving them, `update = interrupt` or a sleep that discards the base."""
-    out = []
-    for stage in ctx.pipe.stages.values():
-        ref = stage.get("model") if stage.valid("model") else None
-        model = ctx.pipe.models.get(ref.name) if ref is not None else None
-        engine = _engine(stage)
-        if model is None or not model.valid("lora_rank") or not model.get("lora_rank") or engine is None \
-                or stage.stage_kind not in ENGINES[engine].stage_kinds:  # else RLP108's
-            continue
-        update = stage.get("update") if stage.stage_kind == "generate" and stage.valid("update") else None
-        spec = stage["engine"]
-        sleep = int(spec.args.get("sleep", 0))
-        why = lora_refusal(engine, stage.stage_kind, bool(stage.get("frozen", False)), update, sleep,
-                           model["source"] if model.valid("source") else None)
-        if not why:
-            continue
-        note = (f"model `{model.name}` declares `lora_rank = {model['lora_rank']}`",)
-        if engine in LORA_SERVING_ENGINES and update == "interrupt":
-            out.append(Diagnostic("RLP118", ERROR, f"{ctx.label(stage.name)}: {why}", stage.span_of("update"),
-                                  notes=note, help="set `update = between_requests` (the default)",
-                                  edit=(stage.span_of("update"), "between_requests")))
-        elif engine in LORA_SERVING_ENGINES and sleep == 2:
-            out.append(Diagnostic("RLP118", ERROR, f"{ctx.label(stage.name)}: {why}", arg_span(spec, "sleep"),
-                                  notes=note, help="set `sleep = 1`: the base weights wait in host memory"))
-        else:
-            out.append(Diagnostic("RLP118", ERROR, f"{ctx.label(stage.name)}: {why}",
-                                  spec.name_span or stage.span_of("engine"), notes=note,
-                                  help="use `engine = torch` for this stage, or train every weight (remove "
-                                       "`lora_rank`)",
-                                  edit=(stage.span_of("engine"), "torch")))
-    return out
-
-
-PASSES = (check_checkpoints, check_top_p, check_temperature, check_min_tokens, check_clip, check_text, check_context,
-          check_lora)
+PASSES = (check_checkpoints, check_top_p, check_temperature, check_min_tokens, check_clip, check_text, check_context)
 PLACED_PASSES = (check_shared_logprob,)

@@ -102,7 +102,8 @@ def test_a_push_with_weights_that_are_no_adapters_is_refused(lora_vllm):
 
 def test_a_vllm_generator_of_a_lora_model_starts_vllm_with_adapters_of_its_rank():
     from rldsl.runtime.engines import factory
-    from rldsl.runtime.engines.vllm import VLLMOptions, lora_rank_served
+    from rldsl.runtime.engines.vllm import VLLMOptions
+    from rldsl.runtime.engines.vllm_lora import lora_rank_served
     from tests.test_lora import planned, stage
 
     pipe = planned().pipelines[0]
@@ -122,7 +123,8 @@ def test_a_vllm_generator_of_a_lora_model_starts_vllm_with_adapters_of_its_rank(
 def test_an_architecture_vllm_serves_no_adapters_for_is_named_before_the_engine_starts(tmp_path):
     import json
 
-    from rldsl.runtime.engines.vllm import VLLMOptions, lora_unsupported, start_engine
+    from rldsl.runtime.engines.vllm import VLLMOptions, start_engine
+    from rldsl.runtime.engines.vllm_lora import lora_unsupported
 
     for architecture in ("GPT2LMHeadModel", "LlamaForCausalLM"):
         (tmp_path / architecture).mkdir()

@@ -60,6 +60,7 @@ from rldsl.runtime.engines.serving import (
 )
 from rldsl.runtime.engines.torch.common import decode_responses
 from rldsl.runtime.engines.vllm_async import AsyncVLLM, Sample
+from rldsl.runtime.engines.vllm_lora import lora_rank_served, lora_unsupported
 from rldsl.runtime.protocols import FIELD_RESPONSE_IDS, Batch, Prompt
 
 INSTALL_HINT = ("the vllm engine needs vLLM: pip install 'rldsl[run,gpu]' on a GPU machine, "
@@ -172,17 +173,6 @@ class VLLMOptions:
         return "mp" if self.tp * self.pp > 1 else None
 
 
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's `max_lora_rank` choices
-
-
-def lora_rank_served(rank: int) -> int:
-    """The smallest `max_lora_rank` vLLM takes that serves adapters of ``rank``."""
-    fits = [served for served in LORA_RANKS if served >= rank]
-    if not fits:
-        raise ValueError(f"vLLM serves LoRA ranks up to {LORA_RANKS[-1]}, not {rank}")
-    return fits[0]
-
-
 def start_engine(model_path: str, options: VLLMOptions, seed: int) -> AsyncVLLM:
     """vLLM's ``AsyncLLM`` for ``model_path`` (vLLM imported here)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -203,28 +193,6 @@ def start_engine(model_path: str, options: VLLMOptions, seed: int) -> AsyncVLLM:
         if refused:
             raise ValueError(refused)
     return AsyncVLLM.start(options.engine_args(model_path, seed))
-
-
-def lora_unsupported(model_path: str) -> str | None:
-    """Why vLLM cannot serve LoRA adapters on this model (it implements them
-    for some architectures only: not GPT-2), said before its engine starts,
-    whose own error stays in a worker's log; None when it can or when vLLM's
-    registry cannot tell (vLLM then decides)."""
-    import json
-
-    try:
-        from vllm.model_executor.models import ModelRegistry
-        from vllm.model_executor.models.interfaces import supports_lora
-
-        with open(os.path.join(model_path, "config.json")) as file:
-            architecture = json.load(file)["architectures"][0]
-        model_class = ModelRegistry._try_load_model_cls(architecture)  # vLLM's registry, by its own name
-    except Exception:  # noqa: BLE001 - an unreadable config or another vLLM: let vLLM say
-        return None
-    if model_class is None or supports_lora(model_class):
-        return None
-    return (f"vLLM does not serve LoRA adapters for {architecture} (the model at {model_path}); generate with "
-            "`engine = torch`, or train every weight (remove `lora_rank`)")
 
 
 def cpu_thread_binding(cores: Sequence[int], ranks: int) -> str | None:

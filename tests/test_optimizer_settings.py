@@ -20,7 +20,6 @@ from tests.test_training_keys import BASE, TRAIN, compiled
 
 
 megatron = test_megatron_engine.megatron  # megatron-core on CPU, the fixture of its own tests
-one_process_group = test_fsdp_engine.one_process_group  # a one-rank gloo group, likewise
 
 
 def trainer_from(train: str) -> TorchTrainer:

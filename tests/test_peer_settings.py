@@ -22,7 +22,6 @@ from tests.test_split_step_gradient import make_batch, make_model
 from tests.test_training_keys import compiled
 
 megatron = test_megatron_engine.megatron  # megatron-core on CPU, the fixture of its own tests
-one_process_group = test_fsdp_engine.one_process_group  # a one-rank gloo group, likewise
 NEW_LOSS_ARGS = ("length_norm", "count_masked", "rejected", "rejected_in_ratio", "kl_weighted")
 
 

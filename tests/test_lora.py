@@ -286,3 +286,16 @@ def test_fsdp_builds_an_hf_model_with_adapters_on_meta_and_reads_the_base_from_i
     adapters = full(trainer.model.module)
     assert adapters and all(not t.any() for n, t in adapters.items() if ".lora_B." in n)  # the base, exactly
     assert all(t.abs().sum() > 0 for n, t in adapters.items() if ".lora_A." in n)
+
+
+def test_the_launcher_names_peft_when_it_is_missing(monkeypatch):
+    import importlib.util
+
+    from rldsl.runtime.ray_lowering.launch import PreflightError, _check_libraries
+
+    pipe = planned().pipelines[0]
+    _check_libraries(pipe)  # installed here
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    with pytest.raises(PreflightError, match=r"pip install 'rldsl\[lora\]'"):
+        _check_libraries(pipe)

@@ -95,6 +95,8 @@ def _check_libraries(pipe: PipelinePlan) -> None:
     missing = missing_libraries(pipe.run.log)
     if any(m.source.startswith("hf:") for m in pipe.models) and importlib.util.find_spec("transformers") is None:
         missing.append("`hf:` models need the transformers package: pip install 'rldsl[hf]'")
+    if any(m.lora is not None for m in pipe.models) and importlib.util.find_spec("peft") is None:
+        missing.append("`lora_rank` needs the peft package (its LoRA layers): pip install 'rldsl[lora]'")
     if missing:
         raise PreflightError(f"pipeline `{pipe.name}`: " + "; ".join(missing))
     for model in (m for m in pipe.models if m.chat_template):

@@ -19,6 +19,7 @@ import argparse
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,18 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.host_memory import peak_rss, peak_rss_reset  # noqa: E402
+
 GRACE_S = 30.0
-
-
-def peak_rss_reset() -> int:
-    with open("/proc/self/clear_refs", "w") as file:
-        file.write("5")
-    return peak_rss()
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
 def free_port() -> int:

@@ -17,22 +17,11 @@ import torch.multiprocessing as mp
 from rldsl.models.tiny import build_tiny_lm
 from rldsl.runtime.engines.fsdp import FsdpTrainer
 from rldsl.runtime.engines.fsdp.state import read_model_state
+from tests.host_memory import peak_rss, peak_rss_reset
 from tests.ports import free_port
 from tests.test_split_step_gradient import make_batch
 
 SHAPE = {"d_model": 256, "n_layers": 4, "n_heads": 4, "d_ff": 1024}  # 3.2M parameters: 38 MiB with AdamW state
-
-
-def peak_rss_reset() -> int:
-    """Reset this process's peak resident memory to now (Linux ``clear_refs`` 5); returns it."""
-    with open("/proc/self/clear_refs", "w") as file:
-        file.write("5")
-    return peak_rss()
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
 def trained(seed: int = 0) -> FsdpTrainer:

@@ -23,6 +23,7 @@ class WeightReceiver:
     kind: str
     engine: str | None
     shares_trainer_gpus: bool
+    served_by: str | None = None  # another pipeline's generator serving this stage (`served_by`)
 
 
 def collective_blocker(trainer: str, trainer_engine: str | None, receivers,
@@ -33,6 +34,9 @@ def collective_blocker(trainer: str, trainer_engine: str | None, receivers,
     if trainer_engine is not None and trainer_engine not in COLLECTIVE_TRAINERS:
         return f"trainer `{trainer}` uses engine `{trainer_engine}`, which does not stream buckets"
     for receiver in sorted(receivers, key=lambda r: r.name):
+        if receiver.served_by:
+            return f"`{receiver.name}` is served by `{receiver.served_by}`'s generator, which takes each pipeline's " \
+                   "adapters through the object store"
         if receiver.kind != "generate":
             return f"`{receiver.name}` is a {receiver.kind} stage, which takes weights only between its calls"
         if receiver.engine is not None and receiver.engine not in COLLECTIVE_RECEIVERS:

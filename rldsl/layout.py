@@ -130,7 +130,7 @@ def actor_slots(plan: ExecutionPlan) -> list[ActorSlot]:
     return [ActorSlot(f"{pipe.name}/" * prefix + f"{stage.name}-{rank.index}", stage.name, rank.index, rank.node,
                       tuple(rank.gpus), rank.gpu_fraction or 1.0, tuple((r.node, tuple(r.gpus)) for r in rank.remote))
             for pipe in plan.pipelines for stage in pipe.stages if stage.kind != "sync"
-            for rank in stage.ranks if rank.gpus]
+            for rank in stage.own_ranks if rank.gpus]
 
 
 def layout_bundles(slots: list[ActorSlot], actor_cpus: float, gpus_per_node: int | None = None) -> BundleLayout:

@@ -70,6 +70,17 @@ class StagePlan:
     dp: int = 1
     colocated_with: list[str] = field(default_factory=list)
 
+    @property
+    def served_by(self) -> str | None:
+        """`pipeline/stage` of the generator that serves this stage (`served_by`): ``ranks`` are that
+        generator's, for counting replicas; it has no actors of its own."""
+        return self.settings.get("served_by")
+
+    @property
+    def own_ranks(self) -> list[RankPlan]:
+        """The ranks this stage starts actors for: none when another pipeline's generator serves it."""
+        return [] if self.served_by else self.ranks
+
 
 @dataclass(frozen=True)
 class EdgePlan:
@@ -315,7 +326,7 @@ class PipelinePlan:
         trainer = self.stage(self.batch.train_stage)
         trainer_gpus = _gpus_of(trainer)
         receivers = [WeightReceiver(s.name, s.kind, s.engine.name if s.engine else None,
-                                    bool(trainer_gpus & _gpus_of(s)))
+                                    bool(trainer_gpus & _gpus_of(s)), s.settings.get("served_by"))
                      for s in self.stages if s.name in self.weight_receivers()]
         return collective_blocker(trainer.name, trainer.engine.name if trainer.engine else None, receivers,
                                   receivers_sleep)
@@ -379,7 +390,7 @@ class ExecutionPlan:
         users: dict[tuple[int, int], set[str]] = {}
         for pipe in self.pipelines:
             for stage in pipe.stages:
-                for rank in stage.ranks:
+                for rank in stage.own_ranks:
                     for where in rank.all_gpus():
                         users.setdefault(where, set()).add(pipe.name)
         return {where: sorted(names) for where, names in sorted(users.items())}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from rldsl.compiler.context import Context
@@ -11,7 +12,7 @@ from rldsl.compiler.ir import generations
 from rldsl.compiler.placement import Placement, StagePlacement
 from rldsl.compiler.reward_types import RewardComponent
 from rldsl.compiler.rules.launch import response_cap
-from rldsl.compiler.schema import JUDGE_KEYS, stage_engine_args
+from rldsl.compiler.schema import JUDGE_KEYS, SERVER_KEYS, stage_engine_args
 from rldsl.compiler.types import EngineSpec, GpuRequest, LossSpec, Ref
 from rldsl.plan import (
     ADVANTAGE_NORMALISATION, BatchPlan, ClusterPlan, DatasetPlan, EdgePlan, EnginePlan, EnvironmentPlan,
@@ -26,11 +27,28 @@ def lower(program: Program, contexts: list[Context], placement: Placement, param
     return ExecutionPlan(
         cluster=ClusterPlan(cluster["nodes"], cluster["gpus_per_node"], cluster.get("gpu"),
                             _int_or_none(cluster.get("gpu_memory")), cluster.get("cpus_per_node")),
-        pipelines=[_pipeline(ctx, placement, params, base_dir) for ctx in contexts],
+        pipelines=_served(program, [_pipeline(ctx, placement, params, base_dir) for ctx in contexts]),
         source_file=program.filename,
         source_sha256=source_sha256,
         warnings=warnings,
     )
+
+
+def _served(program: Program, pipelines: list[PipelinePlan]) -> list[PipelinePlan]:
+    """A generate stage `served_by` another pipeline: that pipeline's generator (its engine, ranks and sampling
+    settings) with this stage's own name, model and per-request keys; ``served_by`` names it `pipeline/stage`."""
+    by_name = {p.name: p for p in pipelines}
+    for pipe in pipelines:
+        for index, stage in enumerate(pipe.stages):
+            owner_name = stage.settings.get("served_by") if stage.kind == "generate" else None
+            if owner_name is None:
+                continue
+            server = next(s for s in by_name[owner_name].stages if s.kind == "generate")
+            own = {k: v for k, v in stage.settings.items() if k not in SERVER_KEYS}
+            pipe.stages[index] = replace(server, name=stage.name, model=stage.model, colocated_with=[],
+                                         settings={**server.settings, **own,
+                                                   "served_by": f"{owner_name}/{server.name}"})
+    return pipelines
 
 
 def _int_or_none(value):

@@ -117,12 +117,19 @@ def stage_estimates(program: Program, placement: Placement, base_dir: Path) -> d
                 continue
             params = model_params(model, base_dir)
             if params is not None:
-                out[(sp.pipeline, sp.stage)] = _stage_memory(pipe, stage, sp, model, params, base_dir, capacity)
+                out[(sp.pipeline, sp.stage)] = _stage_memory(pipe, stage, sp, model, params, base_dir, capacity,
+                                                             _tenants(program, pipe.name))
     return out
 
 
+def _tenants(program: Program, server: str) -> list[tuple[Pipeline, Decl]]:
+    """The generate stages of other pipelines `served_by` pipeline ``server``, with their pipelines."""
+    return [(p, s) for p in program.pipelines for s in p.stages_of("generate")
+            if s.valid("served_by") and s.get("served_by") is not None and s["served_by"].name == server]
+
+
 def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, params: int, base_dir: Path,
-                  capacity: float | None) -> mm.StageMemory:
+                  capacity: float | None, tenants: list[tuple[Pipeline, Decl]] = ()) -> mm.StageMemory:
     engine, kind = stage["engine"], stage.stage_kind
     c = _DTYPE_BYTES[model.get("dtype") or engine.args.get("dtype", "fp32")]  # the model's dtype wins
     shape = model_shape(model, base_dir, params)
@@ -131,10 +138,12 @@ def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, 
         return replace(_logprob_memory(pipe, stage, sp, params, shape, c, capacity, sleeps), concurrent=True)
     if engine.name in ("vllm", "sglang"):
         return mm.reserving_generator(params, c, sp.tp * sp.pp, engine.args["gpu_memory"], capacity, sleeps)
-    if kind == "generate":
-        rows = stage["samples_per_prompt"] * max(1, stage.get("concurrency", 0)) \
-            if stage.valid("samples_per_prompt", "concurrency") else None
-        return mm.torch_generator(params, shape, c, rows, _row_tokens(pipe, shape), sleeps)
+    if kind == "generate":  # the base once; each pipeline it serves adds its adapters and its decode batch
+        served = [(pipe, stage), *tenants]
+        rows = [_decode_rows(s) for _, s in served]
+        adapters = sum(_lora_trained(m, shape) or 0 for p, s in served for m in [_model(p, s)] if m is not None)
+        return mm.torch_generator(params, shape, c, None if None in rows else sum(rows), _row_tokens(pipe, shape),
+                                  sleeps, adapters)
     if kind == "reward":
         return _reward_model(pipe, stage, params, shape, c)
     tokens, bucket = _train_tokens(pipe, stage, shape), _sync_bucket(pipe, stage)
@@ -145,6 +154,13 @@ def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, 
         return mm.megatron_trainer(params, shape, c, sp.tp, sp.pp, sp.dp,
                                    bool(engine.args.get("distributed_optimizer")), tokens, bucket, sleeps)
     return mm.torch_trainer(params, shape, c, tokens, bucket, sleeps, _lora_trained(model, shape))
+
+
+def _decode_rows(stage: Decl) -> int | None:
+    """Rows one generator decodes at once for this stage: a group per request in flight."""
+    if not stage.valid("samples_per_prompt", "concurrency"):
+        return None
+    return stage["samples_per_prompt"] * max(1, stage.get("concurrency", 0))
 
 
 def _lora_trained(model: Decl, shape: mm.ModelShape) -> int | None:

@@ -270,7 +270,9 @@ def reserving_generator(params: float, c: int, split: int, share: float, capacit
 
 
 def torch_generator(params: float, shape: ModelShape, c: int, rows: int | None, row_tokens: int | None,
-                    sleeps: bool) -> StageMemory:
-    """The weights and the KV cache of one decode batch (k and v per layer)."""
+                    sleeps: bool, adapters: int = 0) -> StageMemory:
+    """The weights, LoRA adapters (``adapters`` parameters: those of every pipeline it serves) and the KV
+    cache of the rows it decodes at once (k and v per layer)."""
     kv_cache = 2 * shape.layers * shape.kv * c * rows * row_tokens if rows and row_tokens else 0.0
-    return _peak([("generation", [("params", params * c), ("kv cache", kv_cache)])], sleeps)
+    parts = [("params", params * c)] + ([("adapters", adapters * c)] if adapters else []) + [("kv cache", kv_cache)]
+    return _peak([("generation", parts)], sleeps)

@@ -122,7 +122,14 @@ def gpu_stages(pipe: Pipeline) -> list[Decl]:
 def takes_gpus(stage: Decl) -> bool:
     """Generate, logprob and train stages, and a reward stage with a reward model
     (one whose model did not resolve too: it may have taken GPUs)."""
+    if served_elsewhere(stage):
+        return False
     return stage.stage_kind in GPU_KINDS or (stage.stage_kind == "reward" and has_reward_model(stage))
+
+
+def served_elsewhere(stage: Decl) -> bool:
+    """A generate stage another pipeline's generator serves (`served_by`): it has no ranks of its own."""
+    return stage.stage_kind == "generate" and stage.valid("served_by") and stage.get("served_by") is not None
 
 
 def has_reward_model(stage: Decl) -> bool:
@@ -292,7 +299,7 @@ def _colocation_problem(program: Program, stage: Decl, target: Decl | None, pipe
 
 def _place_cpu(pipe: Pipeline, placement: Placement) -> None:
     for stage in pipe.stages.values():
-        if placement.settled(pipe.name, stage.name) or stage.stage_kind == "sync":
+        if placement.settled(pipe.name, stage.name) or stage.stage_kind == "sync" or served_elsewhere(stage):
             continue
         if stage.stage_kind == "reward" or (stage.get("gpus") and stage["gpus"].count == 0):
             placement.put(StagePlacement(pipe.name, stage.name, stage.stage_kind, (), how="cpu"))

@@ -223,7 +223,7 @@ def _shared_gpus(plan: ExecutionPlan) -> list[PlanFinding]:
         many = len(plan.pipelines) > 1
         for s_index, stage in enumerate(pipe.stages):
             name = f"{pipe.name}/{stage.name}" if many else stage.name
-            for r_index, rank in enumerate(stage.ranks):
+            for r_index, rank in enumerate(stage.own_ranks):
                 for place in rank.all_gpus():
                     users.setdefault(place, []).append(
                         (name, stage, rank, f"pipelines[{p_index}].stages[{s_index}].ranks[{r_index}]"))

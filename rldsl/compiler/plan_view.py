@@ -12,12 +12,12 @@ from rldsl.plan import LEASE_QUANTUM_S, ExecutionPlan, PipelinePlan, ahead_group
 
 def actor_count(plan: ExecutionPlan) -> int:
     # + one controller each, + an evaluator for each pipeline that evaluates
-    ranks = sum(len(s.ranks) for p in plan.pipelines for s in p.stages)
+    ranks = sum(len(s.own_ranks) for p in plan.pipelines for s in p.stages)
     return ranks + sum(1 + p.has_evaluator for p in plan.pipelines)
 
 
 def summary_line(plan: ExecutionPlan) -> str:
-    used = {where for p in plan.pipelines for s in p.stages for r in s.ranks for where in r.all_gpus()}
+    used = {where for p in plan.pipelines for s in p.stages for r in s.own_ranks for where in r.all_gpus()}
     total = plan.cluster.nodes * plan.cluster.gpus_per_node
     nodes = plan.cluster.nodes
     pipes = f"{len(plan.pipelines)} pipelines, " if len(plan.pipelines) > 1 else ""
@@ -58,8 +58,8 @@ def _gpu_map(plan: ExecutionPlan, result: CompileResult) -> list[str]:
         out.append(f"  node {node}")
         for local in range(plan.cluster.gpus_per_node):
             gpu = node * plan.cluster.gpus_per_node + local
-            here = [f"{p.name + '/' if many else ''}{s.name}[{r.index}]{_coords(s, r)}"
-                    for p in plan.pipelines for s in p.stages for r in s.ranks if (node, local) in r.all_gpus()]
+            here = [f"{p.name + '/' if many else ''}{s.name}[{r.index}]{_coords(s, r)}{_serving(plan, p, s)}"
+                    for p in plan.pipelines for s in p.stages for r in s.own_ranks if (node, local) in r.all_gpus()]
             mem = memory.get(gpu)
             mem_text = ""
             if mem and mem.by_stage:
@@ -71,6 +71,12 @@ def _gpu_map(plan: ExecutionPlan, result: CompileResult) -> list[str]:
     evaluators = [f"{p.name + '/' if many else ''}evaluator" for p in plan.pipelines if p.has_evaluator]
     out.append(f"  cpu: {', '.join(cpu + evaluators + ['controller' + ('s' if many else '')])}")
     return out
+
+
+def _serving(plan: ExecutionPlan, pipe: PipelinePlan, stage) -> str:
+    """` (serves b, c)` after a generator that other pipelines are `served_by`."""
+    tenants = [p.name for p in plan.pipelines for s in p.stages if s.served_by == f"{pipe.name}/{stage.name}"]
+    return f" (serves {', '.join(tenants)})" if tenants else ""
 
 
 def _stage_memory(result: CompileResult, many: bool) -> list[str]:
@@ -134,6 +140,8 @@ def _stages(pipe: PipelinePlan) -> list[str]:
         engine = s.engine.name if s.engine else "python"
         shape = f"tp={s.tp} pp={s.pp} dp={s.dp}" if s.ranks and s.ranks[0].gpus else f"{len(s.ranks)} cpu worker(s)"
         colo = f"  shares GPUs with {', '.join(s.colocated_with)}" if s.colocated_with else ""
+        if s.served_by:
+            shape, colo = f"served by {s.served_by}", " with this pipeline's adapters, per request"
         out.append(f"  {s.name:<12} {s.kind:<9} {engine:<8} {shape}{colo}")
         out += [f"  {'':<12} {line}" for line in _groups(s)]
     b = pipe.batch

@@ -37,6 +37,7 @@ def resolve(tree: ast.SourceFile, filename: str = "<input>") -> tuple[Program, l
     program = Program(cluster, [p for p in resolved if p.name not in ambiguous], filename,
                       tuple(dict.fromkeys(names)), ambiguous)
     _bind_shares(program, diags)
+    _bind_servers(program, diags)
     return program, diags
 
 
@@ -238,6 +239,8 @@ def _what(kind: str, name: str) -> str:
 def _bind_references(pipe: Pipeline, diags: list[Diagnostic]) -> None:
     for decl in pipe.stages.values():
         for key, setting in list(decl.settings.items()):
+            if key == "served_by":  # a pipeline of the file (_bind_servers)
+                continue
             table, what = {"model": (pipe.models, "model"), "environment": (pipe.environments, "environment")}.get(
                 key, (pipe.stages, "stage"))
             unknown = [ref for ref in _refs(setting.value) if not _check_ref(pipe, ref, table, what, diags)]
@@ -278,6 +281,22 @@ def _unknown_name(ref: Ref, what: str, table, where: str = "") -> Diagnostic:
     help_text = did_you_mean(ref.name, known) or (f"declared: {', '.join(known)}" if known
                                                    else f"declare a {what.split(' or ')[0]} `{ref.name}` first")
     return Diagnostic("RLP101", ERROR, f"no {what} named `{ref.name}`{where}", ref.span, help=help_text)
+
+
+def _bind_servers(program: Program, diags: list[Diagnostic]) -> None:
+    """A generate stage's `served_by` names another pipeline of the file."""
+    for pipe in program.pipelines:
+        for stage in pipe.stages.values():
+            ref = stage.get("served_by")
+            if ref is None or ref.name in program.pipeline_names and ref.name not in program.ambiguous_pipelines:
+                continue
+            if ref.name not in program.ambiguous_pipelines:
+                others = [n for n in program.pipeline_names if n != pipe.name]
+                diags.append(_unknown_name(ref, "pipeline", others) if others else Diagnostic(
+                    "RLP101", ERROR, f"no pipeline named `{ref.name}`", ref.span,
+                    help="`served_by` names another pipeline of the file, whose generator serves this stage"))
+            stage.invalid.add("served_by")
+            del stage.settings["served_by"]
 
 
 def _bind_shares(program: Program, diags: list[Diagnostic]) -> None:

@@ -181,6 +181,11 @@ REWARD_MODEL_KEYS = {
 }
 JUDGE_KEYS = tuple(k for k in REWARD_MODEL_KEYS if k != "model")
 
+# A generate stage `served_by` another pipeline takes these from that pipeline's generator: one engine samples
+# every pipeline's requests the same way (RLP514 when one is written); the others stay its own.
+SERVER_KEYS = ("engine", "gpus", "colocate", "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k",
+               "stop_token_ids", "update", "environment")
+
 STAGE_KEYS: dict[str, dict[str, Key]] = {
     "generate": {
         "model": Key(RefTo(("model",)), REQUIRED, "the model generated from"),
@@ -205,6 +210,9 @@ STAGE_KEYS: dict[str, dict[str, Key]] = {
         "update": Key(Enum(UPDATE_MODES), UPDATE_MODES[0], "when a new weight version reaches decoding: "
                       "`between_requests` (a sample has one version) or `interrupt` (at the next decode step; "
                       "tokens record their versions)"),
+        "served_by": Key(RefTo(("pipeline",)), None, "another pipeline whose generator serves this stage: one "
+                         "engine over the base both models share, each pipeline's LoRA adapters per request "
+                         "(its engine, GPUs and sampling keys are that generator's)"),
     },
     "reward": {
         "fn": Key(RewardFns(Str(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", "a `module:function` reference",

@@ -128,5 +128,43 @@ def merged_state(module) -> dict:
             if not is_adapter(name)}
 
 
+def share_base(module, base) -> int:
+    """Make ``module``'s base weights the very tensors ``base`` holds, so a
+    generator serving several pipelines keeps one base and an adapter set per
+    pipeline (`served_by`). The two must hold equal base weights (checked:
+    a shared base that differed would sample from another model). Returns
+    the bytes no longer held twice."""
+    import torch
+
+    theirs = {_base_name(name): tensor for name, tensor in _base_tensors(base)}
+    shared = 0
+    for name, owner, attribute, tensor in _base_slots(module):
+        other = theirs.get(_base_name(name))
+        if other is None or other.shape != tensor.shape or not torch.equal(other, tensor):
+            raise ValueError(f"the models do not share one base: `{_base_name(name)}` differs between them, so one "
+                             "generator cannot serve both (they must load the same weights)")
+        getattr(owner, attribute)[name.rpartition(".")[2]] = other
+        shared += tensor.numel() * tensor.element_size()
+    return shared
+
+
+def _base_name(name: str) -> str:
+    return name.replace(".base_layer.", ".")
+
+
+def _base_tensors(module):
+    return [(name, tensor) for name, _, _, tensor in _base_slots(module)]
+
+
+def _base_slots(module):
+    """(name, owning module, "_parameters" or "_buffers", tensor) of every weight that is not an adapter's."""
+    for prefix, child in module.named_modules():
+        for attribute in ("_parameters", "_buffers"):
+            for key, tensor in getattr(child, attribute).items():
+                name = f"{prefix}.{key}" if prefix else key
+                if tensor is not None and not is_adapter(name):
+                    yield name, child, attribute, tensor
+
+
 def state_bytes(state: dict) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in state.values())

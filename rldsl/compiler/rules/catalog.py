@@ -512,6 +512,18 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "pipeline b { ... stage logprob reference { model = policy  frozen  gpus = [1] } ... }   # pipeline a "
        "generates on GPU 1",
        "the placement of each logprob stage and of every other pipeline's stages."),
+    _r("RLP514", ERROR, "a generate stage another pipeline's generator cannot serve",
+       "`served_by = NAME` on a generate stage lets pipeline NAME's generator serve it: one engine holds the "
+       "base model once and samples every pipeline's requests with that pipeline's own LoRA adapters, each "
+       "pipeline pushing its own versions. So both models declare `lora_rank` and load the same base (the same "
+       "`source`; for a builtin model also the same builtin task and `seed`, which its warm start depends on); "
+       "the serving pipeline has one generate stage, on the `torch` engine, without a multi-turn environment, "
+       "and on GPUs of its own; and the served stage leaves the engine, its GPUs and how it samples "
+       "(`max_new_tokens`, `temperature`, `update`, ...) to the serving stage.",
+       "pipeline b { model policy { source = \"builtin:tiny-lm\" }   # no lora_rank\n"
+       "  stage generate rollout { model = policy  served_by = a  samples_per_prompt = 8 } ... }",
+       "each generate stage's `served_by` and written keys; the two pipelines' models, builtin datasets and "
+       "`seed`; the serving generator's engine, environment and placement."),
     _r("RLP520", WARNING, "logprob forwards cut to fit the GPU (old meaning kept)",
        "How many rows a logprob stage scores per forward (`micro_batch`) and whether an `fsdp` logprob stage "
        "shards its model over its ranks (`shard = 0`) change its memory, not the logprobs it computes. Where "
@@ -635,7 +647,7 @@ So the rule families depend on each other only through these inputs:
 | training | RLP308-RLP313 | the trainer's loss, sampling and schedule keys, the run length, the datasets |
 | buffer | RLP304-RLP306, RLP317 | the trainer's prompts_per_step, staleness and buffer |
 | placement | RLP501-RLP503, RLP507, RLP508, RLP512, RLP521 | cluster, `gpus`, `colocate`, placement groups, engines |
-| sharing | RLP401, RLP504, RLP505, RLP509, RLP513 | placed stages (RLP504 for a resident trainer also the memory estimate) |
+| sharing | RLP401, RLP504, RLP505, RLP509, RLP513, RLP514 | placed stages (RLP504 for a resident trainer also the memory estimate) |
 | memory | RLP506, RLP520 | placed stages and their models; RLP520 the logprob stages' forwards |
 | environments | RLP601-RLP608 | generate stages' environments, their budgets, tools and straggler cuts, reward stages, `eval_metric` |
 

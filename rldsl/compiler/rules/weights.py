@@ -196,7 +196,8 @@ def check_transport(ctx: Context) -> list[Diagnostic]:
 def _collective_blocker(ctx: Context, sync: Decl) -> str | None:
     source = ctx.pipe.stages[sync["from"].name]
     trainer_gpus = _gpus(ctx, source.name)
-    receivers = [WeightReceiver(ref.name, target.stage_kind, _engine(target), bool(trainer_gpus & _gpus(ctx, ref.name)))
+    receivers = [WeightReceiver(ref.name, target.stage_kind, _engine(target), bool(trainer_gpus & _gpus(ctx, ref.name)),
+                                _server(target))
                  for ref in sync["to"] for target in (ctx.pipe.stages[ref.name],)]
     return collective_blocker(source.name, _engine(source), receivers, _takes_leases(ctx, source.name))
 
@@ -210,6 +211,12 @@ def _takes_leases(ctx: Context, trainer: str) -> bool:
               for gpu in placed.gpus}
     mine = _gpus(ctx, trainer).union(*(_gpus(ctx, g.name) for g in ctx.pipe.stages_of("generate")))
     return bool(mine & others)
+
+
+def _server(stage: Decl) -> str | None:
+    """The pipeline whose generator serves this stage (`served_by`), if any."""
+    ref = stage.get("served_by") if stage.stage_kind == "generate" and stage.valid("served_by") else None
+    return ref.name if ref is not None else None
 
 
 def _engine(stage: Decl) -> str | None:

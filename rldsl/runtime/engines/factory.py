@@ -73,7 +73,9 @@ def sampling_settings(stage: StagePlan) -> dict:
             "min_new_tokens": settings.get("min_new_tokens", 0)}
 
 
-def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int):
+def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int, base=None):
+    """``base``: another pipeline's generator whose base weights this one
+    shares (`served_by`): only the adapters are this pipeline's own."""
     name = stage.engine.name
     if name == "sim":
         from rldsl.runtime.engines.sim import SimGenerator
@@ -85,6 +87,10 @@ def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int):
         from rldsl.runtime.engines.torch.generate import TorchGenerator
 
         model = load_policy(_model(pipe, stage), pipe, pipe.run.seed)
+        if base is not None:
+            from rldsl.models.lora import share_base
+
+            share_base(model.module, base.model.module)
         return TorchGenerator(model, **sampling_settings(stage))
     if name == "vllm":
         from rldsl.runtime.engines.vllm import VLLMGenerator

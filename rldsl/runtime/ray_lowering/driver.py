@@ -73,10 +73,17 @@ class Driver:
             dataplane = _dataplane(session, [p.pipe.name for p in self.pipelines])
             reservation = self._reserve(session)
             self._start_gpu_scheduler(session)
+            by_name = {p.pipe.name: p for p in self.pipelines}
+            for pipeline in self.pipelines:
+                pipeline.tenants = [p for p in self.pipelines if p.server() == pipeline.pipe.name]
             for pipeline in self.pipelines:
                 pipeline.create_actors(dataplane.spec, reservation)
                 # a restart on the same cluster reuses their names
                 session.add_cleanup(functools.partial(self._end_actors, pipeline))
+            for pipeline in self.pipelines:  # every actor exists: the controllers may hold another pipeline's
+                if pipeline.server():
+                    pipeline.borrow(by_name[pipeline.server()])
+                pipeline.start_controller(dataplane.spec, reservation)
             _wait_ready({call: stage for p in self.pipelines for call, stage in p.ready_calls().items()})
             self._check_placement(reservation)
             for pipeline in self.pipelines:
@@ -132,7 +139,7 @@ class Driver:
             probe = ray.remote(PlacementProbe)
             actors = {p.actor_name(stage.name, rank.index):
                       probe.options(**p.actor_options(stage.name, rank.index, True, reservation)).remote()
-                      for p in self.pipelines for stage in p.pipe.stages for rank in stage.ranks if rank.gpus}
+                      for p in self.pipelines for stage in p.pipe.stages for rank in stage.own_ranks if rank.gpus}
             _wait_ready({actor.ready.remote(): name for name, actor in actors.items()})
             report = self._placement_report(reservation, actors)
             reservation.release()
@@ -182,7 +189,7 @@ class Driver:
     def _check_placement(self, reservation) -> None:
         """Every GPU actor where the plan put it, or a ClusterError; placement.json either way."""
         actors = {p.actor_name(stage, rank): actor for p in self.pipelines
-                  for stage, handles in p.handles.items() for rank, actor in enumerate(handles)}
+                  for stage, handles in p.own_handles().items() for rank, actor in enumerate(handles)}
         report = self._placement_report(reservation, actors)
         (self.run_dir / "placement.json").write_text(json.dumps(report.to_json(reservation), indent=2) + "\n")
         for note in report.notes:

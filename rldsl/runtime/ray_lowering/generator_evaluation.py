@@ -93,9 +93,11 @@ class GeneratorEvaluations(EvaluationSchedule):
     under another handle); its evaluation is reported as failed."""
 
     def __init__(self, replicas: list, every: int, total_steps: int, previous: list[dict] | None = None,
-                 timeout_s: float = 0.0, clock=time.monotonic, at_start: bool = True, at_end: bool = True):
+                 timeout_s: float = 0.0, clock=time.monotonic, at_start: bool = True, at_end: bool = True,
+                 tenant: str | None = None):
         super().__init__(None, every, total_steps, previous, timeout_s, clock, at_start, at_end)
         self.replicas = list(replicas)
+        self.tenant = tenant  # the pipeline whose side of another pipeline's generators evaluates (`served_by`)
         self.running: dict[int, object] = {}  # replica -> its evaluate call not yet ended
         self.waiting: list[tuple[int, int, float]] = []  # (step, version, asked at): every replica was busy
         self.gone: set[int] = set()
@@ -129,7 +131,8 @@ class GeneratorEvaluations(EvaluationSchedule):
                 return
             step, version, asked_at = self.waiting.pop(0)
             left = max(0.1, asked_at + self.timeout_s - self.clock()) if self.timeout_s else 0.0
-            ref = self.replicas[replica].evaluate.remote(left)
+            actor = self.replicas[replica]
+            ref = actor.serve.remote(self.tenant, "evaluate", left) if self.tenant else actor.evaluate.remote(left)
             self.running[replica], self.asked[ref] = ref, replica
             self.pending.append((step, version, ref, asked_at))
 
@@ -181,6 +184,9 @@ class GeneratorEvaluations(EvaluationSchedule):
 def generator_schedule(pipe: PipelinePlan, handles: dict[str, list], total_steps: int,
                        previous: list[dict] | None = None) -> GeneratorEvaluations:
     """The schedule over every generator replica of the pipeline, in stage order."""
-    replicas = [actor for stage in pipe.stages if stage.kind == "generate" for actor in handles[stage.name]]
+    generators = [stage for stage in pipe.stages if stage.kind == "generate"]
+    replicas = [actor for stage in generators for actor in handles[stage.name]]
+    served = any(stage.served_by for stage in generators)
     return GeneratorEvaluations(replicas, pipe.run.eval_every, total_steps, previous, pipe.run.eval_timeout_s,
-                                at_start=pipe.run.eval_at_start, at_end=pipe.run.eval_at_end)
+                                at_start=pipe.run.eval_at_start, at_end=pipe.run.eval_at_end,
+                                tenant=pipe.name if served else None)

@@ -50,6 +50,8 @@ class PipelineDriver(PipelineEvaluations):
                            "keep": pipe.run.keep_checkpoints}
         self.handles: dict[str, list] = {}
         self.specs: dict[str, list[ActorSpec]] = {}  # how each actor was made, for the controller to remake it
+        self.tenants: list[PipelineDriver] = []  # the pipelines `served_by` this one's generator
+        self.borrowed: set[str] = set()  # stages another pipeline's actors serve (`served_by`)
         self.controller = self.result_ref = self.progress = self.traces = None
         self.scheduler = None  # the cluster's GPU lease scheduler, when this pipeline shares GPUs
         self._seen = 0
@@ -59,7 +61,7 @@ class PipelineDriver(PipelineEvaluations):
         self._losses_shown = 0
 
     def actor_count(self) -> int:
-        return sum(len(s.ranks) for s in self.pipe.stages) + 1 + self.pipe.has_evaluator  # + controller, evaluator
+        return sum(len(s.own_ranks) for s in self.pipe.stages) + 1 + self.pipe.has_evaluator  # + controller, evaluator
 
     def say(self, text: str) -> None:
         """Progress and notes: stderr."""
@@ -89,7 +91,8 @@ class PipelineDriver(PipelineEvaluations):
 
     def create_actors(self, spec: dict, reservation) -> None:
         """One actor per stage rank, GPU ranks in their bundle of ``reservation``
-        (placement.Reservation), and the evaluator; not yet waited for."""
+        (placement.Reservation), and the evaluator; not yet waited for. A
+        stage `served_by` another pipeline gets its actors in ``borrow``."""
 
         from rldsl.runtime.ray_lowering import workers as w
         from rldsl.runtime.ray_lowering.trainer_worker import TrainerWorker
@@ -99,7 +102,7 @@ class PipelineDriver(PipelineEvaluations):
         classes = {"generate": w.GeneratorWorker, "reward": w.RewardWorker, "logprob": w.LogprobWorker,
                    "train": TrainerWorker}
         for stage in self.pipe.stages:
-            if stage.kind == "sync":
+            if stage.kind == "sync" or stage.served_by:
                 continue
             worker = JudgeWorker if stage.kind == "reward" and stage.model else classes[stage.kind]
             actor_class = run_actor(worker)
@@ -113,18 +116,44 @@ class PipelineDriver(PipelineEvaluations):
                     args.append(self.checkpoint)
                 options = self.actor_options(stage.name, rank.index, bool(rank.gpus), reservation)
                 if stage.kind == "generate":  # one thread per group in flight, plus pushes and control calls
-                    options["max_concurrency"] = self._generator_concurrency() + 4 + (self.pipe.eval_on == "generators")
+                    options["max_concurrency"] = sum(p.generator_threads() for p in [self, *self.tenants])
+                    if self.tenants:
+                        args.append([(t.pipe, t.pipe.stage(t.served_stage())) for t in self.tenants])
                 if stage.kind == "reward":  # a call per reward process, so one hung sample holds up only its own
                     options["max_concurrency"] = reward_calls_per_worker(stage) + 2
                 self.handles[stage.name].append(actor_class.options(**options).remote(*args))
-                self.specs[stage.name].append(ActorSpec(stage.name, stage.kind, rank.index, worker,
-                                                        tuple(args), options, _replaceable(stage)))
+                # a generator serving other pipelines is not remade: their controllers hold its handle
+                self.specs[stage.name].append(ActorSpec(stage.name, stage.kind, rank.index, worker, tuple(args),
+                                                        options, _replaceable(stage) and not self.tenants))
+
+    def served_stage(self) -> str | None:
+        """This pipeline's generate stage that another pipeline's generator serves (`served_by`), if any."""
+        return next((s.name for s in self.pipe.stages if s.served_by), None)
+
+    def server(self) -> str | None:
+        """The pipeline whose generator serves this one, if any."""
+        stage = self.served_stage()
+        return self.pipe.stage(stage).served_by.partition("/")[0] if stage else None
+
+    def borrow(self, server: "PipelineDriver") -> None:
+        """The actors of ``server``'s generator for this pipeline's stage `served_by` it; calls go through
+        their ``serve`` under this pipeline's name, and a death is not repaired (ActorSpec.tenant)."""
+        name, own = self.served_stage(), self.pipe.stage(self.served_stage()).served_by.partition("/")[2]
+        self.borrowed.add(name)
+        self.handles[name] = list(server.handles[own])
+        self.specs[name] = [replace(s, stage=name, replaceable=False, tenant=self.pipe.name)
+                            for s in server.specs[own]]
+
+    def start_controller(self, spec: dict, reservation) -> None:
+        """The evaluator and the controller, once every stage has its actors (borrowed ones too)."""
         self._create_evaluator()
         self._create_controller(spec, self._weight_transport(reservation))
 
-    def _generator_concurrency(self) -> int:
+    def generator_threads(self) -> int:
+        """Calls one generator replica serves at once for this pipeline: a thread per group in flight, plus
+        pushes and control calls."""
         replicas = sum(len(s.ranks) for s in self.pipe.stages if s.kind == "generate")
-        return self.settings.replica_concurrency(replicas)
+        return self.settings.replica_concurrency(replicas) + 4 + (self.pipe.eval_on == "generators")
 
     def actor_options(self, stage: str, rank: int, uses_gpus: bool, reservation) -> dict:
         """Ray options of one rank's actor: its name, and its bundle for a GPU rank."""
@@ -139,7 +168,8 @@ class PipelineDriver(PipelineEvaluations):
 
     def ready_calls(self) -> dict:
         """``ready`` calls of every actor -> the stage it belongs to."""
-        calls = {a.ready.remote(): f"{self.prefix}{name}" for name, actors in self.handles.items() for a in actors}
+        calls = {a.ready.remote(): f"{self.prefix}{name}" for name, actors in self.own_handles().items()
+                 for a in actors}
         if self._has_evaluator_actor():
             calls[self.evaluations.actor.ready.remote()] = f"{self.prefix}evaluator"
         if self.controller is not None:
@@ -159,7 +189,8 @@ class PipelineDriver(PipelineEvaluations):
             raise ResumeError(f"{self.prefix}could not restore the trainer from {self.resume['dir']}: "
                               f"{root_cause(err)}") from None
         refs = ray.get([t.export_buckets.remote(self.settings.sync_bucket_bytes) for t in trainers])[0]
-        ray.get([r.receive_weights.remote(refs, version) for r in self._receivers()])
+        ray.get([actor.serve.remote(self.pipe.name, "receive_weights", refs, version) if name in self.borrowed
+                 else actor.receive_weights.remote(refs, version) for name, actor in self._receivers()])
         for observer in self._observers():
             ray.get([observer.update_weights.remote(ref, version, i == len(refs) - 1) for i, ref in enumerate(refs)])
         self.say(f"resumed from {self.resume['dir'].name}: version {version}, {self.resume['steps_done']} steps done")
@@ -233,8 +264,12 @@ class PipelineDriver(PipelineEvaluations):
         if any(s.kind == "sync" for s in self.pipe.stages):
             self.say(f"weights: {transport['transport'].replace('_', ' ')} ({transport['why']})")
 
+    def own_handles(self) -> dict[str, list]:
+        """The stages' actors this pipeline started (not those it borrows, `served_by`)."""
+        return {name: handles for name, handles in self.handles.items() if name not in self.borrowed}
+
     def _traced_actors(self) -> dict:
-        actors = {self.actor_name(name, rank): actor for name, handles in self.handles.items()
+        actors = {self.actor_name(name, rank): actor for name, handles in self.own_handles().items()
                   for rank, actor in enumerate(handles)}
         actors[f"{self.prefix}controller"] = self.controller
         if self._has_evaluator_actor():
@@ -335,7 +370,7 @@ class PipelineDriver(PipelineEvaluations):
         same cluster can create them again."""
         import ray
 
-        actors = {self.actor_name(name, rank): actor for name, handles in self.handles.items()
+        actors = {self.actor_name(name, rank): actor for name, handles in self.own_handles().items()
                   for rank, actor in enumerate(handles)}
         if self.controller is not None:
             actors[f"{self.prefix}controller"] = self.controller
@@ -397,7 +432,7 @@ class PipelineDriver(PipelineEvaluations):
 
     def _receivers(self) -> list:
         targets = self.pipe.weight_receivers()
-        return [a for name in sorted(targets) for a in self.handles[name]]
+        return [(name, a) for name in sorted(targets) for a in self.handles[name]]
 
 
 

@@ -194,14 +194,14 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
                     "a replacement up to date; set `transport = object_store` on the sync to replace dead generators")
         if cache.version is not None and spec.stage in receiver_stages:
             method = "refresh" if spec.kind == "generate" else "receive_weights"
-            await getattr(actor, method).remote(list(cache.refs), cache.version)
+            await supervisor.remote(spec.stage, spec.rank, method, list(cache.refs), cache.version, actor=actor)
         if spec.kind == "generate" and generators.index((spec.stage, spec.rank)) in asleep:
-            await actor.sleep.remote()
+            await supervisor.remote(spec.stage, spec.rank, "sleep", actor=actor)
 
     async def decoded_tokens() -> list[int]:
         """Each replica's tokens decoded so far (-1: no answer); polled by the watchdog, never replaces an actor."""
         async def count(generator) -> int:
-            return int(await supervisor.actor(*generator).decoded_tokens.remote())
+            return int(await supervisor.remote(*generator, "decoded_tokens"))
 
         counts = await asyncio.gather(*(count(g) for g in generators), return_exceptions=True)
         return [-1 if isinstance(n, BaseException) else n for n in counts]

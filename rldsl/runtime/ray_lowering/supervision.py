@@ -38,6 +38,7 @@ class ActorSpec:
     options: dict
     replaceable: bool = True
     replacements: int = 0
+    tenant: str | None = None  # another pipeline's generator serving this one: calls go through its `serve`
 
 
 @dataclass
@@ -77,18 +78,27 @@ class Supervisor:
     def actor(self, stage: str, rank: int):
         return self.actors[stage][rank]
 
+    def remote(self, stage: str, rank: int, method: str, *args: Any, actor: Any = None):
+        """``actor.method.remote(*args)`` on the rank's current actor (or ``actor``), through its ``serve``
+        when another pipeline's generator serves the stage."""
+        actor = actor if actor is not None else self.actor(stage, rank)
+        tenant = self.specs[stage][rank].tenant if stage in self.specs else None
+        if tenant is not None:
+            return actor.serve.remote(tenant, method, *args)
+        return getattr(actor, method).remote(*args)
+
     async def call(self, stage: str, rank: int, method: str, *args: Any) -> Any:
         """``actor.method.remote(*args)`` on the rank's current actor; once
         more on a replacement if it died."""
         actor = self.actor(stage, rank)
         try:
-            return await getattr(actor, method).remote(*args)
+            return await self.remote(stage, rank, method, *args, actor=actor)
         except Exception as error:
             if not _is_actor_death(error):
                 raise
             replacement = await self.replace(stage, rank, actor, error)
         try:
-            return await getattr(replacement, method).remote(*args)
+            return await self.remote(stage, rank, method, *args, actor=replacement)
         except Exception as error:
             if _is_actor_death(error):
                 raise self._lost(stage, rank, f"its replacement died too: {_short(error)}") from None

@@ -71,14 +71,39 @@ class GeneratorWorker(StageWorker, WeightGroupMember):
     """One generator replica, a threaded actor: every call of ``generate`` (one
     prompt group) waits in its own thread while the engine's batcher decodes
     all the groups in flight together; weights arrive on another thread and
-    are swapped in between two batches."""
+    are swapped in between two batches.
 
-    def __init__(self, pipe, stage, rank, dataplane_spec):
-        from rldsl.runtime.engines.batching import ContinuousBatcher
+    ``tenants``: the ``(pipeline, stage)`` of other pipelines' generate
+    stages `served_by` this one. Each gets an engine of its own over this
+    engine's base weights (the same tensors) with its own adapters, batcher
+    and weight versions; their controllers reach it through ``serve``."""
+
+    def __init__(self, pipe, stage, rank, dataplane_spec, tenants=()):
         from rldsl.runtime.engines.factory import build_generator
 
         super().__init__(pipe, stage, rank, dataplane_spec)
-        self.engine = build_generator(stage, pipe, seed=pipe.run.seed + 1000 * rank)
+        self._serve(build_generator(stage, pipe, seed=pipe.run.seed + 1000 * rank))
+        self.tenants = {served.name: self._tenant(served, served_stage) for served, served_stage in tenants}
+
+    def _tenant(self, pipe, stage) -> "GeneratorWorker":
+        """Another pipeline's side of this replica: its engine shares this one's base."""
+        from rldsl.runtime.engines.factory import build_generator
+
+        tenant = object.__new__(type(self))
+        tenant.pipe, tenant.stage, tenant.rank, tenant.partition = pipe, stage, self.rank, pipe.name
+        tenant.tracer, tenant.dataplane, tenant.tenants = self.tracer, self.dataplane, {}
+        tenant._serve(build_generator(stage, pipe, seed=pipe.run.seed + 1000 * self.rank, base=self.engine))
+        return tenant
+
+    def serve(self, tenant: str, method: str, *args):
+        """A call of pipeline ``tenant``'s controller, answered by its side of this replica."""
+        return getattr(self.tenants[tenant], method)(*args)
+
+    def _serve(self, engine) -> None:
+        from rldsl.runtime.engines.batching import ContinuousBatcher
+
+        pipe, stage = self.pipe, self.stage
+        self.engine = engine
         self.batcher = ContinuousBatcher(self.engine, update=stage.settings.get("update", "between_requests"))
         self.episodes = episode_runner(pipe, stage, self.batcher, getattr(self.engine, "tokenizer", None))
         self._tokens_answered = 0  # response tokens of the groups answered (engines that count none as they go)

@@ -312,6 +312,9 @@ class PipelinePlan:
     def environment(self, name: str) -> EnvironmentPlan:
         return next(e for e in self.environments if e.name == name)
 
+    def model(self, name: str) -> ModelPlan:
+        return next(m for m in self.models if m.name == name)
+
     def stages_of(self, kind: str) -> list[StagePlan]:
         return [s for s in self.stages if s.kind == kind]
 

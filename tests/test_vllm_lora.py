@@ -1,8 +1,9 @@
 """LoRA adapters served by real vLLM (its CPU build): a torch trainer trains
 rank-8 adapters on a tiny Llama, pushes only them, and vLLM serves each
 version as an adapter of its own, with behaviour logprobs equal to the
-trainer's on the same weights. vLLM with `enable_lora` is an engine of its
-own here: the shared engine reloads whole models in place."""
+trainer's on the same weights; one vLLM serves two pipelines' adapters side
+by side (`served_by`), each at its own version. vLLM with `enable_lora` is an
+engine of its own here: the shared engine reloads whole models in place."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def lora_vllm(tmp_path_factory):
                                 intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
                                 max_position_embeddings=128)
     options = VLLMOptions(kv_cache=128 << 20, dtype="fp32", max_model_len=128, sleep=False, lora_rank=LORA.rank,
-                          lora_alpha=LORA.alpha, lora_targets=tuple(LORA.targets))
+                          lora_alpha=LORA.alpha, lora_targets=tuple(LORA.targets), served_lora_ranks=(LORA.rank,))
     generator = VLLMGenerator.from_path(str(model_dir), options, seed=0, max_new_tokens=MAX_NEW_TOKENS,
                                         temperature=TEMPERATURE)
     yield generator, model_dir
@@ -81,13 +82,43 @@ def test_vllm_serves_each_pushed_adapter_version_with_the_trainers_logprobs(lora
         assert stale > 1e-3, stale  # the trainer moved: vLLM lags until the push
         push(generator, trainer, version)
         assert generator.version == version == generator.llm.current_version()
-        assert generator.adapter.lora_int_id == version + 1
+        assert generator.adapter.lora_int_id == version  # the engine's first adapters: ids 1, 2
         gap, batch = logprob_gap(generator, trainer, seed=1 + version)
         print(f"|vLLM - torch| logprob with LoRA version {version}, fp32 CPU: max {gap:.2e}")
         assert gap < 1e-4
         assert batch["version"].tolist() == [version] * 8
-    assert set(generator.llm.loop.run(generator.llm.engine.list_loras())) == {3}  # the older version was removed
+    assert set(generator.llm.loop.run(generator.llm.engine.list_loras())) == {2}  # the older version was removed
     assert len(generator.generate_greedy(PROMPTS)) == 2  # evaluation on the generators runs on the adapter too
+
+
+@needs_vllm
+def test_one_vllm_serves_two_pipelines_adapters_side_by_side_each_at_its_own_version(lora_vllm):
+    generator, model_dir = lora_vllm  # at version 2 (the test above)
+    served = generator.serving("b", generator.options, max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE)
+    mine, theirs = lora_trainer(model_dir), lora_trainer(model_dir)
+    _, batch = logprob_gap(generator, mine, seed=1)
+    for step in range(3):
+        train_step(mine, batch, step)
+    train_step(theirs, batch, 0)  # another pipeline: other adapters (version 1 against 3)
+    push(generator, mine, 3)
+    push(served, theirs, 1)
+    assert (generator.version, served.version) == (3, 1)
+    # one group of each pipeline in flight at once, batched together by vLLM, each on its own adapter
+    groups = [engine.start_group((PROMPTS, 4, 11)) for engine in (generator, served)]
+    ours, others = (group.result() for group in groups)
+    mask = ours["response_mask"].bool()
+    from rldsl.runtime.engines.torch.common import response_logprobs
+
+    with torch.no_grad():
+        assert float((ours["behaviour_logprobs"] - response_logprobs(mine.model, ours, TEMPERATURE))[mask]
+                     .abs().max()) < 1e-4
+        gap = others["behaviour_logprobs"] - response_logprobs(theirs.model, others, TEMPERATURE)
+        wrong = others["behaviour_logprobs"] - response_logprobs(mine.model, others, TEMPERATURE)
+    mask = others["response_mask"].bool()
+    assert float(gap[mask].abs().max()) < 1e-4 < float(wrong[mask].abs().max())
+    assert ours["version"].tolist() == [3] * 8 and others["version"].tolist() == [1] * 8
+    assert len(set(generator.llm.loop.run(generator.llm.engine.list_loras()))) == 2
+    assert served.adapter.lora_name == "rldsl-b-v1" and generator.adapter.lora_name == "rldsl-v3"
 
 
 @needs_vllm
@@ -113,6 +144,9 @@ def test_a_vllm_generator_of_a_lora_model_starts_vllm_with_adapters_of_its_rank(
     assert (vllm.lora_rank, vllm.lora_alpha, vllm.lora_targets) == (8, 16.0, ("qkv", "out"))
     args = vllm.engine_args("/m", seed=0)
     assert args["enable_lora"] and args["max_lora_rank"] == 8 and args["max_loras"] == 1
+    serving = factory._vllm_options(replace(generate, engine=engine), pipe.models[0].lora,
+                                    serves=(replace(pipe.models[0].lora, rank=16),) * 2).engine_args("/m", seed=0)
+    assert (serving["max_loras"], serving["max_cpu_loras"], serving["max_lora_rank"]) == (3, 6, 16)
     assert "enable_lora" not in VLLMOptions().engine_args("/m", seed=0)
     assert [lora_rank_served(r) for r in (1, 4, 8, 12, 64)] == [1, 8, 8, 16, 64]
     with pytest.raises(ValueError, match="up to 512"):

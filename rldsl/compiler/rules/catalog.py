@@ -517,7 +517,8 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "base model once and samples every pipeline's requests with that pipeline's own LoRA adapters, each "
        "pipeline pushing its own versions. So both models declare `lora_rank` and load the same base (the same "
        "`source`; for a builtin model also the same builtin task and `seed`, which its warm start depends on); "
-       "the serving pipeline has one generate stage, on the `torch` engine, without a multi-turn environment, "
+       "the serving pipeline has one generate stage, on the `torch` or `vllm` engine, without a multi-turn "
+       "environment, "
        "and on GPUs of its own; and the served stage leaves the engine, its GPUs and how it samples "
        "(`max_new_tokens`, `temperature`, `update`, ...) to the serving stage.",
        "pipeline b { model policy { source = \"builtin:tiny-lm\" }   # no lora_rank\n"

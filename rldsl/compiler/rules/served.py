@@ -13,7 +13,7 @@ from rldsl.compiler.diagnostics import ERROR, Diagnostic
 from rldsl.compiler.placement import served_elsewhere
 from rldsl.compiler.schema import SERVER_KEYS
 
-SERVING_ENGINES = ("torch",)  # engines one generator of which serves several pipelines' adapters
+SERVING_ENGINES = ("torch", "vllm")  # engines one generator of which serves several pipelines' adapters
 _HELP = "docs/language.md#one-base-many-adapters"
 
 

@@ -73,9 +73,11 @@ def sampling_settings(stage: StagePlan) -> dict:
             "min_new_tokens": settings.get("min_new_tokens", 0)}
 
 
-def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int, base=None):
+def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int, base=None, serves: tuple = ()):
     """``base``: another pipeline's generator whose base weights this one
-    shares (`served_by`): only the adapters are this pipeline's own."""
+    shares (`served_by`): only the adapters are this pipeline's own.
+    ``serves``: the LoRA plans of the pipelines this generator will serve
+    (a vLLM engine makes room for their adapters)."""
     name = stage.engine.name
     if name == "sim":
         from rldsl.runtime.engines.sim import SimGenerator
@@ -95,8 +97,10 @@ def build_generator(stage: StagePlan, pipe: PipelinePlan, seed: int, base=None):
     if name == "vllm":
         from rldsl.runtime.engines.vllm import VLLMGenerator
 
-        return VLLMGenerator.from_path(_hf_path(pipe, stage), _vllm_options(stage, _model(pipe, stage).lora),
-                                       seed=seed, **sampling_settings(stage))
+        options = _vllm_options(stage, _model(pipe, stage).lora, serves)
+        if base is not None:
+            return base.serving(pipe.name, options, **sampling_settings(stage))
+        return VLLMGenerator.from_path(_hf_path(pipe, stage), options, seed=seed, **sampling_settings(stage))
     if name == "sglang":
         from rldsl.runtime.engines.sglang import SGLangGenerator
 
@@ -304,12 +308,14 @@ def _hf_path(pipe: PipelinePlan, stage: StagePlan) -> str:
     return source[len("hf:"):]
 
 
-def _vllm_options(stage: StagePlan, lora: LoraPlan | None = None):
-    """A vllm stage's engine options; ``lora``: the policy's adapters, which a generator serves."""
+def _vllm_options(stage: StagePlan, lora: LoraPlan | None = None, serves: tuple = ()):
+    """A vllm stage's engine options; ``lora``: the policy's adapters, which a generator serves, beside
+    those of the pipelines it ``serves``."""
     from rldsl.runtime.engines.vllm import VLLMOptions
 
     args = stage.engine.args
-    adapters = {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": tuple(lora.targets)} if lora else {}
+    adapters = {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": tuple(lora.targets),
+                "served_lora_ranks": tuple(served.rank for served in serves)} if lora else {}
     return VLLMOptions(tp=args["tp"], pp=args.get("pp", 1), spans_nodes=any(r.remote for r in stage.ranks),
                        gpu_memory=args["gpu_memory"], sleep=args["sleep"],
                        max_model_len=args.get("max_model_len"), dtype=args["dtype"], kv_cache=args.get("kv_cache"),

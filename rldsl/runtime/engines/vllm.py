@@ -84,10 +84,11 @@ def sampling_options(samples_per_prompt: int, max_new_tokens: int, temperature: 
 
 
 def batch_from_samples(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sequence[Sample]],
-                       samples_per_prompt: int, version: int) -> Batch:
+                       samples_per_prompt: int, version: int, spans: bool = True) -> Batch:
     """Per prompt its samples (vllm_async.Sample) -> a prompt-major batch with
     behaviour logprobs; each row's version is its oldest token's (``version``
-    for a row without tokens), and every token's when a row holds several."""
+    for a row without tokens), and every token's when a row holds several
+    (vLLM's version spans; without ``spans`` every token is ``version``'s)."""
     if len(samples) != len(prompt_ids):
         raise RuntimeError(f"vLLM answered {len(samples)} requests for {len(prompt_ids)} prompts")
     prompts, responses, logprobs, versions = [], [], [], []
@@ -98,7 +99,7 @@ def batch_from_samples(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Se
             prompts.append(list(ids))
             responses.append(child.token_ids)
             logprobs.append(child.logprobs)
-            versions.append(token_versions(child, version))
+            versions.append(token_versions(child, version) if spans else [version] * len(child.token_ids))
     mixed = any(len(set(row)) > 1 for row in versions)
     return sampled_batch(prompts, responses, logprobs, [row[0] if row else version for row in versions],
                          token_versions=versions if mixed else None)
@@ -132,6 +133,7 @@ class VLLMOptions:
     lora_rank: int = 0  # the policy's LoRA adapters (rank, alpha, targets): served per request; 0: none
     lora_alpha: float = 0.0
     lora_targets: tuple[str, ...] = ()
+    served_lora_ranks: tuple[int, ...] = ()  # the adapters of other pipelines it serves (`served_by`), by rank
 
     @property
     def level(self) -> int:
@@ -154,7 +156,11 @@ class VLLMOptions:
             "enforce_eager": not torch.cuda.is_available() if self.enforce_eager is None else self.enforce_eager,
         }
         if self.lora_rank:
-            kwargs.update(enable_lora=True, max_lora_rank=lora_rank_served(self.lora_rank), max_loras=1)
+            pipelines = 1 + len(self.served_lora_ranks)  # each request batch may hold every pipeline's adapter
+            rank = max((self.lora_rank, *self.served_lora_ranks))
+            kwargs.update(enable_lora=True, max_lora_rank=lora_rank_served(rank), max_loras=pipelines)
+            if pipelines > 1:  # a pipeline's new version is added before its old one goes
+                kwargs["max_cpu_loras"] = 2 * pipelines
         if self.max_model_len:
             kwargs["max_model_len"] = self.max_model_len
         if self.kv_cache:
@@ -239,6 +245,8 @@ class _VLLMEngine(ServingEngine):
         self.options = options
         self._buckets: list[list[tuple[str, torch.Tensor]]] = []  # of the version being received
         self.adapter = None  # with LoRA: the newest version's LoRARequest (None: the base, version 0's)
+        self.owner = ""  # the pipeline whose requests these are, where one engine serves several (`served_by`)
+        self.shared = False  # several pipelines' adapters in this vLLM, each at a version of its own
 
     def update_weights(self, bucket: Mapping[str, Any], version: int, last: bool) -> None:
         """Gathered until the last bucket of ``version``; then all loaded in
@@ -264,7 +272,8 @@ class _VLLMEngine(ServingEngine):
                              "train the same adapters (`lora_rank` on its model)")
         options = self.options
         config = peft_adapter_config(options.lora_rank, options.lora_alpha, options.lora_targets, "base")
-        return self.llm.load_adapter(peft_names(tensors), config, version, self.adapter)
+        return self.llm.load_adapter(peft_names(tensors), config, version, self.adapter,
+                                     name="-".join(filter(None, ("rldsl", self.owner))), sets_version=not self.shared)
 
     def _sleeps(self) -> bool:
         return bool(self.options.sleep)
@@ -311,8 +320,11 @@ class VLLMGenerator(ServingGeneration, _VLLMEngine):
         ids = prompt_token_ids(self.tokenizer, prompts)
         params = [self._params(n, request_seed) for request_seed in request_seeds(seed, len(ids))]
         version = self.version
-        return then(self.llm.submit(ids, params, self.adapter),
-                    lambda samples: batch_from_samples(ids, samples, n, version))
+        # vLLM's version spans follow its one counter, which no pipeline owns where several share the engine:
+        # there a request's tokens are all its adapter's version (a request keeps its adapter to its end)
+        spans = not self.shared
+        return then(self.llm.submit(ids, params, self.adapter, self.owner),
+                    lambda samples: batch_from_samples(ids, samples, n, version, spans))
 
     def _params(self, n: int, seed: int | None, temperature: float | None = None):
         """A rollout's sampling; with ``temperature`` given, an evaluation's (never held back from EOS)."""
@@ -336,12 +348,20 @@ class VLLMGenerator(ServingGeneration, _VLLMEngine):
         self._require_ready()
         ids = prompt_token_ids(self.tokenizer, prompts)
         params = [self._params(1, None, temperature=0.0)] * len(ids)
-        samples = self.llm.generate(ids, params, self.adapter)
+        samples = self.llm.submit(ids, params, self.adapter, self.owner).result()
         return decode_responses(self.tokenizer, batch_from_samples(ids, samples, 1, self.version))
 
     def abort_requests(self) -> int:
-        """End every group in flight now (a stop, a timeout): each is answered with what it has."""
-        return self.llm.abort()
+        """End every group in flight now (a stop, a timeout): each is answered with what it has. On an
+        engine several pipelines share, only this pipeline's."""
+        return self.llm.abort(self.owner if self.shared else None)
+
+    def serving(self, owner: str, options: VLLMOptions, **sampling) -> VLLMGenerator:
+        """Pipeline ``owner``'s generator on this very vLLM (`served_by`): its own adapters (``options``'
+        LoRA keys), versions and sampling, its requests batched with everyone's."""
+        tenant = type(self)(self.llm, self.tokenizer, options, **sampling)
+        tenant.owner, tenant.shared, self.shared = owner, True, True
+        return tenant
 
 
 # -- log-probabilities of given responses ------------------------------------------------

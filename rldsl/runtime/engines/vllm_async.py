@@ -19,8 +19,11 @@ What the vLLM engines (vllm.py) need of vLLM, in calls that return at once
   requests recompute theirs under the new weights), ``resume_generation``;
 - LoRA adapters (``load_adapter``): each version written as PEFT's
   directory and added to vLLM as a ``LoRARequest`` of its own, which the
-  requests submitted after it name; the version before it removed;
-- ``abort``: every request in flight ends now (a stop, a timeout).
+  requests submitted after it name; the version before it removed. Several
+  pipelines' adapters can live side by side (``name``: whose), each
+  request naming its own, batched together by vLLM;
+- ``abort``: every request in flight ends now (a stop, a timeout), or
+  only those of one ``owner`` (a pipeline the engine serves).
 
 vLLM is imported only when an engine is built (``AsyncVLLM.start``).
 """
@@ -61,7 +64,8 @@ class AsyncVLLM:
         self.engine, self.loop = engine, loop
         self.tokens_decoded = 0
         self._ids = itertools.count()
-        self._in_flight: set[str] = set()
+        self._adapter_ids = itertools.count(1)  # vLLM's LoRA ids start at 1
+        self._in_flight: dict[str, str] = {}  # request id -> its owner
 
     @classmethod
     def start(cls, engine_args: Mapping[str, Any], version: int = 0) -> AsyncVLLM:
@@ -79,11 +83,12 @@ class AsyncVLLM:
 
     # -- generation --------------------------------------------------------------------
 
-    def submit(self, prompts: Sequence[Sequence[int]], params: Sequence, adapter=None) -> Future:
+    def submit(self, prompts: Sequence[Sequence[int]], params: Sequence, adapter=None, owner: str = "") -> Future:
         """Each prompt a request with its own ``SamplingParams`` (``n`` children),
         on the LoRA ``adapter`` if given (a ``LoRARequest``); a future of, per
-        prompt, its samples in child order."""
-        return self.loop.submit(self._requests(prompts, params, adapter))
+        prompt, its samples in child order. ``owner``: whose requests they
+        are, for ``abort``."""
+        return self.loop.submit(self._requests(prompts, params, adapter, owner))
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence, adapter=None) -> list[list[Sample]]:
         return self.submit(prompts, params, adapter).result()
@@ -95,23 +100,24 @@ class AsyncVLLM:
     async def _finals(self, rows, params) -> list:
         return list(await asyncio.gather(*(self._final(row, params) for row in rows)))
 
-    async def _requests(self, prompts, params, adapter=None) -> list[list[Sample]]:
-        return list(await asyncio.gather(*(self._request(list(p), sp, adapter) for p, sp in zip(prompts, params))))
+    async def _requests(self, prompts, params, adapter=None, owner: str = "") -> list[list[Sample]]:
+        return list(await asyncio.gather(*(self._request(list(p), sp, adapter, owner)
+                                           for p, sp in zip(prompts, params))))
 
-    async def _request(self, prompt: list[int], params, adapter=None) -> list[Sample]:
+    async def _request(self, prompt: list[int], params, adapter=None, owner: str = "") -> list[Sample]:
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.DELTA
         samples = [Sample() for _ in range(params.n)]
         request_id = f"rldsl-{next(self._ids)}"
-        self._in_flight.add(request_id)
+        self._in_flight[request_id] = owner
         try:
             async for output in self.engine.generate({"prompt_token_ids": prompt}, params, request_id=request_id,
                                                      lora_request=adapter):
                 for delta in output.outputs:
                     self._take(samples[delta.index], delta)
         finally:
-            self._in_flight.discard(request_id)
+            self._in_flight.pop(request_id, None)
         return samples
 
     def _take(self, sample: Sample, delta) -> None:
@@ -132,9 +138,9 @@ class AsyncVLLM:
             final = output
         return final
 
-    def abort(self) -> int:
-        """End every request in flight now; returns how many."""
-        request_ids = sorted(self._in_flight)
+    def abort(self, owner: str | None = None) -> int:
+        """End every request in flight now (only ``owner``'s when given); returns how many."""
+        request_ids = sorted(r for r, whose in list(self._in_flight.items()) if owner is None or whose == owner)
         if request_ids:
             self.loop.run(self.engine.abort(request_ids))
         return len(request_ids)
@@ -170,11 +176,14 @@ class AsyncVLLM:
         finally:
             os.unlink(path)
 
-    def load_adapter(self, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int, previous=None):
+    def load_adapter(self, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int, previous=None,
+                     name: str = "rldsl", sets_version: bool = True):
         """LoRA adapters (PEFT's names and ``adapter_config.json``) as vLLM's
         adapter of ``version``, which requests name from now on; vLLM's
-        version set, the ``previous`` adapter removed (no request in flight
-        uses it: versions land between requests). Returns its ``LoRARequest``."""
+        version set (``sets_version``: not where several pipelines' adapters
+        share the engine, each at a version of its own), the ``previous``
+        adapter removed (no request in flight uses it: versions land between
+        requests). Returns its ``LoRARequest``."""
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
@@ -184,16 +193,17 @@ class AsyncVLLM:
             with open(os.path.join(directory, "adapter_config.json"), "w") as file:
                 json.dump(dict(config), file)
             save_file(dict(tensors), os.path.join(directory, "adapter_model.safetensors"))
-            adapter = LoRARequest(f"rldsl-v{version}", version + 1, directory)  # ids start at 1
-            return self.loop.run(self._add_adapter(adapter, version, previous))
+            adapter = LoRARequest(f"{name}-v{version}", next(self._adapter_ids), directory)
+            return self.loop.run(self._add_adapter(adapter, version, previous, sets_version))
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
 
-    async def _add_adapter(self, adapter, version: int, previous):
+    async def _add_adapter(self, adapter, version: int, previous, sets_version: bool):
         if not await self.engine.add_lora(adapter):
             raise RuntimeError(f"vLLM refused the LoRA adapter of version {version}")
-        await self.engine.update_weight_version(str(version))
+        if sets_version:
+            await self.engine.update_weight_version(str(version))
         if previous is not None:
             await self.engine.remove_lora(previous.lora_int_id)
             shutil.rmtree(previous.lora_path, ignore_errors=True)

@@ -82,7 +82,9 @@ class GeneratorWorker(StageWorker, WeightGroupMember):
         from rldsl.runtime.engines.factory import build_generator
 
         super().__init__(pipe, stage, rank, dataplane_spec)
-        self._serve(build_generator(stage, pipe, seed=pipe.run.seed + 1000 * rank))
+        serves = tuple(lora for served, served_stage in tenants for lora in [served.model(served_stage.model).lora]
+                       if lora is not None)
+        self._serve(build_generator(stage, pipe, seed=pipe.run.seed + 1000 * rank, serves=serves))
         self.tenants = {served.name: self._tenant(served, served_stage) for served, served_stage in tenants}
 
     def _tenant(self, pipe, stage) -> "GeneratorWorker":

@@ -117,6 +117,16 @@ def run(text: str, steps: int, work: Path, label: str) -> dict:
             "wall": time.monotonic() - started}
 
 
+def aggregate(result: dict) -> float:
+    """Every pipeline's trained samples over the longest training loop."""
+    summaries = result["summaries"].values()
+    return sum(s["ledger"]["trained"] for s in summaries) / max(s["train_loop_s"] for s in summaries)
+
+
+def gpu_count(plan: str) -> int:
+    return int(gpus_used(plan).split("/")[0])
+
+
 def gpus_used(plan: str) -> str:
     return re.search(r"(\d+/\d+) GPUs", plan).group(1)
 
@@ -143,9 +153,8 @@ def main() -> None:
             ("bytes per push", lambda r: f"{r['push'] / 1024:.1f} KiB"),
             *((f"{name} samples/s", lambda r, name=name: f"{r['summaries'][name]['samples_per_s']:.1f}")
               for name in PIPELINES),
-            ("aggregate samples/s", lambda r: "{:.1f}".format(
-                sum(s["ledger"]["trained"] for s in r["summaries"].values())
-                / max(s["train_loop_s"] for s in r["summaries"].values()))),
+            ("aggregate samples/s", lambda r: f"{aggregate(r):.1f}"),
+            ("aggregate samples/s per GPU used", lambda r: f"{aggregate(r) / gpu_count(r['plan']):.1f}"),
             ("wall clock of the run", lambda r: f"{r['wall']:.0f} s")]
     names = list(results)
     print(f"{args.steps} steps per pipeline, 8 prompts x 8 samples each\n")

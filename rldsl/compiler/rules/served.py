@@ -81,7 +81,8 @@ def _base_problem(pipe: Pipeline, stage: Decl, owner: Pipeline, server: Decl) ->
                     f"{' and '.join(sorted(str(t) for t in tasks))}: their bases differ")
         seeds = {p.block("run")["seed"] for p in (pipe, owner)}
         if len(seeds) > 1:
-            return f"`{mine['source']}` is built from the run's `seed`, and the pipelines' seeds differ ({sorted(seeds)})"
+            return (f"`{mine['source']}` is built from the run's `seed`, and the pipelines' seeds differ "
+                    f"({sorted(seeds)})")
     return None
 
 

@@ -77,9 +77,16 @@ class StagePlan:
         return self.settings.get("served_by")
 
     @property
+    def on_trainer(self) -> str | None:
+        """The train stage whose actors score this frozen reference with their LoRA policy's adapters off
+        (no copy of the model of its own): ``ranks`` are that trainer's."""
+        return self.settings.get("on_trainer")
+
+    @property
     def own_ranks(self) -> list[RankPlan]:
-        """The ranks this stage starts actors for: none when another pipeline's generator serves it."""
-        return [] if self.served_by else self.ranks
+        """The ranks this stage starts actors for: none when another pipeline's generator serves it or its
+        trainer scores it."""
+        return [] if self.served_by or self.on_trainer else self.ranks
 
 
 @dataclass(frozen=True)

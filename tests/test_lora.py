@@ -299,3 +299,32 @@ def test_the_launcher_names_peft_when_it_is_missing(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
     with pytest.raises(PreflightError, match=r"pip install 'rldsl\[lora\]'"):
         _check_libraries(pipe)
+
+
+def test_a_colocated_frozen_reference_is_the_trainers_policy_with_its_adapters_off():
+    from rldsl.layout import actor_slots
+
+    plan = planned()
+    pipe = plan.pipelines[0]
+    reference = next(s for s in pipe.stages if s.kind == "logprob")
+    assert reference.on_trainer == "actor" and reference.own_ranks == []  # no actor, no copy of the model
+    assert [s.name for s in actor_slots(plan)] == ["rollout-0", "actor-0"]
+    apart = planned(PIPELINE.read_text().replace("frozen  colocate = actor", "frozen  gpus = 1")
+                    .replace("gpus_per_node = 2 ", "gpus_per_node = 3 "))
+    assert next(s for s in apart.pipelines[0].stages if s.kind == "logprob").on_trainer is None  # GPUs of its own
+
+    trainer, alone = (build_trainer(stage(pipe, "train"), pipe, seed=0) for _ in range(2))
+    base = build_logprob(reference, pipe, seed=0)  # the reference as its own stage would hold it
+    batch = batch_for(trainer.model)
+    for step in range(2):
+        for engine in (trainer, alone):
+            engine.begin_train_step(step)
+            engine.train_microbatch(step, batch)
+        scored = trainer.reference_logprobs(batch)  # between two of the trainer's calls
+        assert torch.equal(scored, base.logprobs(batch))
+        for engine in (trainer, alone):
+            engine.finish_train_step(step)
+    # scoring the reference left training as it was: the same adapters as a trainer that never scored
+    assert all(torch.equal(a, b) for a, b in zip(trained_state(trainer.model.module).values(),
+                                                 trained_state(alone.model.module).values()))
+    assert not torch.equal(response_logprobs(trainer.model, batch), base.logprobs(batch))

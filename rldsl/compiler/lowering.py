@@ -9,7 +9,7 @@ from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl, Program
 from rldsl.compiler.gpu_defaults import eval_on_default, run_defaults
 from rldsl.compiler.ir import generations
-from rldsl.compiler.placement import Placement, StagePlacement
+from rldsl.compiler.placement import Placement, StagePlacement, reference_on_trainer
 from rldsl.compiler.reward_types import RewardComponent
 from rldsl.compiler.rules.launch import response_cap
 from rldsl.compiler.schema import JUDGE_KEYS, SERVER_KEYS, stage_engine_args
@@ -51,6 +51,12 @@ def _served(program: Program, pipelines: list[PipelinePlan]) -> list[PipelinePla
     return pipelines
 
 
+def _on_trainer(pipe, decl: Decl, placement: Placement, stage: StagePlan) -> StagePlan:
+    """A frozen reference its trainer scores with the LoRA adapters off (``on_trainer``: no actors)."""
+    trainer = reference_on_trainer(pipe, decl, placement)
+    return replace(stage, settings={**stage.settings, "on_trainer": trainer}) if trainer else stage
+
+
 def _int_or_none(value):
     return None if value is None else int(value)
 
@@ -70,7 +76,9 @@ def _pipeline(ctx: Context, placement: Placement, params: dict[str, int | None],
                 for m in pipe.models.values()],
         datasets=[_dataset(d, base_dir, eval_on_default(ctx.program, d, pipe.stages_of("generate")))
                   for d in pipe.datasets.values()],
-        stages=[_fit_responses(ctx, s, _stage(s, placement.of(pipe.name, s.name), placement, residents, base_dir))
+        stages=[_on_trainer(pipe, s, placement,
+                            _fit_responses(ctx, s, _stage(s, placement.of(pipe.name, s.name), placement, residents,
+                                                          base_dir)))
                 for s in pipe.stages.values()],
         edges=[EdgePlan(u, v, d["kind"], list(d.get("fields", ())), d.get("sync"))
                for u, v, d in ctx.graph.edges(data=True)],

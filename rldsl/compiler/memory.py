@@ -20,7 +20,7 @@ from pathlib import Path
 from rldsl.compiler import memory_model as mm
 from rldsl.compiler.decls import Decl, Pipeline, Program
 from rldsl.compiler.diagnostics import ERROR, Diagnostic
-from rldsl.compiler.placement import Placement, StagePlacement
+from rldsl.compiler.placement import Placement, StagePlacement, reference_on_trainer
 from rldsl.compiler.schema import can_sleep, stage_engine_args
 from rldsl.compiler.units import format_bytes
 from rldsl.plan import lora_default_targets
@@ -118,7 +118,8 @@ def stage_estimates(program: Program, placement: Placement, base_dir: Path) -> d
             params = model_params(model, base_dir)
             if params is not None:
                 out[(sp.pipeline, sp.stage)] = _stage_memory(pipe, stage, sp, model, params, base_dir, capacity,
-                                                             _tenants(program, pipe.name))
+                                                             _tenants(program, pipe.name),
+                                                             bool(reference_on_trainer(pipe, stage, placement)))
     return out
 
 
@@ -129,13 +130,15 @@ def _tenants(program: Program, server: str) -> list[tuple[Pipeline, Decl]]:
 
 
 def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, params: int, base_dir: Path,
-                  capacity: float | None, tenants: list[tuple[Pipeline, Decl]] = ()) -> mm.StageMemory:
+                  capacity: float | None, tenants: list[tuple[Pipeline, Decl]] = (),
+                  on_trainer: bool = False) -> mm.StageMemory:
     engine, kind = stage["engine"], stage.stage_kind
     c = _DTYPE_BYTES[model.get("dtype") or engine.args.get("dtype", "fp32")]  # the model's dtype wins
     shape = model_shape(model, base_dir, params)
     sleeps = can_sleep(engine) and kind != "reward"  # a reward model stays resident: nothing puts it to sleep
     if kind == "logprob":  # it scores whenever a group arrives: counted in every phase of the others
-        return replace(_logprob_memory(pipe, stage, sp, params, shape, c, capacity, sleeps), concurrent=True)
+        held = 0 if on_trainer else params  # its trainer's policy scores it, adapters off: no weights of its own
+        return replace(_logprob_memory(pipe, stage, sp, held, shape, c, capacity, sleeps), concurrent=True)
     if engine.name in ("vllm", "sglang"):
         return mm.reserving_generator(params, c, sp.tp * sp.pp, engine.args["gpu_memory"], capacity, sleeps)
     if kind == "generate":  # the base once; each pipeline it serves adds its adapters and its decode batch

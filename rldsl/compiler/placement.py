@@ -127,6 +127,30 @@ def takes_gpus(stage: Decl) -> bool:
     return stage.stage_kind in GPU_KINDS or (stage.stage_kind == "reward" and has_reward_model(stage))
 
 
+def reference_on_trainer(pipe: Pipeline, stage: Decl, placement: Placement | None) -> str | None:
+    """The train stage whose policy, its LoRA adapters off, scores this frozen reference instead of a copy of
+    the base: a frozen `torch` logprob stage colocated with a `torch` trainer of the same LoRA model, on GPUs
+    where nothing would put that trainer to sleep (a generator, another pipeline). None otherwise."""
+    if stage.stage_kind != "logprob" or not stage.valid("frozen", "colocate", "engine", "model") \
+            or not stage.get("frozen") or stage.get("colocate") is None:
+        return None
+    trainer = pipe.stages.get(stage["colocate"].name)
+    if trainer is None or trainer.stage_kind != "train" or not trainer.valid("engine", "model"):
+        return None
+    model = pipe.models.get(stage["model"].name)
+    if stage["engine"].name != "torch" or trainer["engine"].name != "torch" or model is None \
+            or trainer["model"].name != model.name or not model.valid("lora_rank") or not model.get("lora_rank"):
+        return None
+    placed = placement.of(pipe.name, trainer.name) if placement is not None else None
+    if placed is None:
+        return None
+    residents = placement.residents()
+    if any(other.pipeline != pipe.name or other.kind == "generate" for gpu in placed.gpus
+           for other in residents.get(gpu, ())):
+        return None
+    return trainer.name
+
+
 def served_elsewhere(stage: Decl) -> bool:
     """A generate stage another pipeline's generator serves (`served_by`): it has no ranks of its own."""
     return stage.stage_kind == "generate" and stage.valid("served_by") and stage.get("served_by") is not None

@@ -128,8 +128,8 @@ def _coords(stage, rank) -> str:
 
 def _stages(pipe: PipelinePlan) -> list[str]:
     out = [f"model {m.name}: LoRA adapters of rank {m.lora.rank} (scale {m.lora.scale:g}) on "
-           f"{', '.join(m.lora.targets)}: only they train, are pushed and are checkpointed; a frozen stage "
-           "holds the base" for m in pipe.models if m.lora is not None]
+           f"{', '.join(m.lora.targets)}: only they train, are pushed and are checkpointed; a frozen reference "
+           "is the base, the policy with its adapters off" for m in pipe.models if m.lora is not None]
     out.append("stages:")
     for s in pipe.stages:
         if s.kind == "sync":
@@ -142,6 +142,8 @@ def _stages(pipe: PipelinePlan) -> list[str]:
         colo = f"  shares GPUs with {', '.join(s.colocated_with)}" if s.colocated_with else ""
         if s.served_by:
             shape, colo = f"served by {s.served_by}", " with this pipeline's adapters, per request"
+        if s.on_trainer:
+            shape, colo = f"on {s.on_trainer}'s ranks", ": its policy with the LoRA adapters off, no copy of its own"
         out.append(f"  {s.name:<12} {s.kind:<9} {engine:<8} {shape}{colo}")
         out += [f"  {'':<12} {line}" for line in _groups(s)]
     b = pipe.batch

@@ -15,6 +15,8 @@ applies tensors by name); ``peft_adapter_state`` gives PEFT's saved form
 
 from __future__ import annotations
 
+import contextlib
+
 from rldsl.models.base import CausalLM
 
 ADAPTER_PARTS = (".lora_A.", ".lora_B.")
@@ -42,6 +44,26 @@ def add_lora(model: CausalLM, lora, seed: int = 0) -> CausalLM:
                              ) from None
     model.lora = lora
     return model
+
+
+@contextlib.contextmanager
+def adapters_off(module):
+    """``module`` as its base for the block (its LoRA layers bypassed), in
+    evaluation mode; afterwards as before, adapters trainable again. A
+    trainer's policy scores a frozen reference this way, without a copy."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [layer for layer in module.modules() if isinstance(layer, LoraLayer)]
+    training = module.training
+    for layer in layers:
+        layer.enable_adapters(False)
+    module.eval()
+    try:
+        yield module
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        module.train(training)
 
 
 def init_adapter_shard(name: str, tensor) -> None:

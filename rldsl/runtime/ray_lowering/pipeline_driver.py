@@ -102,7 +102,7 @@ class PipelineDriver(PipelineEvaluations):
         classes = {"generate": w.GeneratorWorker, "reward": w.RewardWorker, "logprob": w.LogprobWorker,
                    "train": TrainerWorker}
         for stage in self.pipe.stages:
-            if stage.kind == "sync" or stage.served_by:
+            if stage.kind == "sync" or stage.served_by or stage.on_trainer:
                 continue
             worker = JudgeWorker if stage.kind == "reward" and stage.model else classes[stage.kind]
             actor_class = run_actor(worker)
@@ -125,6 +125,10 @@ class PipelineDriver(PipelineEvaluations):
                 # a generator serving other pipelines is not remade: their controllers hold its handle
                 self.specs[stage.name].append(ActorSpec(stage.name, stage.kind, rank.index, worker, tuple(args),
                                                         options, _replaceable(stage) and not self.tenants))
+        for stage in self.pipe.stages:  # a frozen reference its trainer's ranks score (StagePlan.on_trainer)
+            if stage.on_trainer:
+                self._borrow(stage.name, self.handles[stage.on_trainer],
+                             [replace(s, stage=stage.name, kind="logprob") for s in self.specs[stage.on_trainer]])
 
     def served_stage(self) -> str | None:
         """This pipeline's generate stage that another pipeline's generator serves (`served_by`), if any."""
@@ -139,10 +143,14 @@ class PipelineDriver(PipelineEvaluations):
         """The actors of ``server``'s generator for this pipeline's stage `served_by` it; calls go through
         their ``serve`` under this pipeline's name, and a death is not repaired (ActorSpec.tenant)."""
         name, own = self.served_stage(), self.pipe.stage(self.served_stage()).served_by.partition("/")[2]
-        self.borrowed.add(name)
-        self.handles[name] = list(server.handles[own])
-        self.specs[name] = [replace(s, stage=name, replaceable=False, tenant=self.pipe.name)
-                            for s in server.specs[own]]
+        self._borrow(name, server.handles[own], [replace(s, stage=name, tenant=self.pipe.name)
+                                                 for s in server.specs[own]])
+
+    def _borrow(self, stage: str, handles: list, specs: list[ActorSpec]) -> None:
+        """``stage`` runs on actors another stage started (never replaced for it)."""
+        self.borrowed.add(stage)
+        self.handles[stage] = list(handles)
+        self.specs[stage] = [replace(spec, replaceable=False) for spec in specs]
 
     def start_controller(self, spec: dict, reservation) -> None:
         """The evaluator and the controller, once every stage has its actors (borrowed ones too)."""

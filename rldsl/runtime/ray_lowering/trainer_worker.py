@@ -16,7 +16,7 @@ from rldsl.runtime import protocols as p
 from rldsl.runtime.dataplane.base import refuse_stale_logprobs
 from rldsl.runtime.ray_lowering.trace import prompt_groups
 from rldsl.runtime.ray_lowering.weight_group import WeightGroupMember
-from rldsl.runtime.ray_lowering.workers import StageWorker, join_dist_group, named_collectives
+from rldsl.runtime.ray_lowering.workers import GENERATED_FIELDS, StageWorker, join_dist_group, named_collectives
 
 
 class TrainerWorker(StageWorker, WeightGroupMember):
@@ -55,6 +55,14 @@ class TrainerWorker(StageWorker, WeightGroupMember):
             if stale:  # the controller drops them; here they were masked out of the loss
                 result = {**result, "refused_keys": [keys[i] for i in stale]}
             return result
+
+    def logprob(self, keys: Sequence[str], version: int | None = None) -> None:
+        """A frozen reference scored on this rank (``StagePlan.on_trainer``):
+        the LoRA policy with its adapters off is the base. Between two of the
+        trainer's calls, as this actor takes one at a time."""
+        with self.tracer.span("reference logprob", groups=prompt_groups(keys)):
+            fields = self._get(keys, GENERATED_FIELDS)
+            self._put(keys, {p.FIELD_REF_LOGPROBS: self.engine.reference_logprobs(fields)})
 
     def optimizer_step(self, step: int) -> dict:
         """A mini-batch's optimizer step inside the open step (a collective)."""

@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rldsl.models.lora import load_trained_state, state_bytes, trained_state
+from rldsl.models.lora import adapters_off, load_trained_state, state_bytes, trained_state
 from rldsl.runtime.engines.policy_loss import (
     STAT_NAMES,
     PolicyLossConfig,
@@ -77,6 +77,7 @@ from rldsl.runtime.engines.schedule import LRSchedule
 from rldsl.runtime.engines.torch.common import (
     packed_response_logprobs,
     response_logprobs,
+    split_rows,
     state_buckets,
 )
 from rldsl.runtime.engines.torch.offload import Offloaded
@@ -205,6 +206,18 @@ class TorchTrainer:
     def weight_buckets(self, bucket_bytes: int):
         self._require_awake("weight_buckets")
         return state_buckets(self.model.module, bucket_bytes)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch) -> torch.Tensor:
+        """A frozen reference's log-probabilities: this LoRA policy with its
+        adapters off is the base (rldsl.models.lora.adapters_off), so no copy
+        of the model is needed. Between two of this trainer's calls (its actor
+        takes one at a time): the adapters are back before the next microbatch."""
+        self._require_awake("reference_logprobs")
+        with adapters_off(self.model.module):
+            chunks = [response_logprobs(self.model, chunk, self.temperature).cpu()
+                      for chunk in split_rows(batch, self.rows_per_forward)]
+        return torch.cat(chunks) if chunks else torch.zeros(0, 0)
 
     # -- offload -------------------------------------------------------------------
 

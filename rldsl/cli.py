@@ -311,7 +311,7 @@ def cmd_export(args) -> int:
     except ImportError as err:
         _missing_extras(err)
     return export_command(Path(args.run_dir), Path(args.out), version=args.version, force=args.force,
-                          pipeline=args.pipeline)
+                          pipeline=args.pipeline, merge=args.merge)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -385,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "complete one)")
     p.add_argument("--pipeline", metavar="NAME", help="which pipeline, for a run of several")
     p.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
+    p.add_argument("--merge", action="store_true", help="a LoRA run on a Hugging Face base: the model with the "
+                                                        "adapters merged in (and the adapter in OUT/adapter), "
+                                                        "not the adapter alone")
     p.set_defaults(func=cmd_export)
     return parser
 

@@ -45,6 +45,8 @@ EXEMPT = {
     "RLP508": "colocation target: which stage to share with is the author's choice",
     "RLP512": "a multi-GPU replica sharing GPUs: tp or placement, the author's choice",
     "RLP513": "a logprob stage on another pipeline's GPU: where it goes instead is the author's choice",
+    "RLP514": "a generator several pipelines share: adapters on both, one base, or a generator of its own "
+              "is the author's choice",
     "RLP319": "two ways out (drop the correction, or `recompute = behaviour`): the author's choice",
     "RLP113": "judge settings without a model: add a model or remove the settings, the author's choice",
     "RLP114": "a judge kind the model cannot serve: another model, engine or `judge`, the author's choice",

@@ -184,7 +184,7 @@ def test_a_lora_run_exports_the_merged_model_with_the_policy_logits(tmp_path):
     assert not (tmp_path / "hf" / "adapter").exists()  # a builtin base has no directory PEFT could name
 
 
-def test_an_hf_lora_run_exports_a_peft_adapter_that_loads_on_its_base(tmp_path):
+def test_an_hf_lora_run_exports_its_peft_adapter_and_with_merge_the_merged_model(tmp_path, capsys):
     import transformers
     from peft import PeftModel
 
@@ -195,17 +195,21 @@ def test_an_hf_lora_run_exports_a_peft_adapter_that_loads_on_its_base(tmp_path):
                                                  f'source = "hf:{source}"  lora_rank = 4')
     trainer = lora_run(tmp_path / "run", text.replace("lr = 5e-4", "lr = 5e-2"))
     assert trainer.model.lora.targets == ["q_proj", "v_proj"]  # the default for Hugging Face models
-    assert export(tmp_path / "run", tmp_path / "hf") == 0
     ids = token_rows(trainer.model.tokenizer)
     policy = rldsl_logits(trainer.model, ids)
+    assert export(tmp_path / "run", tmp_path / "adapter") == 0  # the adapter alone, by default
+    assert "PeftModel.from_pretrained" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                        "adapter_model.safetensors"]
+    assert export(tmp_path / "run", tmp_path / "hf", "--merge") == 0
     assert_same_logits(tmp_path / "hf", ids, policy)
-    adapter = tmp_path / "hf" / "adapter"
-    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(source)
-    base = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
-    with torch.no_grad():
-        assert not torch.allclose(base(ids).logits, policy, atol=1e-3)
-        peft_logits = PeftModel.from_pretrained(base, adapter)(ids).logits
-    assert torch.allclose(peft_logits, policy, atol=1e-5), float((peft_logits - policy).abs().max())
+    for adapter in (tmp_path / "adapter", tmp_path / "hf" / "adapter"):
+        assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(source)
+        base = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
+        with torch.no_grad():
+            assert not torch.allclose(base(ids).logits, policy, atol=1e-3)
+            peft_logits = PeftModel.from_pretrained(base, adapter)(ids).logits
+        assert torch.allclose(peft_logits, policy, atol=1e-5), float((peft_logits - policy).abs().max())
 
 
 def test_check_refuses_interrupting_updates_on_a_vllm_generator_serving_adapters():

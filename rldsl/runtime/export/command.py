@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rldsl.plan import ExecutionPlan, ModelPlan, PipelinePlan, PlanFormatError
@@ -35,14 +35,18 @@ class Exported:
     version: int
     engine: str
     source: str  # the plan's model source
-    architecture: str  # the transformers class, e.g. GPT2LMHeadModel
+    architecture: str  # the transformers class, e.g. GPT2LMHeadModel; ADAPTER_ONLY for a PEFT adapter alone
     bytes: int
+    base: str | None = None  # an adapter's base directory (PeftModel.from_pretrained(base, out))
+
+
+ADAPTER_ONLY = "a PEFT LoRA adapter"
 
 
 def export_command(run_dir: Path, out: Path, version: int | None = None, force: bool = False,
-                   pipeline: str | None = None) -> int:
+                   pipeline: str | None = None, merge: bool = False) -> int:
     try:
-        done = export_run(run_dir, out, version, force, pipeline)
+        done = export_run(run_dir, out, version, force, pipeline, merge=merge)
     except ImportError as err:
         if err.name not in OPTIONAL_LIBRARIES:
             raise  # our own bug, not a missing install
@@ -52,7 +56,11 @@ def export_command(run_dir: Path, out: Path, version: int | None = None, force: 
         return _usage_error(err)
     print(f"exported v{done.version:06d} of {done.source} ({done.engine} trainer) as {done.architecture}, "
           f"{done.bytes / 1e6:.1f} MB of weights")
-    print(f"wrote {done.out}  (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    if done.architecture == ADAPTER_ONLY:
+        print(f"wrote {done.out}  (load it with peft.PeftModel.from_pretrained(base, \"{done.out}\") on "
+              f"{done.base}; `--merge` writes the merged model too)")
+    else:
+        print(f"wrote {done.out}  (load it with transformers.AutoModelForCausalLM.from_pretrained)")
     return EXIT_OK
 
 
@@ -64,7 +72,9 @@ def _usage_error(err: ExportError) -> int:
 
 
 def export_run(run_dir: Path, out: Path, version: int | None = None, force: bool = False,
-               pipeline: str | None = None, max_shard_size: str = DEFAULT_SHARD_SIZE) -> Exported:
+               pipeline: str | None = None, max_shard_size: str = DEFAULT_SHARD_SIZE, merge: bool = False) -> Exported:
+    """A LoRA run on a Hugging Face base exports its PEFT adapter alone unless ``merge``; with it, and for
+    the builtin model (no base PEFT could load it on), the merged model (and the adapter in OUT/adapter)."""
     run_dir, out = Path(run_dir), Path(out).resolve()  # `--out .` has a name and a parent too
     plan = _read_plan(run_dir)
     pipe, root = _pipeline(plan, run_dir, pipeline)
@@ -81,28 +91,44 @@ def export_run(run_dir: Path, out: Path, version: int | None = None, force: bool
     adapted = None
     if trained.lora is not None:  # the checkpoint holds the adapters: the base comes from where the run had it
         adapted = AdaptedPolicy(trained, pipe, module_state(engine, checkpoint / TRAINER_DIR))
+        if source.startswith("hf:") and not merge:
+            return _written(out, lambda staging: adapted.write_peft(staging, source[len("hf:"):]),
+                            Exported(out, int(checkpoint.name[1:]), engine, trained.source, ADAPTER_ONLY, 0,
+                                     source[len("hf:"):]))
     model = read_checkpoint(engine, checkpoint / TRAINER_DIR, source, None if adapted is None else adapted.merged())
     if engine == "fsdp":
         model.state = in_compute_dtype(model.state, pipe.stage(pipe.batch.train_stage).engine.args.get("dtype"))
-    staging = out.parent / f".{out.name}.exporting"
-    try:
-        shutil.rmtree(staging, ignore_errors=True)  # left by an export that was killed
-        staging.mkdir()
+
+    def write(staging: Path) -> str:
         if adapted is not None and source.startswith("hf:"):
             adapted.write_peft(staging / ADAPTER_DIR, source[len("hf:"):])
         architecture = save_model(staging, model.config, model.state, max_shard_size)
         model.write_tokenizer(staging)
+        return architecture
+
+    try:
+        return _written(out, write, Exported(out, int(checkpoint.name[1:]), engine, model.source, "", 0))
+    except ValueError as err:  # a tensor without a place in the architecture, or a wrong shape
+        raise ExportError(f"the checkpoint does not fit the model ({model.source}): {err}") from err
+
+
+def _written(out: Path, write, exported: Exported) -> Exported:
+    """``write(staging)`` into a directory beside ``out``, moved into place once complete (an interrupted
+    export leaves nothing behind); ``exported`` with the architecture ``write`` returned and the bytes."""
+    staging = out.parent / f".{out.name}.exporting"
+    try:
+        shutil.rmtree(staging, ignore_errors=True)  # left by an export that was killed
+        staging.mkdir()
+        architecture = write(staging)
         if out.exists():
             shutil.rmtree(out)  # only with --force (or empty): _check_out said so
         staging.rename(out)
-    except BaseException as err:  # an interrupted export leaves nothing behind
+    except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(err, OSError):
             raise ExportError(f"cannot write {out}: {err}", "choose another --out") from err
-        if isinstance(err, ValueError):  # a tensor without a place in the architecture, or a wrong shape
-            raise ExportError(f"the checkpoint does not fit the model ({model.source}): {err}") from err
         raise
-    return Exported(out, int(checkpoint.name[1:]), engine, model.source, architecture, size_on_disk(out))
+    return replace(exported, architecture=architecture or exported.architecture, bytes=size_on_disk(out))
 
 
 def in_compute_dtype(state: dict, dtype: str | None) -> dict:

@@ -126,10 +126,21 @@ def test_the_weight_sync_phase_holds_two_buckets():
     assert mm.bucket_bytes(GIB, 1000, 2) == 4000  # never more than the model
 
 
+def test_a_megatron_weight_sync_holds_one_weight_gathered_whole_not_buckets():
+    shape = mm.REFERENCE_SHAPES[70.6e9]  # Llama-3.1-70B: the 128256 x 8192 embedding is its largest weight
+    assert mm.largest_tensor(shape) == 128256 * 8192
+    syncing = mm.megatron_trainer(70.6e9, shape, 2, 8, 1, 1, True, None, sleeps=True)  # no activations counted
+    assert syncing.phase == "weight sync" and "buckets" not in dict(syncing.parts)
+    assert dict(syncing.parts)["gathered weight"] == mm.megatron_sync_bytes(shape, 2, tp=8, pp=1)
+    assert mm.megatron_sync_bytes(shape, 2, tp=8, pp=1) == 2 * 128256 * 8192 * 2  # shards + merged: 4.2 GB
+    assert mm.megatron_sync_bytes(shape, 2, tp=1, pp=1) == 0  # its own weights, copied to host one by one
+    assert mm.megatron_sync_bytes(shape, 2, tp=1, pp=4) == 128256 * 8192 * 2  # relayed to the first stage
+
+
 def test_megatron_divides_optimizer_state_by_dp_only_when_distributed():
     shape = mm.REFERENCE_SHAPES[7.62e9]
-    plain = dict(mm.megatron_trainer(7.62e9, shape, 2, 2, 1, 4, False, None, 0.0, True).parts)
-    distributed = dict(mm.megatron_trainer(7.62e9, shape, 2, 2, 1, 4, True, None, 0.0, True).parts)
+    plain = dict(mm.megatron_trainer(7.62e9, shape, 2, 2, 1, 4, False, None, True).parts)
+    distributed = dict(mm.megatron_trainer(7.62e9, shape, 2, 2, 1, 4, True, None, True).parts)
     assert plain["params"] == pytest.approx(7.62e9)  # bf16 / tp 2
     assert plain["optimizer"] == pytest.approx(4 * distributed["optimizer"])
 

@@ -155,7 +155,7 @@ def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, 
                                _lora_trained(model, shape))
     if engine.name == "megatron":
         return mm.megatron_trainer(params, shape, c, sp.tp, sp.pp, sp.dp,
-                                   bool(engine.args.get("distributed_optimizer")), tokens, bucket, sleeps)
+                                   bool(engine.args.get("distributed_optimizer")), tokens, sleeps)
     return mm.torch_trainer(params, shape, c, tokens, bucket, sleeps, _lora_trained(model, shape))
 
 

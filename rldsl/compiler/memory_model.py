@@ -192,18 +192,33 @@ def fsdp_trainer(params: float, shape: ModelShape, c: int, shard: int, tokens: i
     return _peak([("train step", step), ("weight sync", sync)], sleeps)
 
 
+def largest_tensor(shape: ModelShape) -> int:
+    """Elements of the largest weight megatron holds whole: the embedding or output table, the fused
+    gate/up projection (`linear_fc1`) or the fused q/k/v (`linear_qkv`)."""
+    return max(shape.vocab * shape.hidden, 2 * shape.ffn * shape.hidden, shape.hidden * (shape.hidden + 2 * shape.kv))
+
+
+def megatron_sync_bytes(shape: ModelShape, c: int, tp: int, pp: int) -> float:
+    """What a megatron weight sync adds on the GPU: one weight at a time, gathered whole over tensor
+    parallelism (its tp shards and the merged copy: two of the largest), relayed to the first pipeline stage
+    (one more); the buckets themselves are assembled in host memory."""
+    copies = (2 if tp > 1 else 0) + (1 if pp > 1 else 0)
+    return copies * largest_tensor(shape) * c
+
+
 def megatron_trainer(params: float, shape: ModelShape, c: int, tp: int, pp: int, dp: int, distributed: bool,
-                     tokens: int | None, bucket: float, sleeps: bool) -> StageMemory:
+                     tokens: int | None, sleeps: bool) -> StageMemory:
     """Weights and fp32 gradient buffers / (tp x pp); AdamW state (with the
     fp32 master copy unless the weights are fp32) also / dp with the
-    distributed optimizer. The gradient buffer stays allocated between steps."""
+    distributed optimizer. The gradient buffer stays allocated between steps.
+    A weight sync streams one weight at a time (``megatron_sync_bytes``)."""
     split = max(1, tp * pp)
     weights, grads = params * c / split, params * 4 / split
     optimizer = params * (12 if c < 4 else 8) / split / (max(1, dp) if distributed else 1)
     acts = activation_bytes(shape, tokens, c, CHECKPOINTS_ACTIVATIONS["megatron"], split=max(1, tp)) if tokens else 0.0
     state = [("params", weights), ("grads", grads), ("optimizer", optimizer)]
     return _peak([("train step", state + [("activations", acts)]),
-                  ("weight sync", state + [("buckets", bucket_bytes(bucket, params, c))])], sleeps)
+                  ("weight sync", state + [("gathered weight", megatron_sync_bytes(shape, c, tp, pp))])], sleeps)
 
 
 def torch_trainer(params: float, shape: ModelShape, c: int, tokens: int | None, bucket: float,

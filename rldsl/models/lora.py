@@ -6,10 +6,12 @@ pushed to generators and kept in checkpoints: a push is the size of the
 adapters, not of the model. Every engine that holds the policy injects the
 same adapters from the same seed, so all copies agree before the first push
 (PEFT starts ``lora_B`` at zero: the adapted model equals the base); a frozen
-reference loads the base alone, which is the policy with its adapters off.
+reference is the base, the policy with its adapters off (``adapters_off`` on
+the trainer's own copy where it is colocated with it). Pipelines sharing a
+generator share its base tensors (``share_base``).
 
 Names keep PEFT's ``.lora_A.default.`` form inside the engines (a push
-applies tensors by name); ``peft_adapter_state`` gives PEFT's saved form
+applies tensors by name); ``peft_names`` gives PEFT's saved form
 (``.lora_A.weight``), which ``rldsl export`` writes.
 """
 
@@ -122,11 +124,6 @@ def peft_names(adapters: dict, prefix: str = "base_model.model.") -> dict:
     the names PEFT saves them (``base_model.model.<layer>.lora_A.weight``)."""
     marker = f".{ADAPTER_NAME}."
     return {prefix + name.replace(marker, "."): tensor.detach().cpu().contiguous() for name, tensor in adapters.items()}
-
-
-def peft_adapter_state(module) -> dict:
-    """The module's adapters as PEFT saves them (``adapter_model.safetensors``)."""
-    return peft_names(trained_state(module))
 
 
 def peft_adapter_config(rank: int, alpha: float, targets, base: str, fan_in_fan_out: bool = False) -> dict:

@@ -438,3 +438,40 @@ def test_a_long_observation_is_cut_to_max_observation_tokens(model):
     for row in range(2):
         environment = batch[p.FIELD_RESPONSE_MASK][row].bool() & ~batch[p.FIELD_LOSS_MASK][row].bool()
         assert model.tokenizer.decode(batch[p.FIELD_RESPONSE_IDS][row][environment].tolist()) == " abca"
+
+
+PACED = """
+    import time
+
+    LOG = {log!r}
+
+    class Paced:
+        def reset(self, prompt, answer):
+            self.answer = answer
+            return [{{"role": "user", "content": prompt}}]
+
+        def step(self, messages, completion):
+            if self.answer == "slow":
+                time.sleep(0.8)
+            with open(LOG, "a") as log:
+                log.write(f"{{self.answer}} {{time.monotonic()}}\\n")
+            return "again", 0.0, False
+"""
+
+
+def test_each_episode_runs_its_turns_without_waiting_for_the_groups_slowest(model, tmp_path):
+    """One sample's environment takes 0.8 s a step, the others' none: they play all
+    their turns while it is still on its second (no lockstep per group)."""
+    log = tmp_path / "steps.log"
+    host = EnvironmentHost(f"paced:Paced@{_module_dir('paced', PACED.format(log=str(log)))}", 10.0, 1)
+    try:
+        batch, failures = _runner(model, host, max_turns=4, max_tokens=60).run(
+            [p.Prompt(0, "1+1=", "slow"), p.Prompt(1, "2+2=", "fast")], 3, seed=0)
+    finally:
+        host.close()
+    assert failures == [] and batch[p.FIELD_TURNS].tolist() == [4] * 6
+    steps = [line.split() for line in log.read_text().splitlines()]
+    slow = sorted(float(t) for who, t in steps if who == "slow")
+    fast = sorted(float(t) for who, t in steps if who == "fast")
+    assert len(slow) == len(fast) == 12
+    assert fast[-1] < slow[3 * 2 - 1], (fast[-1], slow)  # every fast turn done before the slow ones' second

@@ -1,10 +1,14 @@
 """The episode loop: one prompt group's samples, each a multi-turn episode.
 
-Each turn submits every running episode to the generator's batcher as one
-request (one row each): the first turn its messages as text, every later
-turn its tokens so far, exactly as they are (``conversation``). Each
-completion goes to its environment's ``step`` (in the host's processes) and
-the observation joins the tokens as the conversation format's delta. A
+Every episode runs on its own (a thread each): no lockstep per group, so a
+sample whose environment is slow, or whose turns are long, holds up only
+itself. Each of its turns is a request of its own to the generator's
+batcher, which decodes it in one running batch with every other request in
+flight: the first turn its messages as text, every later turn its tokens so
+far, exactly as they are (``conversation``). Each completion goes to its
+environment's ``step`` (in the host's processes) and the observation joins
+the tokens as the conversation format's delta; an episode's process ends as
+soon as the episode does. A
 sample's response is completion 1 + observation 1 + completion 2 + ...:
 ``loss_mask`` is 1 on the model's tokens, each turn's end-of-turn token
 included (the policy learns to end its turns), and 0 on the environment's,
@@ -23,6 +27,7 @@ drew it).
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +38,7 @@ from rldsl.runtime.environments.protocol import EpisodeStatus
 from rldsl.runtime.environments.tool_calls import ParsedTurn, parse_tool_calls
 
 TURN_SEED_STRIDE = 7919  # each turn's request draws from its own seed
+SAMPLE_SEED_STRIDE = 104729  # and each sample's turns from seeds of their own
 
 
 @dataclass
@@ -81,11 +87,8 @@ class EpisodeRunner:
         episodes = [Episode(prompt) for prompt in prompts for _ in range(samples_per_prompt)]
         try:
             self._start(episodes)
-            for turn in range(self.max_turns):
-                running = [e for e in episodes if not e.done and self._has_room(e)]
-                if not running:
-                    break
-                self._turn(running, turn, seed + TURN_SEED_STRIDE * turn)
+            with ThreadPoolExecutor(max_workers=len(episodes), thread_name_prefix="episode") as pool:
+                list(pool.map(self._play, episodes, [seed + SAMPLE_SEED_STRIDE * i for i in range(len(episodes))]))
         finally:
             self.host.finish([e.process for e in episodes if e.process is not None])
         failures = [(e.status, e.detail) for e in episodes if e.status != EpisodeStatus.OK]
@@ -95,6 +98,19 @@ class EpisodeRunner:
                 "would not fit (lower the environment's max_tokens or max_turns to end them sooner)", full,
                 len(episodes), prompts[0].index, getattr(_engine(self.batcher), "max_new_tokens", 0))
         return episode_batch(episodes, self.tokenizer, self.batcher.version, self.max_turns), failures
+
+    def _play(self, episode: Episode, seed: int) -> None:
+        """One episode's turns, each as soon as the one before it has its observation; its process ends
+        with it."""
+        try:
+            for turn in range(self.max_turns):
+                if episode.done or not self._has_room(episode):
+                    break
+                self._turn([episode], turn, seed + TURN_SEED_STRIDE * turn)
+        finally:
+            if episode.process is not None:
+                self.host.finish([episode.process])
+                episode.process = None
 
     def _start(self, episodes: list[Episode]) -> None:
         """Each episode's process, and its environment's first messages."""

@@ -31,7 +31,9 @@ def test_one_generator_serves_two_pipelines_each_with_its_own_adapters(tmp_path)
     run_dir = tmp_path / "run"
     on_policy = [arg for name in PIPELINES for arg in (
         "--set", f"{name}.staleness.max_lag=0", "--set", f"{name}.run.eval_at_start=false",
-        "--set", f"{name}.run.eval_at_end=false")]
+        "--set", f"{name}.prompts.eval_size=16")]
+    # `chars` evaluates at its end on the generator it is served by, with its own adapters; `exact` does not
+    on_policy += ["--set", "chars.prompts.eval_on=generators", "--set", "exact.run.eval_at_end=false"]
     run = rldsl_here("run", str(tmp_path / "two.rlp"), "--run-dir", str(run_dir), "--steps", "3", *on_policy)
     assert run.returncode == 0, run.stderr[-3000:]
     placement = json.dumps(json.loads((run_dir / "placement.json").read_text()))
@@ -54,6 +56,9 @@ def test_one_generator_serves_two_pipelines_each_with_its_own_adapters(tmp_path)
         assert sum(t.numel() * t.element_size() for t in adapters[name].values()) == ADAPTER_BYTES
         if name == "exact":  # the reference is the base: the fresh adapters equal it, trained ones do not
             assert trainer[0]["kl"] == 0.0 and trainer[-1]["kl"] > 0.0, [t["kl"] for t in trainer]
+        else:  # evaluated by its side of the shared generator, on its own newest adapters
+            evals = [s for s in steps if s.get("eval")]
+            assert [(e["on"], e["version"]) for e in evals] == [("generators", 3)], evals
     assert run.stderr.count("push 24.0KiB") >= 6  # on every step line
     # the pipelines learnt different adapters, which the one generator served side by side
     assert any(not torch.equal(adapters["exact"][k], adapters["chars"][k]) for k in adapters["exact"])

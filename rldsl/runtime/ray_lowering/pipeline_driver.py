@@ -18,9 +18,9 @@ from rldsl.runtime.ray_lowering.actor_process import run_actor
 from rldsl.runtime.ray_lowering.cluster import ACTOR_NUM_CPUS
 from rldsl.runtime.ray_lowering.evaluation import evaluation_summary
 from rldsl.runtime.ray_lowering.final_checkpoint import save_final_checkpoint
+from rldsl.runtime.ray_lowering.pipeline_actors import PipelineActors
 from rldsl.runtime.ray_lowering.pipeline_evaluations import PipelineEvaluations, previous_evals
 from rldsl.runtime.ray_lowering.progress import Progress, rewind_metrics
-from rldsl.runtime.ray_lowering.stage_handles import reward_calls_per_worker
 from rldsl.runtime.ray_lowering.supervision import ActorSpec, exit_detail, root_cause
 from rldsl.runtime.ray_lowering.trace import TraceCollector
 
@@ -33,7 +33,7 @@ class StageStartError(RuntimeError):
     pass
 
 
-class PipelineDriver(PipelineEvaluations):
+class PipelineDriver(PipelineActors, PipelineEvaluations):
     def __init__(self, pipe: PipelinePlan, settings: RunSettings, run_dir: Path, resume: bool = False,
                  started: float | None = None, prefix: str = ""):
         self.pipe, self.settings = pipe, settings
@@ -89,100 +89,10 @@ class PipelineDriver(PipelineEvaluations):
                else "its warm start from the cache")
         self.say(f"model ready in {time.monotonic() - started:.1f}s ({how})")
 
-    def create_actors(self, spec: dict, reservation) -> None:
-        """One actor per stage rank, GPU ranks in their bundle of ``reservation``
-        (placement.Reservation), and the evaluator; not yet waited for. A
-        stage `served_by` another pipeline gets its actors in ``borrow``."""
-
-        from rldsl.runtime.ray_lowering import workers as w
-        from rldsl.runtime.ray_lowering.trainer_worker import TrainerWorker
-        from rldsl.runtime.ray_lowering.judge import JudgeWorker  # a reward stage with a reward model
-
-        self.run_dir.mkdir(parents=True, exist_ok=True)  # RUN_DIR/<pipeline> when several share the run
-        classes = {"generate": w.GeneratorWorker, "reward": w.RewardWorker, "logprob": w.LogprobWorker,
-                   "train": TrainerWorker}
-        for stage in self.pipe.stages:
-            if stage.kind == "sync" or stage.served_by or stage.on_trainer:
-                continue
-            worker = JudgeWorker if stage.kind == "reward" and stage.model else classes[stage.kind]
-            actor_class = run_actor(worker)
-            self.handles[stage.name], self.specs[stage.name] = [], []
-            for rank in stage.ranks:
-                args = [self.pipe, stage, rank.index, spec]
-                if stage.kind in ("train", "logprob"):  # each stage is its own process group
-                    args.append({"group": f"{self.prefix}{stage.name}", "rank": rank.index,
-                                 "world_size": len(stage.ranks), "store_dir": reservation.store_dir})
-                if stage.kind == "train":
-                    args.append(self.checkpoint)
-                options = self.actor_options(stage.name, rank.index, bool(rank.gpus), reservation)
-                if stage.kind == "generate":  # one thread per group in flight, plus pushes and control calls
-                    options["max_concurrency"] = sum(p.generator_threads() for p in [self, *self.tenants])
-                    if self.tenants:
-                        args.append([(t.pipe, t.pipe.stage(t.served_stage())) for t in self.tenants])
-                if stage.kind == "reward":  # a call per reward process, so one hung sample holds up only its own
-                    options["max_concurrency"] = reward_calls_per_worker(stage) + 2
-                self.handles[stage.name].append(actor_class.options(**options).remote(*args))
-                # a generator serving other pipelines is not remade: their controllers hold its handle
-                self.specs[stage.name].append(ActorSpec(stage.name, stage.kind, rank.index, worker, tuple(args),
-                                                        options, _replaceable(stage) and not self.tenants))
-        for stage in self.pipe.stages:  # a frozen reference its trainer's ranks score (StagePlan.on_trainer)
-            if stage.on_trainer:
-                self._borrow(stage.name, self.handles[stage.on_trainer],
-                             [replace(s, stage=stage.name, kind="logprob") for s in self.specs[stage.on_trainer]])
-
-    def served_stage(self) -> str | None:
-        """This pipeline's generate stage that another pipeline's generator serves (`served_by`), if any."""
-        return next((s.name for s in self.pipe.stages if s.served_by), None)
-
-    def server(self) -> str | None:
-        """The pipeline whose generator serves this one, if any."""
-        stage = self.served_stage()
-        return self.pipe.stage(stage).served_by.partition("/")[0] if stage else None
-
-    def borrow(self, server: "PipelineDriver") -> None:
-        """The actors of ``server``'s generator for this pipeline's stage `served_by` it; calls go through
-        their ``serve`` under this pipeline's name, and a death is not repaired (ActorSpec.tenant)."""
-        name, own = self.served_stage(), self.pipe.stage(self.served_stage()).served_by.partition("/")[2]
-        self._borrow(name, server.handles[own], [replace(s, stage=name, tenant=self.pipe.name)
-                                                 for s in server.specs[own]])
-
-    def _borrow(self, stage: str, handles: list, specs: list[ActorSpec]) -> None:
-        """``stage`` runs on actors another stage started (never replaced for it)."""
-        self.borrowed.add(stage)
-        self.handles[stage] = list(handles)
-        self.specs[stage] = [replace(spec, replaceable=False) for spec in specs]
-
     def start_controller(self, spec: dict, reservation) -> None:
         """The evaluator and the controller, once every stage has its actors (borrowed ones too)."""
         self._create_evaluator()
         self._create_controller(spec, self._weight_transport(reservation))
-
-    def generator_threads(self) -> int:
-        """Calls one generator replica serves at once for this pipeline: a thread per group in flight, plus
-        pushes and control calls."""
-        replicas = sum(len(s.ranks) for s in self.pipe.stages if s.kind == "generate")
-        return self.settings.replica_concurrency(replicas) + 4 + (self.pipe.eval_on == "generators")
-
-    def actor_options(self, stage: str, rank: int, uses_gpus: bool, reservation) -> dict:
-        """Ray options of one rank's actor: its name, and its bundle for a GPU rank."""
-        name = self.actor_name(stage, rank)
-        options = {"num_cpus": ACTOR_NUM_CPUS, "name": name}
-        if uses_gpus:
-            options.update(reservation.actor_options(reservation.slot(name)))
-        return options
-
-    def actor_name(self, stage: str, rank: int) -> str:
-        return f"{self.prefix}{stage}-{rank}"
-
-    def ready_calls(self) -> dict:
-        """``ready`` calls of every actor -> the stage it belongs to."""
-        calls = {a.ready.remote(): f"{self.prefix}{name}" for name, actors in self.own_handles().items()
-                 for a in actors}
-        if self._has_evaluator_actor():
-            calls[self.evaluations.actor.ready.remote()] = f"{self.prefix}evaluator"
-        if self.controller is not None:
-            calls[self.controller.ready.remote()] = f"{self.prefix}controller"
-        return calls
 
     def restore(self) -> None:
         """Resuming: trainer ranks reload the checkpoint; its weights go to every receiver."""
@@ -271,10 +181,6 @@ class PipelineDriver(PipelineEvaluations):
         transport = ray.get(self.controller.settle_transport.remote())
         if any(s.kind == "sync" for s in self.pipe.stages):
             self.say(f"weights: {transport['transport'].replace('_', ' ')} ({transport['why']})")
-
-    def own_handles(self) -> dict[str, list]:
-        """The stages' actors this pipeline started (not those it borrows, `served_by`)."""
-        return {name: handles for name, handles in self.handles.items() if name not in self.borrowed}
 
     def _traced_actors(self) -> dict:
         actors = {self.actor_name(name, rank): actor for name, handles in self.own_handles().items()
@@ -462,14 +368,6 @@ def _name_taken(name: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _replaceable(stage) -> bool:
-    """A stage rank whose actor can be started afresh mid-run: it holds no
-    training state and belongs to no process group a new rank could not join."""
-    if stage.kind == "train":
-        return False
-    return stage.kind != "logprob" or len(stage.ranks) == 1
 
 
 def _logged_config(pipe: PipelinePlan) -> dict:

@@ -84,7 +84,8 @@ def _trainer_or_generator(group, bucket_bytes: int):
         trainer.begin_train_step(0)
         trainer.train_microbatch(0, batch)
         result = trainer.finish_train_step(0)
-        stats = send_buckets(group, trainer.weight_buckets(bucket_bytes), result.version)
+        # the weights where they are, as a push that goes only rank to rank takes them (no host copy)
+        stats = send_buckets(group, trainer.weight_buckets(bucket_bytes, on_host=False), result.version)
         return {"state": _as_bytes(trainer.model.module.state_dict()), "version": result.version,
                 "stats": stats.as_dict()}
     generator = TorchGenerator(_tiny(group.rank + 10), max_new_tokens=4)
@@ -105,6 +106,17 @@ def test_a_trained_version_reaches_every_generator_bit_identical(tmp_path):
         assert generator["version"] == 1
         assert generator["state"].keys() == trainer["state"].keys()
         assert generator["state"] == trainer["state"]
+
+
+def test_a_stream_takes_the_weights_where_they_are_and_the_object_store_a_copy():
+    from rldsl.runtime.engines.torch import TorchTrainer
+
+    trainer = TorchTrainer(_tiny(0), lr=1e-2)
+    weights = {name: t.data_ptr() for name, t in trainer.model.module.state_dict().items()}
+    streamed = {name: t.data_ptr() for b in trainer.weight_buckets(4096, on_host=False) for name, t in b.items()}
+    stored = {name: t.data_ptr() for b in trainer.weight_buckets(4096) for name, t in b.items()}
+    assert streamed == weights  # no copy: the stream packs them into its payload on the group's device
+    assert stored.keys() == weights.keys() and not set(stored.values()) & set(weights.values())
 
 
 def _big_model_buckets(count: int, tensor_bytes: int):

@@ -101,7 +101,9 @@ class TrainerWorker(StageWorker, WeightGroupMember):
     def _export(self, bucket_bytes: int, version: int, to_store: bool, send: bool) -> dict:
         """Walk the engine's buckets once: rank 0 puts each into the object
         store (``to_store``; ``ray.put`` copies it before the engine reuses
-        its gather buffer) and sends it to the weight group (``send``)."""
+        its gather buffer) and sends it to the weight group (``send``). A
+        push that goes only rank to rank takes the weights where they are
+        (on the GPU: no host round trip) from engines that can give them."""
         import ray
 
         from rldsl.runtime.transport.stream import BucketSender
@@ -111,7 +113,10 @@ class TrainerWorker(StageWorker, WeightGroupMember):
         transport = "collective" if send else "object_store"
         with self.tracer.span("weight export", version=version, transport=transport) as args, self._awake():
             try:
-                for bucket in self.engine.weight_buckets(bucket_bytes):
+                on_device = not to_store and getattr(self.engine, "streams_from_device", False)
+                buckets = self.engine.weight_buckets(bucket_bytes, on_host=False) if on_device \
+                    else self.engine.weight_buckets(bucket_bytes)
+                for bucket in buckets:
                     if to_store and self.rank == 0:
                         refs.append(ray.put(bucket))
                     if sender is not None:

@@ -158,16 +158,20 @@ def decode_responses(tokenizer, batch: Mapping[str, torch.Tensor]) -> list[str]:
     return [tokenizer.decode(row[row_mask.bool()].tolist()) for row, row_mask in zip(ids, mask)]
 
 
-def state_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+def state_buckets(module: torch.nn.Module, bucket_bytes: int, on_host: bool = True) -> Iterator[dict[str, torch.Tensor]]:
     """What a push carries (the state dict, or only the LoRA adapters: ``trained_state``)
-    as CPU copies in buckets of at most ``bucket_bytes`` (a tensor larger than that travels alone)."""
+    in buckets of at most ``bucket_bytes`` (a tensor larger than that travels alone): CPU
+    copies, or with ``on_host`` false the module's own tensors where they are (a stream
+    packs them into its payload on the group's device: no host round trip)."""
     from rldsl.models.lora import trained_state
 
-    return tensor_buckets(trained_state(module).items(), bucket_bytes)
+    return tensor_buckets(trained_state(module).items(), bucket_bytes, on_host)
 
 
-def tensor_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs as CPU copies in buckets of at most ``bucket_bytes``."""
+def tensor_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                   on_host: bool = True) -> Iterator[dict[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs in buckets of at most ``bucket_bytes``: CPU copies, or the tensors
+    themselves (detached, not copied) without ``on_host``."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket, used = {}, 0
@@ -176,7 +180,7 @@ def tensor_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int)
         if bucket and used + size > bucket_bytes:
             yield bucket
             bucket, used = {}, 0
-        bucket[name] = tensor.detach().to("cpu", copy=True)
+        bucket[name] = tensor.detach().to("cpu", copy=True) if on_host else tensor.detach()
         used += size
     if bucket:
         yield bucket

@@ -203,9 +203,14 @@ class TorchTrainer:
         self._taken = []
         self._held_sums, self._deferred = None, None
 
-    def weight_buckets(self, bucket_bytes: int):
+    streams_from_device = True  # weight_buckets(on_host=False): the weights where they are, for a stream
+
+    def weight_buckets(self, bucket_bytes: int, on_host: bool = True):
+        """Host copies (what the object store keeps); without ``on_host`` the
+        weights themselves, on their device, for a collective stream that
+        packs them there (valid until the next optimizer step)."""
         self._require_awake("weight_buckets")
-        return state_buckets(self.model.module, bucket_bytes)
+        return state_buckets(self.model.module, bucket_bytes, on_host)
 
     @torch.no_grad()
     def reference_logprobs(self, batch) -> torch.Tensor:

@@ -87,6 +87,19 @@ def test_gpu_ids_outside_the_cluster_are_rlp501():
     assert "GPU 7 of node 0, which does not exist: the cluster has 1 node(s) of 4 GPUs (0..3)" in rendered(data)
 
 
+def test_stages_that_borrow_actors_must_name_stages_that_have_them():
+    data = plan_data("lora_many")
+    served = data["pipelines"][1]["stages"][0]
+    assert served["settings"]["served_by"] == "exact/rollout" and findings(data) == []
+    served["settings"]["served_by"] = "exact/score"
+    assert findings(data) == [("RLP514", "error", "pipelines[1].stages[0].settings.served_by")]
+    data = plan_data("grpo_lora")
+    reference = next(s for s in data["pipelines"][0]["stages"] if s["kind"] == "logprob")
+    assert reference["settings"]["on_trainer"] == "actor" and findings(data) == []
+    reference["settings"]["frozen"] = False
+    assert [f[0] for f in findings(data)] == ["RLP104"]
+
+
 def test_a_gpu_used_by_stages_that_are_not_colocated_is_rlp501():
     data = plan_data()
     data["pipelines"][0]["stages"][0]["ranks"][1]["gpus"] = [2]  # rollout onto the trainer's GPU

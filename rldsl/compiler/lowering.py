@@ -27,14 +27,14 @@ def lower(program: Program, contexts: list[Context], placement: Placement, param
     return ExecutionPlan(
         cluster=ClusterPlan(cluster["nodes"], cluster["gpus_per_node"], cluster.get("gpu"),
                             _int_or_none(cluster.get("gpu_memory")), cluster.get("cpus_per_node")),
-        pipelines=_served(program, [_pipeline(ctx, placement, params, base_dir) for ctx in contexts]),
+        pipelines=_served([_pipeline(ctx, placement, params, base_dir) for ctx in contexts]),
         source_file=program.filename,
         source_sha256=source_sha256,
         warnings=warnings,
     )
 
 
-def _served(program: Program, pipelines: list[PipelinePlan]) -> list[PipelinePlan]:
+def _served(pipelines: list[PipelinePlan]) -> list[PipelinePlan]:
     """A generate stage `served_by` another pipeline: that pipeline's generator (its engine, ranks and sampling
     settings) with this stage's own name, model and per-request keys; ``served_by`` names it `pipeline/stage`."""
     by_name = {p.name: p for p in pipelines}

@@ -8,7 +8,9 @@ rules/batching.py), GPU ids within the cluster and every GPU used once unless
 colocated (RLP501), ranks that match tp x pp x dp (RLP502), the collective
 weight transport (RLP511), what the launcher refuses by the predicates
 `check` asks of a file (rldsl/launch_rules.py: RLP106, RLP112, RLP116,
-RLP117, RLP513), and values of the wrong type (RLP104). A plan has
+RLP117, RLP513), stages that run on another stage's actors naming one that
+has them (RLP514 for `served_by`, RLP104 for `on_trainer`), and values of
+the wrong type (RLP104). A plan has
 no source text, so each finding names the plan field to look at.
 
 Pure: no torch, no Ray, nothing from the runtime.
@@ -69,7 +71,31 @@ def check_plan(plan: ExecutionPlan) -> list[PlanFinding]:
             continue  # the arithmetic below needs numbers
         out += _batch(pipe, where) + _ranks(pipe, where, plan) + _transport(pipe, where)
     if not any(f.code == "RLP104" for f in out):
-        out += _shared_gpus(plan) + _launch_refusals(plan)
+        out += _shared_gpus(plan) + _launch_refusals(plan) + _borrowed_actors(plan)
+    return out
+
+
+def _borrowed_actors(plan: ExecutionPlan) -> list[PlanFinding]:
+    """A served stage names another pipeline's serving generate stage; an on-trainer reference is a frozen
+    logprob stage naming its own pipeline's trainer (the launcher would look for their actors there)."""
+    servers = {f"{p.name}/{s.name}" for p in plan.pipelines for s in p.stages
+               if s.kind == "generate" and not s.served_by}
+    out = []
+    for p_index, pipe in enumerate(plan.pipelines):
+        for s_index, stage in enumerate(pipe.stages):
+            field = f"pipelines[{p_index}].stages[{s_index}].settings"
+            if stage.served_by and (stage.kind != "generate" or stage.served_by not in servers
+                                    or stage.served_by.startswith(f"{pipe.name}/")):
+                out.append(PlanFinding("RLP514", ERROR, f"`{stage.name}` is served by `{stage.served_by}`, which is "
+                                       "no other pipeline's generate stage", f"{field}.served_by",
+                                       help="name `pipeline/stage` of another pipeline's serving generate stage, "
+                                            "or write the plan again with `rldsl plan --out`"))
+            if stage.on_trainer and (stage.kind != "logprob" or not stage.settings.get("frozen")
+                                     or stage.on_trainer != pipe.batch.train_stage):
+                out.append(PlanFinding("RLP104", ERROR, f"`{stage.name}` is scored on `{stage.on_trainer}`'s ranks, "
+                                       "but only a frozen logprob stage can be, on its own pipeline's trainer",
+                                       f"{field}.on_trainer", help="remove `on_trainer`, or write the plan again "
+                                                                   "with `rldsl plan --out`"))
     return out
 
 

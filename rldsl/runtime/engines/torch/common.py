@@ -158,7 +158,8 @@ def decode_responses(tokenizer, batch: Mapping[str, torch.Tensor]) -> list[str]:
     return [tokenizer.decode(row[row_mask.bool()].tolist()) for row, row_mask in zip(ids, mask)]
 
 
-def state_buckets(module: torch.nn.Module, bucket_bytes: int, on_host: bool = True) -> Iterator[dict[str, torch.Tensor]]:
+def state_buckets(module: torch.nn.Module, bucket_bytes: int,
+                  on_host: bool = True) -> Iterator[dict[str, torch.Tensor]]:
     """What a push carries (the state dict, or only the LoRA adapters: ``trained_state``)
     in buckets of at most ``bucket_bytes`` (a tensor larger than that travels alone): CPU
     copies, or with ``on_host`` false the module's own tensors where they are (a stream

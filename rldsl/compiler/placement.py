@@ -122,7 +122,7 @@ def gpu_stages(pipe: Pipeline) -> list[Decl]:
 def takes_gpus(stage: Decl) -> bool:
     """Generate, logprob and train stages, and a reward stage with a reward model
     (one whose model did not resolve too: it may have taken GPUs)."""
-    if served_elsewhere(stage):
+    if server_of(stage):
         return False
     return stage.stage_kind in GPU_KINDS or (stage.stage_kind == "reward" and has_reward_model(stage))
 
@@ -151,9 +151,11 @@ def reference_on_trainer(pipe: Pipeline, stage: Decl, placement: Placement | Non
     return trainer.name
 
 
-def served_elsewhere(stage: Decl) -> bool:
-    """A generate stage another pipeline's generator serves (`served_by`): it has no ranks of its own."""
-    return stage.stage_kind == "generate" and stage.valid("served_by") and stage.get("served_by") is not None
+def server_of(stage: Decl) -> str | None:
+    """The pipeline whose generator serves this generate stage (`served_by`), which then has no ranks of its
+    own; None for every other stage."""
+    ref = stage.get("served_by") if stage.stage_kind == "generate" and stage.valid("served_by") else None
+    return ref.name if ref is not None else None
 
 
 def has_reward_model(stage: Decl) -> bool:
@@ -323,7 +325,7 @@ def _colocation_problem(program: Program, stage: Decl, target: Decl | None, pipe
 
 def _place_cpu(pipe: Pipeline, placement: Placement) -> None:
     for stage in pipe.stages.values():
-        if placement.settled(pipe.name, stage.name) or stage.stage_kind == "sync" or served_elsewhere(stage):
+        if placement.settled(pipe.name, stage.name) or stage.stage_kind == "sync" or server_of(stage):
             continue
         if stage.stage_kind == "reward" or (stage.get("gpus") and stage["gpus"].count == 0):
             placement.put(StagePlacement(pipe.name, stage.name, stage.stage_kind, (), how="cpu"))

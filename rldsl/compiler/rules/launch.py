@@ -24,11 +24,6 @@ from rldsl.launch_rules import (
 from rldsl.plan import evaluates_held_out
 
 
-def _engine(stage: Decl) -> str | None:
-    engine = stage.get("engine") if stage.valid("engine") else None
-    return engine.name if engine is not None else None
-
-
 def _source(ctx: Context, stage: Decl) -> str | None:
     """The stage's model's `source`, when both resolved."""
     ref = stage.get("model") if stage.valid("model") else None
@@ -40,7 +35,7 @@ def check_checkpoints(ctx: Context) -> list[Diagnostic]:
     """RLP112: vllm, sglang and megatron on a builtin model; a chat template on one."""
     out = []
     for stage in ctx.pipe.stages.values():
-        engine = _engine(stage)
+        engine = stage.engine_name
         serves = engine is not None and stage.stage_kind in ENGINES[engine].stage_kinds  # else RLP108's
         why = serves and checkpoint_refusal(engine, _source(ctx, stage))
         if why:
@@ -77,7 +72,7 @@ def check_temperature(ctx: Context) -> list[Diagnostic]:
     return [Diagnostic("RLP106", ERROR, f"{ctx.label(gen.name)}: {why}", gen.span_of("temperature"),
                        help="sample at `temperature = 2.0` or below (1.0: the model's own distribution)")
             for gen in ctx.pipe.stages_of("generate") if gen.valid("temperature")
-            for why in [temperature_refusal(_engine(gen), gen["temperature"])] if why]
+            for why in [temperature_refusal(gen.engine_name, gen["temperature"])] if why]
 
 
 def check_min_tokens(ctx: Context) -> list[Diagnostic]:
@@ -107,7 +102,7 @@ def check_text(ctx: Context) -> list[Diagnostic]:
     out = []
     evaluation = _generator_evaluation(ctx)
     for gen in ctx.pipe.stages_of("generate"):
-        engine = _engine(gen)
+        engine = gen.engine_name
         if gen.valid("environment") and gen.get("environment") is not None:
             why = textless_refusal(engine, f"the environment `{gen['environment'].name}`")
             if why:
@@ -136,10 +131,10 @@ def _generator_evaluation(ctx: Context) -> Decl | None:
     datasets, run, train = list(ctx.pipe.datasets.values()), ctx.pipe.block("run"), ctx.train_stage()
     first = datasets[0] if datasets else None
     if first is None or train is None or not first.valid("eval_on", "eval_size") or first["eval_on"] != "generators" \
-            or _engine(train) is None or not run.valid("eval_every", "eval_at_start", "eval_at_end"):
+            or train.engine_name is None or not run.valid("eval_every", "eval_at_start", "eval_at_end"):
         return None
     asks = bool(run["eval_every"] or run["eval_at_start"] or run["eval_at_end"])
-    evaluates = evaluates_held_out(_engine(train), bool(ctx.pipe.stages_of("generate")), first["eval_size"], asks)
+    evaluates = evaluates_held_out(train.engine_name, bool(ctx.pipe.stages_of("generate")), first["eval_size"], asks)
     return first if evaluates else None
 
 
@@ -156,7 +151,7 @@ def check_context(ctx: Context) -> list[Diagnostic]:
         if limit < 1:
             out.append(_no_room(ctx, gen))
         elif gen.explicit("max_new_tokens"):
-            why = context_refusal(_source(ctx, gen), _engine(gen), _longest_prompt(ctx), gen["max_new_tokens"])
+            why = context_refusal(_source(ctx, gen), gen.engine_name, _longest_prompt(ctx), gen["max_new_tokens"])
             out.append(Diagnostic(
                 "RLP117", WARNING, f"{ctx.label(gen.name)}: responses are cut at {limit} tokens: {why}",
                 gen.span_of("max_new_tokens"),
@@ -192,7 +187,7 @@ def _response_limit(ctx: Context, gen: Decl) -> int | None:
             or gen.get("environment") is not None:
         return None
     source = _source(ctx, gen)
-    return response_limit(source, _engine(gen), prompt) if source else None
+    return response_limit(source, gen.engine_name, prompt) if source else None
 
 
 def _longest_prompt(ctx: Context) -> int | None:

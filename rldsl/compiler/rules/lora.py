@@ -14,19 +14,13 @@ from rldsl.launch_rules import LORA_SERVING_ENGINES, lora_refusal
 ADAPTER_SETTINGS = ("lora_alpha", "lora_targets")  # mean nothing without `lora_rank`
 
 
-def _engine(stage) -> str | None:
-    engine = stage.get("engine") if stage.valid("engine") else None
-    return engine.name if engine is not None else None
-
-
 def check_lora(ctx: Context) -> list[Diagnostic]:
     """RLP118: a stage holding a model's LoRA adapters on an engine without them; on a vLLM generator
     serving them, `update = interrupt` or a sleep that discards the base."""
     out = []
     for stage in ctx.pipe.stages.values():
-        ref = stage.get("model") if stage.valid("model") else None
-        model = ctx.pipe.models.get(ref.name) if ref is not None else None
-        engine = _engine(stage)
+        model = ctx.pipe.model_of(stage)
+        engine = stage.engine_name
         if model is None or not model.valid("lora_rank") or not model.get("lora_rank") or engine is None \
                 or stage.stage_kind not in ENGINES[engine].stage_kinds:  # else RLP108's
             continue

@@ -122,8 +122,7 @@ def _hf_config(source: str, base_dir: Path) -> dict | None:
 
 
 def _model(ctx: Context, stage: Decl) -> Decl | None:
-    ref = stage.get("model") if stage.valid("model") else None
-    model = ctx.pipe.models.get(ref.name) if ref else None
+    model = ctx.pipe.model_of(stage)
     return model if model is not None and model.valid("source") else None
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl, Pipeline
 from rldsl.compiler.diagnostics import ERROR, Diagnostic
-from rldsl.compiler.placement import served_elsewhere
+from rldsl.compiler.placement import server_of
 from rldsl.compiler.schema import SERVER_KEYS
 
 SERVING_ENGINES = ("torch", "vllm")  # engines one generator of which serves several pipelines' adapters
@@ -21,9 +21,9 @@ def check_served_by(ctx: Context) -> list[Diagnostic]:
     """RLP514 on each generate stage `served_by` another pipeline."""
     out = []
     for stage in ctx.pipe.stages_of("generate"):
-        if not served_elsewhere(stage):
+        owner = server_of(stage)
+        if owner is None:
             continue
-        owner = stage["served_by"].name
         for key in SERVER_KEYS:
             if stage.explicit(key):
                 out.append(Diagnostic("RLP514", ERROR, f"{ctx.label(stage.name)} is served by `{owner}`'s generator "
@@ -50,11 +50,11 @@ def _server_problem(ctx: Context, stage: Decl, owner_name: str) -> str | None:
     if len(servers) != 1:
         return f"pipeline `{owner_name}` has {len(servers)} generate stages, and `served_by` needs exactly one"
     server = servers[0]
-    if served_elsewhere(server):
-        return f"`{owner_name}`'s generator is itself served by `{server['served_by'].name}`: name that pipeline"
-    engine = server.get("engine") if server.valid("engine") else None
-    if engine is not None and engine.name not in SERVING_ENGINES:
-        return (f"`{owner_name}`'s generator uses engine `{engine.name}`; a generator serves several pipelines' "
+    if server_of(server):
+        return f"`{owner_name}`'s generator is itself served by `{server_of(server)}`: name that pipeline"
+    engine = server.engine_name
+    if engine is not None and engine not in SERVING_ENGINES:
+        return (f"`{owner_name}`'s generator uses engine `{engine}`; a generator serves several pipelines' "
                 f"adapters on {', '.join(f'`{e}`' for e in SERVING_ENGINES)}")
     if server.valid("environment") and server.get("environment") is not None:
         return "a generator running multi-turn environments serves only its own pipeline"
@@ -63,7 +63,7 @@ def _server_problem(ctx: Context, stage: Decl, owner_name: str) -> str | None:
 
 def _base_problem(pipe: Pipeline, stage: Decl, owner: Pipeline, server: Decl) -> str | None:
     """Why the two models do not share one base with adapters of their own, or None."""
-    mine, theirs = _model(pipe, stage), _model(owner, server)
+    mine, theirs = pipe.model_of(stage), owner.model_of(server)
     if mine is None or theirs is None:
         return None  # an unresolved model: its own rule says so
     for pipeline, model in ((pipe, mine), (owner, theirs)):
@@ -86,11 +86,6 @@ def _base_problem(pipe: Pipeline, stage: Decl, owner: Pipeline, server: Decl) ->
     return None
 
 
-def _model(pipe: Pipeline, stage: Decl) -> Decl | None:
-    ref = stage.get("model") if stage.valid("model") else None
-    return pipe.models.get(ref.name) if ref is not None else None
-
-
 def _task(pipe: Pipeline) -> str | None:
     """The builtin task a builtin model warm-starts on: the first builtin dataset's (as the runtime loads it)."""
     sources = [d["source"] for d in pipe.datasets.values() if d.valid("source") and d["source"].startswith("builtin:")]
@@ -102,8 +97,8 @@ def check_server_alone(ctx: Context) -> list[Diagnostic]:
     if ctx.placement is None:
         return []
     tenants = sorted(p.name for p in ctx.program.pipelines for s in p.stages_of("generate")
-                     if served_elsewhere(s) and s["served_by"].name == ctx.pipe.name)
-    servers = [s for s in ctx.pipe.stages_of("generate") if not served_elsewhere(s)]
+                     if server_of(s) == ctx.pipe.name)
+    servers = [s for s in ctx.pipe.stages_of("generate") if not server_of(s)]
     if not tenants or len(servers) != 1:
         return []
     placed = ctx.placement.of(ctx.pipe.name, servers[0].name)

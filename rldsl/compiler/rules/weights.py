@@ -6,6 +6,7 @@ from __future__ import annotations
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, Diagnostic, Span
+from rldsl.compiler.placement import server_of
 from rldsl.compiler.rules.advice import free_name, frozen_edit, unfrozen_reference
 from rldsl.collective_rule import WeightReceiver, collective_blocker
 from rldsl.plan import receives_weights
@@ -196,10 +197,10 @@ def check_transport(ctx: Context) -> list[Diagnostic]:
 def _collective_blocker(ctx: Context, sync: Decl) -> str | None:
     source = ctx.pipe.stages[sync["from"].name]
     trainer_gpus = _gpus(ctx, source.name)
-    receivers = [WeightReceiver(ref.name, target.stage_kind, _engine(target), bool(trainer_gpus & _gpus(ctx, ref.name)),
-                                _server(target))
+    receivers = [WeightReceiver(ref.name, target.stage_kind, target.engine_name,
+                                bool(trainer_gpus & _gpus(ctx, ref.name)), server_of(target))
                  for ref in sync["to"] for target in (ctx.pipe.stages[ref.name],)]
-    return collective_blocker(source.name, _engine(source), receivers, _takes_leases(ctx, source.name))
+    return collective_blocker(source.name, source.engine_name, receivers, _takes_leases(ctx, source.name))
 
 
 def _takes_leases(ctx: Context, trainer: str) -> bool:
@@ -211,16 +212,6 @@ def _takes_leases(ctx: Context, trainer: str) -> bool:
               for gpu in placed.gpus}
     mine = _gpus(ctx, trainer).union(*(_gpus(ctx, g.name) for g in ctx.pipe.stages_of("generate")))
     return bool(mine & others)
-
-
-def _server(stage: Decl) -> str | None:
-    """The pipeline whose generator serves this stage (`served_by`), if any."""
-    ref = stage.get("served_by") if stage.stage_kind == "generate" and stage.valid("served_by") else None
-    return ref.name if ref is not None else None
-
-
-def _engine(stage: Decl) -> str | None:
-    return stage["engine"].name if stage.valid("engine") else None
 
 
 def _gpus(ctx: Context, stage: str) -> set[int]:

@@ -106,7 +106,7 @@ class EpisodeRunner:
             for turn in range(self.max_turns):
                 if episode.done or not self._has_room(episode):
                     break
-                self._turn([episode], turn, seed + TURN_SEED_STRIDE * turn)
+                self._turn(episode, turn, seed + TURN_SEED_STRIDE * turn)
         finally:
             if episode.process is not None:
                 self.host.finish([episode.process])
@@ -136,32 +136,31 @@ class EpisodeRunner:
         return p.Prompt(prompt.index, prompt.text, prompt.answer, prompt.meta,
                         ids=tuple(episode.prompt_ids + episode.tokens))
 
-    def _turn(self, running: list[Episode], turn: int, seed: int) -> None:
-        batch = self.batcher.submit([self._request(e) for e in running], 1, seed)
-        batch.pop(p.FIELD_TOKEN_VERSIONS, None)
-        stepping = [(episode, take_turn(episode, batch, row, self.max_tokens)) for row, episode in enumerate(running)]
-        calls = [self._call_for(e, c, turn) for e, c in stepping]
-        replies = self.host.exchange([(e.process, message) for (e, _), (message, _) in zip(stepping, calls)])
-        for (episode, completion), (_, parsed), reply in zip(stepping, calls, replies):
-            if not answered(episode, reply):
-                continue
-            if parsed is None:  # the environment's step
-                observation, reward, done = reply[1]
-                episode.reward += reward
-                episode.turn_rewards.append(float(reward))
-                said, heard = {"role": "assistant", "content": self._text(completion)}, [observation]
-            else:  # tool calls: their results are the observation, and the environment gave no reward
-                (said, heard), done = self._tool_turn(episode, parsed, reply[1]), False
-                episode.turn_rewards.append(float("nan"))
-            episode.messages += [said, *heard]
-            if done or turn == self.max_turns - 1 or len(episode.tokens) >= self.max_tokens:
-                episode.done = True
-                continue
-            ended = bool(completion) and completion[-1] == self.tokenizer.eos_id
-            extend(episode, self.turns.observation_tokens(heard, ended), None,
-                   response_cap(self.batcher, episode, self.max_tokens))
-            # the environment's answer filled the budget: no room to reply
-            episode.done = len(episode.tokens) >= self.max_tokens
+    def _turn(self, episode: Episode, turn: int, seed: int) -> None:
+        """One model turn of the episode (a request of its own) and its environment's answer."""
+        batch = self.batcher.submit([self._request(episode)], 1, seed)
+        completion = take_turn(episode, batch, 0, self.max_tokens)
+        message, parsed = self._call_for(episode, completion, turn)
+        (reply,) = self.host.exchange([(episode.process, message)])
+        if not answered(episode, reply):
+            return
+        if parsed is None:  # the environment's step
+            observation, reward, done = reply[1]
+            episode.reward += reward
+            episode.turn_rewards.append(float(reward))
+            said, heard = {"role": "assistant", "content": self._text(completion)}, [observation]
+        else:  # tool calls: their results are the observation, and the environment gave no reward
+            (said, heard), done = self._tool_turn(episode, parsed, reply[1]), False
+            episode.turn_rewards.append(float("nan"))
+        episode.messages += [said, *heard]
+        if done or turn == self.max_turns - 1 or len(episode.tokens) >= self.max_tokens:
+            episode.done = True
+            return
+        ended = bool(completion) and completion[-1] == self.tokenizer.eos_id
+        extend(episode, self.turns.observation_tokens(heard, ended), None,
+               response_cap(self.batcher, episode, self.max_tokens))
+        # the environment's answer filled the budget: no room to reply
+        episode.done = len(episode.tokens) >= self.max_tokens
 
     def _call_for(self, episode: Episode, completion: list[int], turn: int) -> tuple[tuple, ParsedTurn | None]:
         """The call a completion makes: its tool calls when it has any (with

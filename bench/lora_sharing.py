@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.host_memory import peak_rss  # noqa: E402
+
 SHARED = (ROOT / "pipelines" / "lora_many.rlp").read_text()
 PIPELINES = ("exact", "chars", "rloo")
 
@@ -81,12 +84,10 @@ class PeakMemory:
             kind = next((c for c in self.classes if f"ray::{c}" in title), None)
             if kind is None:
                 return
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
+            peak = peak_rss(pid)
+        except (OSError, StopIteration):  # the process ended meanwhile
             return
-        peak = re.search(r"VmHWM:\s+(\d+) kB", status)
-        if peak:
-            self.peaks[(kind, pid)] = max(self.peaks.get((kind, pid), 0), int(peak.group(1)) * 1024)
+        self.peaks[(kind, pid)] = max(self.peaks.get((kind, pid), 0), peak)
 
     def of(self, kind: str) -> tuple[int, int]:
         """(processes, summed peak bytes) of one class."""

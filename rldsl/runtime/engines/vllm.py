@@ -348,7 +348,7 @@ class VLLMGenerator(ServingGeneration, _VLLMEngine):
         self._require_ready()
         ids = prompt_token_ids(self.tokenizer, prompts)
         params = [self._params(1, None, temperature=0.0)] * len(ids)
-        samples = self.llm.submit(ids, params, self.adapter, self.owner).result()
+        samples = self.llm.generate(ids, params, self.adapter, self.owner)
         return decode_responses(self.tokenizer, batch_from_samples(ids, samples, 1, self.version))
 
     def abort_requests(self) -> int:

@@ -90,8 +90,9 @@ class AsyncVLLM:
         are, for ``abort``."""
         return self.loop.submit(self._requests(prompts, params, adapter, owner))
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence, adapter=None) -> list[list[Sample]]:
-        return self.submit(prompts, params, adapter).result()
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence, adapter=None,
+                 owner: str = "") -> list[list[Sample]]:
+        return self.submit(prompts, params, adapter, owner).result()
 
     def score(self, rows: Sequence[Sequence[int]], params) -> list:
         """Each row once as a prompt (``prompt_logprobs``): its final outputs."""

@@ -29,6 +29,7 @@ import time
 from rldsl.plan import PipelinePlan
 from rldsl.runtime.ray_lowering.evaluation import EvalMetric, EvalSampling, EvaluationSchedule, eval_seed, \
     held_out_prompts, score
+from rldsl.runtime.ray_lowering.supervision import remote_call
 
 EVAL_PROMPTS_PER_DECODE = 16  # between two chunks the deadline is checked
 
@@ -131,8 +132,7 @@ class GeneratorEvaluations(EvaluationSchedule):
                 return
             step, version, asked_at = self.waiting.pop(0)
             left = max(0.1, asked_at + self.timeout_s - self.clock()) if self.timeout_s else 0.0
-            actor = self.replicas[replica]
-            ref = actor.serve.remote(self.tenant, "evaluate", left) if self.tenant else actor.evaluate.remote(left)
+            ref = remote_call(self.replicas[replica], "evaluate", left, tenant=self.tenant)
             self.running[replica], self.asked[ref] = ref, replica
             self.pending.append((step, version, ref, asked_at))
 

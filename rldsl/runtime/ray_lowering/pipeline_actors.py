@@ -70,7 +70,7 @@ class PipelineActors:
         stage = self.served_stage()
         return self.pipe.stage(stage).served_by.partition("/")[0] if stage else None
 
-    def borrow(self, server: "PipelineDriver") -> None:
+    def borrow(self, server: "PipelineActors") -> None:
         """The actors of ``server``'s generator for this pipeline's stage `served_by` it; calls go through
         their ``serve`` under this pipeline's name, and a death is not repaired (ActorSpec.tenant)."""
         name, own = self.served_stage(), self.pipe.stage(self.served_stage()).served_by.partition("/")[2]

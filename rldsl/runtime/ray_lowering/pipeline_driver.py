@@ -21,7 +21,7 @@ from rldsl.runtime.ray_lowering.final_checkpoint import save_final_checkpoint
 from rldsl.runtime.ray_lowering.pipeline_actors import PipelineActors
 from rldsl.runtime.ray_lowering.pipeline_evaluations import PipelineEvaluations, previous_evals
 from rldsl.runtime.ray_lowering.progress import Progress, rewind_metrics
-from rldsl.runtime.ray_lowering.supervision import ActorSpec, exit_detail, root_cause
+from rldsl.runtime.ray_lowering.supervision import ActorSpec, exit_detail, remote_call, root_cause
 from rldsl.runtime.ray_lowering.trace import TraceCollector
 
 
@@ -107,8 +107,8 @@ class PipelineDriver(PipelineActors, PipelineEvaluations):
             raise ResumeError(f"{self.prefix}could not restore the trainer from {self.resume['dir']}: "
                               f"{root_cause(err)}") from None
         refs = ray.get([t.export_buckets.remote(self.settings.sync_bucket_bytes) for t in trainers])[0]
-        ray.get([actor.serve.remote(self.pipe.name, "receive_weights", refs, version) if name in self.borrowed
-                 else actor.receive_weights.remote(refs, version) for name, actor in self._receivers()])
+        ray.get([remote_call(actor, "receive_weights", refs, version, tenant=spec.tenant)
+                 for spec, actor in self._receivers()])
         for observer in self._observers():
             ray.get([observer.update_weights.remote(ref, version, i == len(refs) - 1) for i, ref in enumerate(refs)])
         self.say(f"resumed from {self.resume['dir'].name}: version {version}, {self.resume['steps_done']} steps done")
@@ -345,8 +345,9 @@ class PipelineDriver(PipelineActors, PipelineEvaluations):
         return None if not self.resume else {k: v for k, v in self.resume.items() if k != "dir"}
 
     def _receivers(self) -> list:
+        """(spec, actor) of every rank of the stages that receive weights."""
         targets = self.pipe.weight_receivers()
-        return [(name, a) for name in sorted(targets) for a in self.handles[name]]
+        return [pair for name in sorted(targets) for pair in zip(self.specs[name], self.handles[name])]
 
 
 

@@ -82,10 +82,7 @@ class Supervisor:
         """``actor.method.remote(*args)`` on the rank's current actor (or ``actor``), through its ``serve``
         when another pipeline's generator serves the stage."""
         actor = actor if actor is not None else self.actor(stage, rank)
-        tenant = self.specs[stage][rank].tenant if stage in self.specs else None
-        if tenant is not None:
-            return actor.serve.remote(tenant, method, *args)
-        return getattr(actor, method).remote(*args)
+        return remote_call(actor, method, *args, tenant=self.specs[stage][rank].tenant if stage in self.specs else None)
 
     async def call(self, stage: str, rank: int, method: str, *args: Any) -> Any:
         """``actor.method.remote(*args)`` on the rank's current actor; once
@@ -146,6 +143,12 @@ class Supervisor:
         if not any(loss["stage"] == stage and loss["rank"] == rank for loss in self.losses):
             self.losses.append({"stage": stage, "rank": rank, "cause": detail})
         return WorkerLost(stage, rank, detail)
+
+
+def remote_call(actor, method: str, *args: Any, tenant: str | None = None):
+    """``actor.method.remote(*args)``; on a generator serving other pipelines, pipeline ``tenant``'s side of it
+    (its ``serve``)."""
+    return actor.serve.remote(tenant, method, *args) if tenant else getattr(actor, method).remote(*args)
 
 
 async def _ready(actor) -> None:

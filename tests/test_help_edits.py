@@ -44,6 +44,7 @@ EXEMPT = {
     "RLP507": "placement ratios: how to split the cluster is the author's choice",
     "RLP508": "colocation target: which stage to share with is the author's choice",
     "RLP512": "a multi-GPU replica sharing GPUs: tp or placement, the author's choice",
+    "RLP515": "experts: ep, etp or the GPU count may change, or another engine; the author's choice",
     "RLP513": "a logprob stage on another pipeline's GPU: where it goes instead is the author's choice",
     "RLP514": "a generator several pipelines share: adapters on both, one base, or a generator of its own "
               "is the author's choice",

@@ -138,6 +138,9 @@ def test_shape_from_hf_config_reads_qwen2_biases_and_new_rope_format():
     with pytest.raises(NotImplementedError, match="original_max_position_embeddings"):  # megatron fixes it at 8192
         hmw.LlamaShape.from_hf_config({**config, "rope_scaling": {**LLAMA31_ROPE,
                                                                   "original_max_position_embeddings": 4096}})
+    with pytest.raises(NotImplementedError, match="mixture of 128 experts"):  # never read as its dense width
+        hmw.LlamaShape.from_hf_config({**config, "model_type": "qwen3_moe", "num_experts": 128,
+                                       "moe_intermediate_size": 768, "num_experts_per_tok": 8})
 
 
 # -- megatron-core on CPU -------------------------------------------------------------

@@ -34,8 +34,8 @@ from rldsl.compiler.parser import BYTE_ORDER_MARK, parse
 from rldsl.compiler.placement import Placement, place
 from rldsl.compiler.resolve import resolve
 from rldsl.compiler.rules import (
-    batching, dataflow, engines, environments, forwards, launch, learning, lora, noops, reward_models, served,
-    sharing, training, weights,
+    batching, dataflow, engines, environments, experts, forwards, launch, learning, lora, noops, reward_models,
+    served, sharing, training, weights,
 )
 
 if TYPE_CHECKING:  # the plan type only: lowering imports it when a plan is made
@@ -45,7 +45,7 @@ PIPELINE_PASSES = dataflow.PASSES + weights.PASSES + engines.PASSES + training.P
     environments.PASSES + reward_models.PASSES + forwards.PASSES + launch.PASSES + lora.PASSES + served.PASSES + noops.PASSES
 PROGRAM_PLACED_PASSES = (sharing.check_sharing, sharing.check_pipeline_sharing)
 # these read the placement when there is one
-PLACED_PASSES = batching.PASSES + (sharing.check_on_policy_disjoint, weights.check_transport) + launch.PLACED_PASSES + \
+PLACED_PASSES = batching.PASSES + experts.PASSES + (sharing.check_on_policy_disjoint, weights.check_transport) + launch.PLACED_PASSES + \
     served.PLACED_PASSES
 
 

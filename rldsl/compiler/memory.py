@@ -72,6 +72,14 @@ def model_shape(model: Decl, base_dir: Path, params: float) -> mm.ModelShape:
         return mm.nearest_shape(params)
 
 
+def hf_shape(model: Decl, base_dir: Path) -> mm.ModelShape | None:
+    """An `hf:` model's shape from its config.json; None where it cannot be read."""
+    try:
+        return mm.shape_from_hf_config(_hf_config(model, base_dir))
+    except _CONFIG_ERRORS:
+        return None
+
+
 def _hf_config(model: Decl, base_dir: Path) -> dict:
     source: str = model["source"]
     if not source.startswith("hf:"):
@@ -82,12 +90,8 @@ def _hf_config(model: Decl, base_dir: Path) -> dict:
 
 def _params_from_hf_config(cfg: dict) -> int:
     """Every parameter, each expert of a mixture-of-experts layer included."""
-    shape, text = mm.shape_from_hf_config(cfg), cfg.get("text_config", cfg)
-    layer = shape.layer_params
-    if text.get("num_experts") and text.get("moe_intermediate_size"):
-        experts = int(text["moe_intermediate_size"]) * int(text["num_experts"])
-        layer += 3 * shape.hidden * (experts - shape.ffn)
-    return shape.embedding_params + shape.layers * layer
+    shape = mm.shape_from_hf_config(cfg)
+    return shape.embedding_params + shape.layers * shape.layer_params
 
 
 def estimate(program: Program, placement: Placement, base_dir: Path) -> list[GpuMemory]:
@@ -155,7 +159,8 @@ def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, 
                                _lora_trained(model, shape))
     if engine.name == "megatron":
         return mm.megatron_trainer(params, shape, c, sp.tp, sp.pp, sp.dp,
-                                   bool(engine.args.get("distributed_optimizer")), tokens, sleeps)
+                                   bool(engine.args.get("distributed_optimizer")), tokens, sleeps,
+                                   engine.args.get("ep", 1), engine.args.get("etp"))
     return mm.torch_trainer(params, shape, c, tokens, bucket, sleeps, _lora_trained(model, shape))
 
 
@@ -185,7 +190,9 @@ def _logprob_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, params: int
     shard = stage_engine_args(engine, "logprob").get("shard", 1) if engine.name == "fsdp" else 1
     if shard != 1 and sp.dp > 1:  # a sharded fsdp copy, over all its ranks for 0
         return mm.fsdp_logprob(params, shape, c, shard or sp.dp, tokens, sleeps)
-    return mm.logprob_stage(params, shape, c, sp.tp * sp.pp, tokens, sleeps, sliced)
+    held = mm.megatron_rank_params(params, shape, sp.tp, sp.pp, sp.dp, engine.args.get("ep", 1),
+                                   engine.args.get("etp")) if engine.name == "megatron" else None
+    return mm.logprob_stage(params, shape, c, sp.tp * sp.pp, tokens, sleeps, sliced, held)
 
 
 def _reward_model(pipe: Pipeline, stage: Decl, params: int, shape: mm.ModelShape, c: int) -> mm.StageMemory:

@@ -64,10 +64,18 @@ class ModelShape:
     kv: int  # key (= value) width: kv heads x head dim
     tied: bool = False  # input embedding shared with the output head
     context: int | None = None  # longest sequence the model takes
+    experts: int = 0  # a mixture of experts: routed experts per layer (``ffn``: the width a token runs)
+    expert_ffn: int = 0  # one expert's inner width
 
     @property
     def layer_params(self) -> int:
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv + 3 * self.hidden * self.ffn
+        mlp = self.experts * 3 * self.hidden * self.expert_ffn if self.experts else 3 * self.hidden * self.ffn
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv + mlp
+
+    @property
+    def expert_params(self) -> int:
+        """Every expert's weights, in every layer (what expert parallelism shards)."""
+        return self.layers * self.experts * 3 * self.hidden * self.expert_ffn
 
     @property
     def embedding_params(self) -> int:
@@ -107,12 +115,15 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
     hidden, heads = int(cfg["hidden_size"]), int(cfg.get("num_attention_heads", 1))
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     ffn = int(cfg.get("intermediate_size", 4 * hidden))
-    if cfg.get("num_experts_per_tok") and cfg.get("moe_intermediate_size"):  # the experts a token runs
-        ffn = int(cfg["moe_intermediate_size"]) * int(cfg["num_experts_per_tok"])
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # Qwen-MoE, Mixtral
+    expert_ffn = int(cfg.get("moe_intermediate_size") or ffn) if experts else 0
+    if experts and cfg.get("num_experts_per_tok"):  # the experts a token runs
+        ffn = expert_ffn * int(cfg["num_experts_per_tok"])
     context = cfg.get("max_position_embeddings")
     shape = ModelShape(hidden, int(cfg["num_hidden_layers"]), ffn, int(cfg["vocab_size"]),
                        int(cfg.get("num_key_value_heads", heads)) * head_dim,
-                       bool(cfg.get("tie_word_embeddings", False)), int(context) if context else None)
+                       bool(cfg.get("tie_word_embeddings", False)), int(context) if context else None,
+                       experts, expert_ffn)
     if min(shape.hidden, shape.layers, shape.ffn, shape.vocab, shape.kv) <= 0:
         raise ValueError("a model dimension is not positive")
     return shape
@@ -206,15 +217,30 @@ def megatron_sync_bytes(shape: ModelShape, c: int, tp: int, pp: int) -> float:
     return copies * largest_tensor(shape) * c
 
 
+def megatron_rank_params(params: float, shape: ModelShape, tp: int, pp: int, dp: int = 1, ep: int = 1,
+                         etp: int | None = None, over_dp: bool = False) -> float:
+    """Parameters one megatron rank holds: the dense ones / (tp x pp), a
+    mixture of experts' expert weights / (etp x ep x pp) (``etp`` left out is
+    ``tp``). ``over_dp``: what the distributed optimizer keeps, also / the
+    data-parallel size of each (dp for the dense ones; for the experts the
+    ranks holding the same ones, tp x pp x dp / (etp x ep x pp))."""
+    experts = min(float(shape.expert_params), params)
+    dense_split, expert_split = max(1, tp * pp), max(1, (etp or tp) * ep * pp)
+    dense_dp, expert_dp = (max(1, dp), max(1, tp * pp * max(1, dp) // expert_split)) if over_dp else (1, 1)
+    return (params - experts) / dense_split / dense_dp + experts / expert_split / expert_dp
+
+
 def megatron_trainer(params: float, shape: ModelShape, c: int, tp: int, pp: int, dp: int, distributed: bool,
-                     tokens: int | None, sleeps: bool) -> StageMemory:
+                     tokens: int | None, sleeps: bool, ep: int = 1, etp: int | None = None) -> StageMemory:
     """Weights and fp32 gradient buffers / (tp x pp); AdamW state (with the
     fp32 master copy unless the weights are fp32) also / dp with the
     distributed optimizer. The gradient buffer stays allocated between steps.
-    A weight sync streams one weight at a time (``megatron_sync_bytes``)."""
-    split = max(1, tp * pp)
-    weights, grads = params * c / split, params * 4 / split
-    optimizer = params * (12 if c < 4 else 8) / split / (max(1, dp) if distributed else 1)
+    A weight sync streams one weight at a time (``megatron_sync_bytes``).
+    A mixture of experts' experts are split by expert parallelism instead
+    (``megatron_rank_params``)."""
+    held = megatron_rank_params(params, shape, tp, pp, dp, ep, etp)
+    weights, grads = held * c, held * 4
+    optimizer = megatron_rank_params(params, shape, tp, pp, dp, ep, etp, over_dp=distributed) * (12 if c < 4 else 8)
     acts = activation_bytes(shape, tokens, c, CHECKPOINTS_ACTIVATIONS["megatron"], split=max(1, tp)) if tokens else 0.0
     state = [("params", weights), ("grads", grads), ("optimizer", optimizer)]
     return _peak([("train step", state + [("activations", acts)]),
@@ -256,11 +282,12 @@ def lora_params(shape: ModelShape, rank: int, targets: list[str]) -> int:
 
 
 def logprob_stage(params: float, shape: ModelShape, c: int, split: int, tokens: int | None,
-                  sleeps: bool, sliced: bool = False) -> StageMemory:
-    """Scoring: the weights (/ tp x pp) and one forward's activations."""
+                  sleeps: bool, sliced: bool = False, rank_params: float | None = None) -> StageMemory:
+    """Scoring: the weights (/ tp x pp, or ``rank_params`` of them) and one forward's activations."""
     split = max(1, split)
     acts = forward_bytes(shape, tokens, c, split, sliced) if tokens else 0.0
-    return _peak([("forward", [("params", params * c / split), ("activations", acts)])], sleeps)
+    held = params / split if rank_params is None else rank_params
+    return _peak([("forward", [("params", held * c), ("activations", acts)])], sleeps)
 
 
 def fsdp_logprob(params: float, shape: ModelShape, c: int, shard: int, tokens: int | None,

@@ -79,8 +79,10 @@ ENGINES: dict[str, EngineInfo] = {
         "`deterministic` turns on its deterministic inference, without which it ignores each sample's seed"),
     "megatron": EngineInfo(
         ("train", "logprob"),
-        {**_PARALLEL, "offload": Bool(), "dtype": _DTYPE, "distributed_optimizer": Bool()},
-        "offload", True, (), "megatron-core split-step trainer", pp_kinds=("train", "logprob")),
+        {**_PARALLEL, "ep": Int(low=1), "etp": Int(low=1), "offload": Bool(), "dtype": _DTYPE,
+         "distributed_optimizer": Bool()},
+        "offload", True, (), "megatron-core split-step trainer; on a mixture-of-experts model `ep` shards the "
+        "experts over that many ranks, each split `etp` ways (default: `tp`)", pp_kinds=("train", "logprob")),
     "fsdp": EngineInfo(
         ("train", "logprob"), {"shard": Int(low=0), "offload": Bool(), "dtype": Enum(("fp32", "bf16"))},
         "offload", False, (),

@@ -526,6 +526,18 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "  stage generate rollout { model = policy  served_by = a  samples_per_prompt = 8 } ... }",
        "each generate stage's `served_by` and written keys; the two pipelines' models, builtin datasets and "
        "`seed`; the serving generator's engine, environment and placement."),
+    _r("RLP515", ERROR, "a mixture of experts megatron cannot train here",
+       "`megatron(ep = E, etp = T)` shards a mixture of experts' experts: each expert over T ranks (default `tp`), "
+       "the experts over E groups of those, in every pipeline stage; the rest of the model is split by tp and pp "
+       "as before. So etp x ep x pp must divide the stage's GPUs, and where the model's config.json is readable "
+       "it must have experts and E must divide their number. The memory estimate (RLP506) counts the "
+       "sharding (the experts' weights and gradients / (etp x ep x pp), their optimizer state also over the ranks "
+       "holding the same experts). The megatron engine converts dense Llama-family models only, so a mixture "
+       "of experts on it (a config with experts, or `ep` on a model whose config is not readable) is refused "
+       "too: `rldsl run` would stop when megatron loads it. The fsdp engine trains such a model as "
+       "transformers builds it.",
+       "stage train actor { model = policy  engine = megatron(tp = 2, ep = 4)  gpus = 6 ... }",
+       "the `engine` of each megatron train or logprob stage, its GPU count and its model's config.json."),
     _r("RLP520", WARNING, "logprob forwards cut to fit the GPU (old meaning kept)",
        "How many rows a logprob stage scores per forward (`micro_batch`) and whether an `fsdp` logprob stage "
        "shards its model over its ranks (`shard = 0`) change its memory, not the logprobs it computes. Where "
@@ -648,7 +660,7 @@ So the rule families depend on each other only through these inputs:
 | learning | RLP314-RLP316, RLP318, RLP319 | the estimator, samples per prompt, the reward, the builtin task, response and row limits; `lr`, `temperature`, the correction and `recompute` |
 | training | RLP308-RLP313 | the trainer's loss, sampling and schedule keys, the run length, the datasets |
 | buffer | RLP304-RLP306, RLP317 | the trainer's prompts_per_step, staleness and buffer |
-| placement | RLP501-RLP503, RLP507, RLP508, RLP512, RLP521 | cluster, `gpus`, `colocate`, placement groups, engines |
+| placement | RLP501-RLP503, RLP507, RLP508, RLP512, RLP515, RLP521 | cluster, `gpus`, `colocate`, placement groups, engines; RLP515 the model's config.json |
 | sharing | RLP401, RLP504, RLP505, RLP509, RLP513, RLP514 | placed stages (RLP504 for a resident trainer also the memory estimate) |
 | memory | RLP506, RLP520 | placed stages and their models; RLP520 the logprob stages' forwards |
 | environments | RLP601-RLP608 | generate stages' environments, their budgets, tools and straggler cuts, reward stages, `eval_metric` |

@@ -75,6 +75,10 @@ class LlamaShape:
         rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # older / newer transformers
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise NotImplementedError("output-projection and MLP biases are not converted")
+        experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+        if experts:  # else its dense `intermediate_size` would build the wrong model
+            raise NotImplementedError(f"a mixture of {experts} experts is not converted to megatron here (RLP515); "
+                                      "train it with the fsdp engine")
         return cls(
             hidden_size=config["hidden_size"],
             ffn_hidden_size=config["intermediate_size"],

@@ -54,8 +54,25 @@ def test_a_run_streams_every_version_rank_to_rank(tmp_path):
     assert {e["args"]["actor"] for e in receives} == {"rollout-0", "rollout-1"}
     assert all(e["args"]["transport"] == "collective" for e in receives)
     assert len(receives) == 2 * STEPS  # every version, to both replicas, and nothing through the object store
+    _assert_pushes_off_the_critical_path(events)
     audit = _audit(tmp_path / "run")
     assert audit.returncode == 0, audit.stdout + audit.stderr  # every sample's lag in bound
+
+
+def _assert_pushes_off_the_critical_path(events: list[dict]) -> None:
+    """The trainer's timeline: the step after a push trains while the push
+    streams (the torch trainer reads its weights alone), and nothing that
+    changes the weights (an optimizer step, a step's finish) runs during one."""
+    def spans(name: str) -> list[tuple[int, int, dict]]:
+        return [(e["ts"], e["ts"] + e["dur"], e["args"]) for e in events
+                if e["ph"] == "X" and e["name"] == name and e.get("cat") != "gpu"]
+
+    pushes = [(start, end) for start, end, args in spans("weight export") if args.get("transport") == "collective"]
+    assert len(pushes) == STEPS
+    changes = spans("finish_train_step") + spans("optimizer_step")
+    assert not [(s, e) for s, e, _ in changes if any(p < e and s < q for p, q in pushes)]  # the fence
+    overlapped = [args["step"] for s, _, args in spans("train_microbatch") if any(p < s < q for p, q in pushes)]
+    assert overlapped, "no microbatch started while a push streamed"
 
 
 def test_a_killed_generator_is_replaced_and_the_group_forms_anew(tmp_path):

@@ -38,6 +38,11 @@ class TrainerLost(StepFailed):
     (resume it from the last checkpoint)."""
 
 
+def trainer_lost(lost: WorkerLost, call: str) -> TrainerLost:
+    return TrainerLost(f"trainer rank {lost.rank} of `{lost.stage}` died during {call} ({lost.detail}); "
+                       "its optimizer state is gone: resume from the run's last checkpoint")
+
+
 class ControllerLost(StepFailed):
     """The controller's process died (killed, out of memory, crashed): the
     run ends with the steps and checkpoints it made."""

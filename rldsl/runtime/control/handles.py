@@ -51,7 +51,14 @@ class StageHandles:
       Microbatches read their fields (``advantage`` included) from the data
       plane.
     - ``export_weights(version)``: snapshot the trainer's weights, once per
-      step, into the host bucket cache that pushes and refreshes read.
+      step, into the host bucket cache that pushes and refreshes read (or,
+      rank to rank, stream them to every receiver: the export is the push).
+    - ``export_overlaps``: the export may run while the next step fills and
+      trains (its microbatches only read the weights): the trainer's export
+      runs no collective among its ranks and its forwards never swap the
+      parameters it reads. The controller then awaits the export before
+      anything that changes the weights (an optimizer step, the step's
+      finish, the trainer's sleep) and before the next export.
     - ``push_weights(version, replicas)``: send the cached version to those
       generator replicas (and every other weight receiver). A replica stages
       the buckets while it keeps generating and swaps them in between two
@@ -99,3 +106,4 @@ class StageHandles:
     optimizer_step: Callable[[int], Awaitable[dict]] | None = None
     decoded_tokens: Callable[[], Awaitable[Sequence[int]]] | None = None
     abort_generation: Callable[[], Awaitable[None]] = _nothing
+    export_overlaps: bool = False

@@ -12,7 +12,8 @@ import torch
 from rldsl.runtime.control import ledger as outcomes
 from rldsl.runtime.control.advantages import compute_advantages, needs_tokens, needs_whole_batch
 from rldsl.runtime.control.buffer import Group, GroupState
-from rldsl.runtime.control.errors import StepFailed, StopRequested, TrainCallFailed, TrainerLost, WorkerLost
+from rldsl.runtime.control.errors import StepFailed, StopRequested, TrainCallFailed, WorkerLost, trainer_lost
+from rldsl.runtime.control.exports import Exports
 from rldsl.runtime.control.gpu_turns import GpuTurns
 from rldsl.runtime.control.lanes import MicrobatchLanes
 from rldsl.runtime.control.state import RunState, resolve
@@ -30,7 +31,7 @@ class StepBuild:
     begun: bool = False
 
 
-class TrainPump(GpuTurns):
+class TrainPump(GpuTurns, Exports):
     """Builds each step from ready groups: lazy begin, one microbatch per group
     as it arrives (all data-parallel replicas busy at once, see lanes.py),
     one finish, one weight export and one data-plane clear; abort on failure."""
@@ -48,27 +49,34 @@ class TrainPump(GpuTurns):
     async def run(self) -> None:
         state = self.state
         try:
-            while state.finished_steps < state.settings.steps and not state.stop_requested:
-                step = self.step = StepBuild(state.batch_index, state.trainer_version, state.clock())
-                try:
-                    await self._fill(step)
-                    if not step.groups:
-                        if state.prompts_exhausted and state.buffer.outstanding == 0:
-                            return
-                        state.batch_index += 1  # an in-order batch whose groups were all dropped
-                        continue
-                    result = await self._call("finish_train_step", state.stages.finish_train_step, step.batch_index)
-                except TrainCallFailed as failure:
-                    await self._abort(step, failure)
-                    continue
-                except StopRequested:
-                    await self._drop_open_step(step, outcomes.RUN_STOPPED)
-                    return
-                await self._close_step(step, result)
+            await self._steps()
+            await self._settle_export()  # the last version reaches its receivers before training is done
         finally:
+            self._forget_export()
             self.lanes.cancel()
             state.training_done = True
             state.changed.notify()
+
+    async def _steps(self) -> None:
+        state = self.state
+        while state.finished_steps < state.settings.steps and not state.stop_requested:
+            step = self.step = StepBuild(state.batch_index, state.trainer_version, state.clock())
+            try:
+                await self._fill(step)
+                if not step.groups:
+                    if state.prompts_exhausted and state.buffer.outstanding == 0:
+                        return
+                    state.batch_index += 1  # an in-order batch whose groups were all dropped
+                    continue
+                await self._settle_export()
+                result = await self._call("finish_train_step", state.stages.finish_train_step, step.batch_index)
+            except TrainCallFailed as failure:
+                await self._abort(step, failure)
+                continue
+            except StopRequested:
+                await self._drop_open_step(step, outcomes.RUN_STOPPED)
+                return
+            await self._close_step(step, result)
 
     def describe(self) -> str:
         state, step = self.state, self.step
@@ -88,6 +96,8 @@ class TrainPump(GpuTurns):
         )
         if self.lanes.in_flight:
             text += f"; {self.lanes.describe()}"
+        if self._export_task is not None:
+            text += f"; weights version {state.trainer_version} still exporting"
         if "train" in state.last_error:
             text += f"; last failure {state.last_error['train']}"
         return text
@@ -174,6 +184,7 @@ class TrainPump(GpuTurns):
         """A mini-batch's optimizer step inside the open step (no new weight
         version), once none of its microbatches runs."""
         await self._drain()
+        await self._settle_export()
         call = self.state.stages.optimizer_step
         if call is None:
             raise TrainCallFailed("optimizer_step", RuntimeError("these stages take one optimizer step per rollout "
@@ -285,23 +296,11 @@ class TrainPump(GpuTurns):
         state.batch_index += 1
         state.consumed_in_step = 0
         self._aborted_in_row = 0
-        await self._export(state.trainer_version)
+        await self._start_export(state.trainer_version)
         await self._wake_generators()
         state.progress()  # the sync pump starts its push while the clear runs
         await self._clear_and_release(step.groups)
         self._report(step, result, lags)
-
-    async def _export(self, version: int) -> None:
-        """Once per step, before anything reads the new version: the host
-        bucket cache that pushes and refreshes serve."""
-        state = self.state
-        self.activity = f"exporting weights version {version} to the host bucket cache"
-        try:
-            await state.stages.export_weights(version)
-        except WorkerLost as lost:
-            raise _trainer_lost(lost, "export_weights") from lost
-        state.exported_version = version
-        self.activity = None
 
     async def _abort(self, step: StepBuild, failure: TrainCallFailed) -> None:
         self.state.last_error["train"] = str(failure)
@@ -309,7 +308,7 @@ class TrainPump(GpuTurns):
         self.aborted_steps += 1
         self._aborted_in_row += 1
         if isinstance(failure.error, WorkerLost):  # a trainer rank died: no later step can succeed
-            raise _trainer_lost(failure.error, failure.call) from failure.error
+            raise trainer_lost(failure.error, failure.call) from failure.error
         if self._aborted_in_row >= self.state.settings.max_aborted_steps:
             message = f"{self._aborted_in_row} consecutive train steps aborted; last: {failure}"
             raise StepFailed(message) from failure.error
@@ -363,11 +362,6 @@ class TrainPump(GpuTurns):
                 **_episode_means(step.groups),
             }
         )
-
-
-def _trainer_lost(lost: WorkerLost, call: str) -> TrainerLost:
-    return TrainerLost(f"trainer rank {lost.rank} of `{lost.stage}` died during {call} ({lost.detail}); "
-                       "its optimizer state is gone: resume from the run's last checkpoint")
 
 
 def _sample_tokens(groups: list[Group]) -> list[list[int]]:

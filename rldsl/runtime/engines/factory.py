@@ -194,6 +194,19 @@ def build_judge(stage: StagePlan, pipe: PipelinePlan, seed: int):
     raise _unavailable(stage)
 
 
+def trainer_exports_alone(stage: StagePlan) -> bool:
+    """Whether the stage's trainer exports its weights with no collective
+    among its ranks, so the export may run while the next step trains
+    (``exports_alone`` on the engine's class; fsdp and megatron gather shards)."""
+    if stage.engine.name == "sim":
+        from rldsl.runtime.engines.sim import SimTrainer as trainer
+    elif stage.engine.name == "torch":
+        from rldsl.runtime.engines.torch.train import TorchTrainer as trainer
+    else:
+        return False
+    return bool(getattr(trainer, "exports_alone", False))
+
+
 def build_trainer(stage: StagePlan, pipe: PipelinePlan, seed: int, process_group=None):
     name = stage.engine.name
     if name == "sim":

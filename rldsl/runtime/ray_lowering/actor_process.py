@@ -12,15 +12,22 @@ WORKER_SETUP_ENV = "RLDSL_WORKER_SETUP"
 # drains are answered while the actor is busy in a long call (a trainer step,
 # a stalled engine), so a stop never waits on one.
 OBSERVE = "observe"
+# The trainer's rank-to-rank push streams in a group of its own, so the next
+# step's microbatches run while it is in flight (the controller holds back
+# whatever changes the weights until it ends: control/train_pump.py).
+PUSH = "push"
+METHOD_GROUPS = {"stream_weights": PUSH}
 
 
 def run_actor(cls):
-    """``cls`` as a Ray actor class of the run, with the ``OBSERVE`` group;
+    """``cls`` as a Ray actor class of the run, with the ``OBSERVE`` group
+    (and ``PUSH`` where it streams weights);
     the driver's ``RLDSL_WORKER_SETUP`` reaches it on any Ray (one this run
     joined, or one started before this process set it)."""
     import ray
 
-    options = {"concurrency_groups": {OBSERVE: 1}}
+    groups = {OBSERVE: 1, **{group: 1 for method, group in METHOD_GROUPS.items() if hasattr(cls, method)}}
+    options = {"concurrency_groups": groups}
     if os.environ.get(WORKER_SETUP_ENV):
         options["runtime_env"] = {"env_vars": {WORKER_SETUP_ENV: os.environ[WORKER_SETUP_ENV]}}
     return ray.remote(**options)(cls)

@@ -44,7 +44,7 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
                       bucket_bytes: int, train_stage: str, replicas: dict[str, list[list[int]]],
                       observers: list | None = None, tracer=None,
                       reward_calls: dict[str, int] | None = None, cache: HostBucketCache | None = None,
-                      collective: CollectiveSync | None = None) -> StageHandles:
+                      collective: CollectiveSync | None = None, export_overlaps: bool = False) -> StageHandles:
     """``supervisor``: every stage's actors by rank (one per replica for
     generate stages), replaced when they die; ``kinds``: stage name -> stage
     kind; ``receiver_stages``: the stages on sync edges; ``replicas``: for
@@ -56,7 +56,10 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
     workers serves at once (one per reward process); ``cache``: the host
     bucket cache, when the caller keeps it too; ``collective``: the
     pipeline's weight group, when its sync goes rank to rank
-    (weight_group.py): an export is then the push itself."""
+    (weight_group.py): an export is then the push itself;
+    ``export_overlaps``: the trainer's export reads its weights alone, so it
+    may run while the next step trains (a stream runs in the trainer actor's
+    ``PUSH`` concurrency group, beside the step's calls)."""
     reward_calls = reward_calls or {}
     actors = supervisor.actors
     generators = [(name, rank) for name in actors if kinds[name] == "generate" for rank in range(len(actors[name]))]
@@ -215,7 +218,8 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
                         wake_generators, sleep_trainer, wake_trainer, generator_replicas=len(generators),
                         train_replicas=len(train_replicas),
                         stage_slots={name: pool.size for name, pool in free.items()}, optimizer_step=optimizer_step,
-                        decoded_tokens=decoded_tokens, abort_generation=abort_generation)
+                        decoded_tokens=decoded_tokens, abort_generation=abort_generation,
+                        export_overlaps=export_overlaps)
 
 
 def reward_calls_per_worker(stage) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from rldsl.runtime.control.errors import WorkerLost
+from rldsl.runtime.ray_lowering.actor_process import METHOD_GROUPS
 
 REPLACE_TIMEOUT_S = 300.0  # a new actor imports torch and builds its engine; on a loaded node that takes a while
 
@@ -148,7 +149,12 @@ class Supervisor:
 def remote_call(actor, method: str, *args: Any, tenant: str | None = None):
     """``actor.method.remote(*args)``; on a generator serving other pipelines, pipeline ``tenant``'s side of it
     (its ``serve``)."""
-    return actor.serve.remote(tenant, method, *args) if tenant else getattr(actor, method).remote(*args)
+    if tenant:
+        return actor.serve.remote(tenant, method, *args)
+    bound = getattr(actor, method)
+    if method in METHOD_GROUPS:
+        bound = bound.options(concurrency_group=METHOD_GROUPS[method])
+    return bound.remote(*args)
 
 
 async def _ready(actor) -> None:

@@ -8,6 +8,7 @@ it into a Ray actor.
 from __future__ import annotations
 
 import contextlib
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -28,6 +29,9 @@ class TrainerWorker(StageWorker, WeightGroupMember):
 
         super().__init__(pipe, stage, rank, dataplane_spec)
         self.checkpoint = checkpoint or {}  # {"run_dir": ..., "every": N, "keep": K}
+        # Held while a stream reads the weights (its own concurrency group, beside the step's calls): whatever
+        # changes them waits. The controller already orders them so; this keeps the fence if it ever did not.
+        self._weights_read = threading.Lock()
         group = join_dist_group(dist) if dist and dist["world_size"] > 1 else None
         self.engine = build_trainer(stage, pipe, seed=pipe.run.seed, process_group=group)
         self._collectives = named_collectives(dist if group is not None else None)
@@ -66,11 +70,13 @@ class TrainerWorker(StageWorker, WeightGroupMember):
 
     def optimizer_step(self, step: int) -> dict:
         """A mini-batch's optimizer step inside the open step (a collective)."""
-        with self.tracer.span("optimizer_step", step=step, version=self.engine.version), self._collectives():
+        with self._weights_read, self.tracer.span("optimizer_step", step=step, version=self.engine.version), \
+                self._collectives():
             return self.engine.optimizer_step(step)
 
     def finish_train_step(self, step: int) -> p.StepResult:
-        with self.tracer.span("finish_train_step", step=step, version=self.engine.version), self._collectives():
+        with self._weights_read, self.tracer.span("finish_train_step", step=step, version=self.engine.version), \
+                self._collectives():
             result = self.engine.finish_train_step(step)
         every = self.checkpoint.get("every")
         if every and result.version % every == 0 and self.can_checkpoint():
@@ -96,7 +102,8 @@ class TrainerWorker(StageWorker, WeightGroupMember):
         reported, not raised: the trainer itself is fine, and every rank
         still finishes its gathers. ``to_store``: rank 0 also puts each
         bucket into the object store (the evaluator's copy)."""
-        return self._export(bucket_bytes, version, to_store, send=True)
+        with self._weights_read:
+            return self._export(bucket_bytes, version, to_store, send=True)
 
     def _export(self, bucket_bytes: int, version: int, to_store: bool, send: bool) -> dict:
         """Walk the engine's buckets once: rank 0 puts each into the object
@@ -128,12 +135,16 @@ class TrainerWorker(StageWorker, WeightGroupMember):
             except BaseException:
                 if sender is not None:
                     sender.abort()
+                if send:
+                    self._leave_weight_group()
                 raise
             if sender is not None:
                 try:
                     stats = sender.finish().as_dict()
                 except RuntimeError as error:
                     failure = error
+            if failure is not None:
+                self._leave_weight_group()
             args.update(stats, buckets=len(refs))
         return {"refs": refs, "stats": stats, "failed": f"{type(failure).__name__}: {failure}" if failure else None}
 
@@ -153,7 +164,7 @@ class TrainerWorker(StageWorker, WeightGroupMember):
     def sleep(self) -> None:
         """Colocated: offload for the generation phase (engines that can)."""
         if hasattr(self.engine, "sleep"):
-            with self.tracer.span("sleep"):
+            with self._weights_read, self.tracer.span("sleep"):
                 self.engine.sleep()
 
     def wake(self) -> None:
@@ -188,5 +199,5 @@ class TrainerWorker(StageWorker, WeightGroupMember):
     def load_checkpoint(self, directory: str) -> int:
         from rldsl.runtime.ray_lowering.checkpoint import TRAINER_DIR
 
-        with self.tracer.span("checkpoint load"):
+        with self._weights_read, self.tracer.span("checkpoint load"):
             return self.engine.load_checkpoint(Path(directory) / TRAINER_DIR)

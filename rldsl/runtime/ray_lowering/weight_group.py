@@ -105,6 +105,15 @@ class WeightGroupMember:
         self._weight_group = form_group(store, name, rank, size, device, collective_timeout_s(),
                                         should_abort=_called_off(name))
 
+    def _leave_weight_group(self) -> None:
+        """A transfer through the group failed: let go of it now. On NCCL
+        ``abort()`` ends the work still pending in it at once, instead of
+        its watchdog tearing the process down at the collective timeout;
+        the next export forms a new group."""
+        group, self._weight_group = self._weight_group, None
+        if group is not None:
+            group.close()
+
     def _member_group(self):
         if self._weight_group is None:
             raise RuntimeError("this worker is not in the current weight group (a replacement joins at the next "

@@ -180,10 +180,14 @@ class GeneratorWorker(StageWorker, WeightGroupMember):
         and the version lands with the rows in flight (as from the store)."""
         self._member_group()  # a replacement not yet in the group says so at once
         with self.tracer.span("weight receive", version=version, transport="collective") as args:
-            if self.batcher.interrupts:
-                stats = self._receive_into(self.batcher, version)
-            else:
-                stats = self.batcher.run_idle(lambda engine: self._receive_into(engine, version))
+            try:
+                if self.batcher.interrupts:
+                    stats = self._receive_into(self.batcher, version)
+                else:
+                    stats = self.batcher.run_idle(lambda engine: self._receive_into(engine, version))
+            except BaseException:
+                self._leave_weight_group()
+                raise
             args.update(stats)
         return stats
 

@@ -99,6 +99,11 @@ DEFERRED = {"deferred": 1.0}  # an optimizer step held back until finish (the pr
 
 
 class TorchTrainer:
+    # Every rank holds the whole model and reads it for an export with no
+    # collective, and no forward swaps the parameters: an export may run
+    # while the next step's microbatches do (handles.StageHandles.export_overlaps).
+    exports_alone = True
+
     def __init__(
         self,
         model,

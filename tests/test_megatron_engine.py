@@ -555,9 +555,33 @@ def _parallel_worker(rank: int, port: int, results: dict):
                 tp_rank = parallel_state.get_tensor_model_parallel_rank()
                 results[(tp, pp, overlap, rank)] = (tp_rank, grads, exported, metrics)
                 results[("gathers", tp, pp, overlap, rank)] = gathers
+                results[("beside a step", tp, pp, overlap, rank)] = export_beside_a_step(trainer, batch, rows)
                 parallel_state.destroy_model_parallel()
     finally:
         dist.destroy_process_group()
+
+
+def export_beside_a_step(trainer, batch, rows) -> dict:
+    """The weights exported on another thread while this one trains a step's
+    microbatches (on Ray: the push's concurrency group beside the step's
+    calls). The export gathers on groups of its own, so the two threads'
+    collectives never pair up across ranks: it neither hangs nor mixes."""
+    import threading
+
+    out = {}
+
+    def export() -> None:
+        out["weights"] = {n: t for b in trainer.weight_buckets(4096) for n, t in b.items()}
+
+    trainer.begin_train_step(2)
+    thread = threading.Thread(target=export)
+    thread.start()
+    for start, stop in rows:
+        trainer.train_microbatch(2, {k: v[start:stop] for k, v in batch.items()})
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the export beside the step hung"
+    trainer.abort_train_step(2)
+    return out["weights"]
 
 
 def streamed_export(trainer) -> tuple[dict, tuple[int, int]]:
@@ -611,6 +635,8 @@ def test_data_tensor_and_pipeline_parallel_gradients_and_export_on_two_ranks(meg
         assert worst < 1e-5, (layout, worst)
         _, _, exported, metrics = results[(*layout, 0)]
         assert exported.keys() == weights.keys() and all(torch.equal(exported[n], weights[n]) for n in weights)
+        beside = results[("beside a step", *layout, 0)]
+        assert beside.keys() == weights.keys() and all(torch.equal(beside[n], weights[n]) for n in weights)
         before_first, gathers = results[("gathers", *layout, 0)]
         if layout[0] == 2:  # tensor-parallel: one tensor gathered at a time, never the whole stage first
             assert 0 < before_first < gathers, (layout, before_first, gathers)

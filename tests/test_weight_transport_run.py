@@ -61,7 +61,7 @@ def test_a_run_streams_every_version_rank_to_rank(tmp_path):
 
 def _assert_pushes_off_the_critical_path(events: list[dict]) -> None:
     """The trainer's timeline: the step after a push trains while the push
-    streams (the torch trainer reads its weights alone), and nothing that
+    streams (the torch trainer exports beside its steps), and nothing that
     changes the weights (an optimizer step, a step's finish) runs during one."""
     def spans(name: str) -> list[tuple[int, int, dict]]:
         return [(e["ts"], e["ts"] + e["dur"], e["args"]) for e in events

@@ -194,17 +194,19 @@ def build_judge(stage: StagePlan, pipe: PipelinePlan, seed: int):
     raise _unavailable(stage)
 
 
-def trainer_exports_alone(stage: StagePlan) -> bool:
-    """Whether the stage's trainer exports its weights with no collective
-    among its ranks, so the export may run while the next step trains
-    (``exports_alone`` on the engine's class; fsdp and megatron gather shards)."""
+def trainer_exports_beside_steps(stage: StagePlan) -> bool:
+    """Whether the stage's trainer may export its weights while its next
+    step trains (``exports_beside_steps`` on the engine's class: no forward
+    swaps the weights, and the export's collectives, if any, are its own)."""
     if stage.engine.name == "sim":
         from rldsl.runtime.engines.sim import SimTrainer as trainer
     elif stage.engine.name == "torch":
         from rldsl.runtime.engines.torch.train import TorchTrainer as trainer
-    else:
+    elif stage.engine.name == "megatron":
+        from rldsl.runtime.engines.megatron.trainer import MegatronTrainer as trainer
+    else:  # fsdp: a forward swaps each layer's sharded parameters for gathered ones and back
         return False
-    return bool(getattr(trainer, "exports_alone", False))
+    return bool(getattr(trainer, "exports_beside_steps", False))
 
 
 def build_trainer(stage: StagePlan, pipe: PipelinePlan, seed: int, process_group=None):

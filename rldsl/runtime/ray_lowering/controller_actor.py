@@ -24,7 +24,7 @@ class ControllerActor:
                  checkpoint: dict | None = None, resume: dict | None = None, observers: list | None = None,
                  scheduler=None, transport: dict | None = None):
         from rldsl.runtime.dataplane import connect_dataplane
-        from rldsl.runtime.engines.factory import trainer_exports_alone
+        from rldsl.runtime.engines.factory import trainer_exports_beside_steps
         from rldsl.runtime.ray_lowering.checkpoint import expand_indices
         from rldsl.runtime.ray_lowering.stage_handles import HostBucketCache, ray_stage_handles, reward_calls_per_worker
         from rldsl.runtime.ray_lowering.supervision import Supervisor
@@ -46,7 +46,7 @@ class ControllerActor:
         self.handles = ray_stage_handles(self.supervisor, kinds, receiver_stages, settings.sync_bucket_bytes,
                                          train.name, replicas, self.observers, tracer=self.tracers[1],
                                          cache=self.cache, collective=self.collective,
-                                         export_overlaps=trainer_exports_alone(train),
+                                         export_overlaps=trainer_exports_beside_steps(train),
                                          reward_calls={s.name: reward_calls_per_worker(s) for s in pipe.stages
                                                        if s.kind == "reward"})
         self.dataplane = _TracedDataPlane(connect_dataplane(dataplane_spec), self.tracers[0])

@@ -64,6 +64,36 @@ def ensure_model_parallel(tp: int, pp: int, seed: int) -> None:
         raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp x pp = {tp * pp}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    _form_export_groups()
+
+
+# The export's gathers and relays run on process groups of their own (the same ranks as Megatron's
+# tensor- and pipeline-parallel groups), so an export may run beside a step's calls on another thread:
+# two threads' collectives on one group could pair one rank's gather with another's all-reduce.
+_EXPORT_GROUPS: dict[tuple[int, ...], object] = {}
+
+
+def _form_export_groups() -> None:
+    """A twin of this process's tensor- and pipeline-parallel groups, and of
+    every other rank's (``new_group`` is a collective of the whole world:
+    every rank creates every group, in the same order)."""
+    from megatron.core import parallel_state
+
+    if dist.get_world_size() == 1:
+        return
+    own = [tuple(dist.get_process_group_ranks(group)) for group in
+           (parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group())]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, own)
+    for ranks in sorted({ranks for groups in everyone for ranks in groups if len(ranks) > 1} - set(_EXPORT_GROUPS)):
+        _EXPORT_GROUPS[ranks] = dist.new_group(list(ranks))
+
+
+def export_group(group):
+    """The export's twin of Megatron's ``group`` (itself where there is none: one rank, nothing to pair)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return group
+    return _EXPORT_GROUPS.get(tuple(dist.get_process_group_ranks(group)), group)
 
 
 def _free_port() -> int:
@@ -224,13 +254,14 @@ def export_hf_weights(model, shape: LlamaShape) -> Iterator[tuple[str, torch.Ten
 
     A collective: every rank of the tensor- and pipeline-parallel groups must
     iterate it to the end. Only the first tensor- and pipeline-parallel rank
-    yields anything; the others only take part in the gathers.
+    yields anything; the others only take part in the gathers, which run on
+    the export's own groups (``export_group``): it may run beside a step.
     """
     from megatron.core import parallel_state
 
-    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_group = export_group(parallel_state.get_tensor_model_parallel_group())
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_group = export_group(parallel_state.get_pipeline_model_parallel_group())
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     exporting = tp_rank == 0 and parallel_state.get_pipeline_model_parallel_rank() == 0
     fused = uses_fused_norms()

@@ -92,6 +92,10 @@ SKIPPED = {"skipped": 1.0}
 class MegatronTrainer(ProximalPass):
     """``protocols.Trainer`` on megatron-core (GPTModel + DDP + Megatron optimizer)."""
 
+    # No forward swaps the parameters and the export gathers on groups of its own
+    # (model.export_group): an export may run beside the next step's microbatches.
+    exports_beside_steps = True
+
     def __init__(
         self,
         shape: LlamaShape,

@@ -227,7 +227,7 @@ class SimTrainer:
     random. ``calls`` records (call, step, rows) in order. An optimizer step
     costs a finish latency; one with no rows since the last is skipped."""
 
-    exports_alone = True  # its weights are one local blob (handles.StageHandles.export_overlaps)
+    exports_beside_steps = True  # its weights are one local blob (handles.StageHandles.export_overlaps)
 
     def __init__(self, microbatch_latency: Latency = Latency(), finish_latency: Latency = Latency(),
                  fail_on: Collection[tuple[str, int]] = (), fail_prob: float = 0.0, weight_bytes: int = MIB,

@@ -102,7 +102,7 @@ class TorchTrainer:
     # Every rank holds the whole model and reads it for an export with no
     # collective, and no forward swaps the parameters: an export may run
     # while the next step's microbatches do (handles.StageHandles.export_overlaps).
-    exports_alone = True
+    exports_beside_steps = True
 
     def __init__(
         self,

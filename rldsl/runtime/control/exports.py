@@ -2,13 +2,13 @@
 the rank-to-rank push itself, once per version.
 
 Where the trainer's export may run beside its step's calls
-(``StageHandles.export_overlaps``: torch and megatron trainers), the export runs while the next step
-fills and trains: its microbatches only read the weights. Whatever changes
-them (an optimizer step, the step's finish, the trainer's sleep) and the
-next export wait for it, so a version is never pushed half old, half new;
-the generators take it at its last bucket, as before. When the trainer
-takes turns with its generators the wake needs the export: it stays in the
-step.
+(``StageHandles.export_overlaps``: torch and megatron trainers), the export
+runs while the next step fills and trains: its microbatches only read the
+weights. Whatever changes them (an optimizer step, the step's finish, the
+trainer's sleep) and the next export wait for it, so a version is never
+pushed half old, half new; the generators take it at its last bucket, as
+before. When the trainer takes turns with its generators the wake needs
+the export: it stays in the step.
 """
 
 from __future__ import annotations

@@ -54,11 +54,12 @@ class StageHandles:
       step, into the host bucket cache that pushes and refreshes read (or,
       rank to rank, stream them to every receiver: the export is the push).
     - ``export_overlaps``: the export may run while the next step fills and
-      trains (its microbatches only read the weights): the trainer's export
-      runs no collective among its ranks and its forwards never swap the
-      parameters it reads. The controller then awaits the export before
-      anything that changes the weights (an optimizer step, the step's
-      finish, the trainer's sleep) and before the next export.
+      trains (its microbatches only read the weights): no forward of the
+      trainer swaps the parameters the export reads, and the export's
+      collectives, if any, are not on the groups the step uses. The
+      controller then awaits the export before anything that changes the
+      weights (an optimizer step, the step's finish, the trainer's sleep)
+      and before the next export.
     - ``push_weights(version, replicas)``: send the cached version to those
       generator replicas (and every other weight receiver). A replica stages
       the buckets while it keeps generating and swaps them in between two

@@ -14,7 +14,7 @@ WORKER_SETUP_ENV = "RLDSL_WORKER_SETUP"
 OBSERVE = "observe"
 # The trainer's rank-to-rank push streams in a group of its own, so the next
 # step's microbatches run while it is in flight (the controller holds back
-# whatever changes the weights until it ends: control/train_pump.py).
+# whatever changes the weights until it ends: control/exports.py).
 PUSH = "push"
 METHOD_GROUPS = {"stream_weights": PUSH}
 

@@ -57,9 +57,9 @@ def ray_stage_handles(supervisor: Supervisor, kinds: dict[str, str], receiver_st
     bucket cache, when the caller keeps it too; ``collective``: the
     pipeline's weight group, when its sync goes rank to rank
     (weight_group.py): an export is then the push itself;
-    ``export_overlaps``: the trainer's export may run beside its step's
-    calls, so it may run while the next step trains (a stream runs in the trainer actor's
-    ``PUSH`` concurrency group, beside the step's calls)."""
+    ``export_overlaps``: the trainer's export may run while the next step
+    trains (a stream runs in the trainer actor's ``PUSH`` concurrency group,
+    beside the step's calls)."""
     reward_calls = reward_calls or {}
     actors = supervisor.actors
     generators = [(name, rank) for name in actors if kinds[name] == "generate" for rank in range(len(actors[name]))]

@@ -157,6 +157,7 @@ class CollectiveSync:
     failures: int = 0
     last_stats: dict = field(default_factory=dict)
     lost: set[tuple[str, int]] = field(default_factory=set)
+    joined: str | None = None  # the name the members last joined under (what a call-off must name)
 
     @property
     def group(self) -> str:
@@ -176,7 +177,8 @@ class CollectiveSync:
             members = self.current_members()
             calls = [call(train_stage, r, "stream_weights", bucket_bytes, version, to_store) for r in trainer_ranks]
             calls += [call(*member, "receive_stream", version) for member in members]
-            results = await _all_or_call_off(calls, self.group)
+            # the name they joined, not self.group: a member replaced since (mid-join) moved the epoch on
+            results = await _all_or_call_off(calls, self.joined)
         except BaseException:
             self._broken()
             raise
@@ -212,10 +214,13 @@ class CollectiveSync:
             if isinstance(result, WorkerLost):
                 self.lost.add(member)
         members = self.current_members()
-        name, size = self.group, len(members) + 1
+        name, size, epoch = self.group, len(members) + 1, self.epoch
+        self.joined = name
         await asyncio.gather(call(train_stage, 0, "join_weight_group", name, 0, size, self.store_dir),
                              *(call(*m, "join_weight_group", name, i + 1, size, self.store_dir)
                                for i, m in enumerate(members)))
+        if self.epoch != epoch:  # a member died mid-join: its replacement joined beside what the others met
+            raise RuntimeError(f"a member of weight group {name} was replaced while the group formed")
         self.formed = True
 
     def _broken(self, failed: bool = True) -> None:

@@ -5,6 +5,7 @@ versions (`update = interrupt`), their journal records and their audit."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -104,6 +105,19 @@ def test_a_streamed_group_that_fails_fails_alone():
 def test_torch_groups_finish_out_of_order_within_one_replica():
     engine = TorchGenerator(build_tiny_lm(0, d_model=32, n_layers=2, n_heads=2, d_ff=64), max_new_tokens=24)
     batcher = ContinuousBatcher(engine)
+    admits, admit, decode_step = [], engine.admit, engine.decode_step
+
+    def counted_admit(requests):
+        admits.append(len(requests))
+        return admit(requests)
+
+    def gated_decode_step():  # the long group's 24 steps take ~20 ms: wait for the short one to be queued
+        deadline = time.monotonic() + 10
+        while len(admits) < 2 and not batcher.stats()["queued"] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return decode_step()
+
+    engine.admit, engine.decode_step = counted_admit, gated_decode_step
     order = finish_order(batcher, LONG, SHORT, lambda: engine.rows_in_flight > 0)
     assert order == ["second", "first"]  # admitted later, answered first, from the one running batch
     assert batcher.stats()["max_rows"] == 9  # they were decoded together

@@ -66,10 +66,7 @@ def model_shape(model: Decl, base_dir: Path, params: float) -> mm.ModelShape:
     name = model["source"].removeprefix("builtin:")
     if name in BUILTIN_SHAPES and params == BUILTIN_PARAMS.get(name):
         return BUILTIN_SHAPES[name]
-    try:
-        return mm.shape_from_hf_config(_hf_config(model, base_dir))
-    except _CONFIG_ERRORS:
-        return mm.nearest_shape(params)
+    return hf_shape(model, base_dir) or mm.nearest_shape(params)
 
 
 def hf_shape(model: Decl, base_dir: Path) -> mm.ModelShape | None:

@@ -90,10 +90,11 @@ def _form_export_groups() -> None:
 
 
 def export_group(group):
-    """The export's twin of Megatron's ``group`` (itself where there is none: one rank, nothing to pair)."""
-    if group is None or dist.get_world_size(group) == 1:
+    """The export's twin of Megatron's ``group`` (made with it by ``ensure_model_parallel``, the one place
+    Megatron's groups are made); a one-rank group is its own: nothing to pair."""
+    if dist.get_world_size(group) == 1:
         return group
-    return _EXPORT_GROUPS.get(tuple(dist.get_process_group_ranks(group)), group)
+    return _EXPORT_GROUPS[tuple(dist.get_process_group_ranks(group))]
 
 
 def _free_port() -> int:

@@ -370,7 +370,7 @@ BLOCK_KEYS: dict[str, dict[str, Key]] = {
                       'for example "rldsl.environments:ArithRetry"'), REQUIRED,
                   "the environment class, `module:Class`, with `reset(prompt, answer)` and "
                   "`step(messages, completion)`; or an agent harness, `module:function`, "
-                  "`harness(client, prompt, answer) -> reward`"),
+                  "`harness(client, prompt, answer) -> reward`; or an OpenEnv `Environment` subclass"),
         "max_turns": Key(Int(low=1), REQUIRED, "model turns per episode at most"),
         "max_tokens": Key(Int(low=1), REQUIRED, "an episode's response budget in tokens, the model's and the "
                                                 "environment's together"),

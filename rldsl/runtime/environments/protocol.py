@@ -32,6 +32,8 @@ import math
 import sys
 from typing import Protocol, runtime_checkable
 
+from rldsl.runtime.environments.openenv_adapter import OpenEnvShapeError, adapt_openenv, is_openenv_environment
+
 
 @runtime_checkable
 class Environment(Protocol):
@@ -91,6 +93,11 @@ def load_environment(spec: str):
         raise EnvironmentLoadError(f"environment {spec!r}: module {module_name!r} has no {class_name!r}{hint}")
     if is_harness(cls):
         return cls
+    if is_openenv_environment(cls):
+        try:
+            return adapt_openenv(cls)
+        except OpenEnvShapeError as error:
+            raise EnvironmentLoadError(f"environment {spec!r} (OpenEnv): {error}") from None
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
     if not isinstance(cls, type) or missing:
         lacks = f"lacks {', '.join(missing)}" if isinstance(cls, type) else f"is a {type(cls).__name__}"

@@ -45,6 +45,24 @@ AGENTS = """
             messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                          {"role": "user", "content": " more"}]
 
+    async def streams(client, prompt, answer):
+        '''The same two turns as `retry`, streamed as many agent harnesses always do.'''
+        async def ask(messages):
+            stream = await client.chat.completions.create(model="policy", messages=messages, stream=True,
+                                                          stream_options={"include_usage": True})
+            text, finish, usage = "", None, None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    text += choice.delta.content or ""
+                    finish = choice.finish_reason or finish
+            assert finish in ("stop", "length") and usage.completion_tokens >= 1
+            return text
+        messages = [{"role": "user", "content": prompt}]
+        first = await ask(messages)
+        messages += [{"role": "assistant", "content": first}, {"role": "user", "content": f" try {prompt}"}]
+        return 1.0 if (await ask(messages)).strip() == answer else 0.25
+
     def rewrites(client, prompt, answer):
         '''Changes what the model said before asking again: not one conversation.'''
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt}])
@@ -99,6 +117,17 @@ def test_an_openai_client_harness_makes_samples_of_exactly_the_generated_tokens(
         recomputed = response_logprobs(model, batch)
     on_model = p.trained_tokens(batch).bool()
     assert torch.allclose(recomputed[on_model], batch[p.FIELD_BEHAVIOUR_LOGPROBS][on_model], atol=1e-4)
+
+
+def test_a_streaming_harness_makes_the_same_samples(model, tmp_path):
+    """`stream: true` answers with OpenAI's chunks, whose text joins into the
+    message the plain request gets: the same episodes, token for token."""
+    prompt = p.Prompt(0, "12+19=", "31")
+    plain, _ = _episodes(model, tmp_path, "retry", prompt, 3)
+    streamed, failures = _episodes(model, tmp_path, "streams", prompt, 3)
+    assert not failures and streamed[p.FIELD_TURNS].tolist() == [2, 2, 2]
+    for field in (p.FIELD_RESPONSE_IDS, p.FIELD_LOSS_MASK, p.FIELD_BEHAVIOUR_LOGPROBS):
+        assert torch.equal(streamed[field], plain[field]), field
 
 
 def test_a_harness_that_rewrites_the_conversation_ends_its_episode(model, tmp_path):
@@ -159,3 +188,20 @@ def test_a_pipeline_trains_on_its_harness_episodes(tmp_path):
     assert summary["ledger"]["trained"] == 2 * 4 * 8 and not summary["ledger"]["dropped"]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["episode_stats"]["turns"] for s in steps if "episode_stats" in s] == [2.0, 2.0]
+
+
+def test_streamed_chunks_are_openais_chunk_objects_with_the_tool_calls_indexed():
+    from openai.types.chat import ChatCompletionChunk
+
+    from rldsl.runtime.environments.endpoint import stream_chunks
+
+    call = {"id": "call_0", "type": "function", "function": {"name": "calculate", "arguments": '{"expression": "1+1"}'}}
+    answer = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "policy",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [call, call]},
+                           "finish_reason": "tool_calls", "logprobs": None}],
+              "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}}
+    chunks = [ChatCompletionChunk.model_validate(c) for c in stream_chunks(answer, include_usage=True)]
+    calls = chunks[0].choices[0].delta.tool_calls
+    assert [c.index for c in calls] == [0, 1] and calls[1].function.arguments == call["function"]["arguments"]
+    assert chunks[1].choices[0].finish_reason == "tool_calls" and chunks[2].usage.total_tokens == 14
+    assert len(stream_chunks(answer, include_usage=False)) == 2

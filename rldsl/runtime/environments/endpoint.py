@@ -5,7 +5,8 @@ with a bearer token the run makes up: ``POST /v1/chat/completions`` (and
 ``GET /v1/models``). Each request names its episode in the
 ``X-Rldsl-Episode`` header (the harness's client sends it); ``complete``
 (the harness runner's) answers it with the replica's generator and records
-the exact tokens. The server runs aiohttp (Ray's own HTTP server, so no new
+the exact tokens; ``stream: true`` gets the answer as server-sent chunks.
+The server runs aiohttp (Ray's own HTTP server, so no new
 dependency) on a thread of its own; a completion waits for the generator in
 a thread pool sized for every episode in flight.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import socket
 import threading
 from collections.abc import Callable
@@ -76,11 +78,27 @@ class ChatEndpoint:
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise EndpointError("the request needs `messages`, a list")
             answer = await self._loop.run_in_executor(self._pool, self._complete, episode, body)
+            if body.get("stream"):
+                return await self._stream(request, answer, bool((body.get("stream_options") or {})
+                                                                .get("include_usage")))
             return self._web.json_response(answer)
         except EndpointError as error:
             return self._error(str(error), error.status, error.kind)
         except Exception as error:  # noqa: BLE001 - the generator failed: the harness hears it as OpenAI says so
             return self._error(f"the generator failed: {type(error).__name__}: {error}", 500, "server_error")
+
+    async def _stream(self, request, answer: dict, include_usage: bool):
+        """``stream: true``: the answer as OpenAI's server-sent chunks (many agent
+        harnesses always stream). The completion is whole before the first
+        chunk: the tokens are sampled as a batch, so streaming saves nothing."""
+        response = self._web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                     "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for chunk in stream_chunks(answer, include_usage):
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     async def _models(self, request):
         try:
@@ -108,3 +126,20 @@ class ChatEndpoint:
         self._thread.join(timeout=10)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+
+def stream_chunks(answer: dict, include_usage: bool) -> list[dict]:
+    """A ``chat.completion`` as the ``chat.completion.chunk`` objects OpenAI
+    streams: the message as one delta (tool calls indexed), then the finish
+    reason, then the usage if asked for."""
+    choice = answer["choices"][0]
+    message = choice["message"]
+    delta = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": index, **call} for index, call in enumerate(message["tool_calls"])]
+    head = {key: answer[key] for key in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    chunks = [head | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]},
+              head | {"choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                   "finish_reason": choice["finish_reason"]}]}]
+    if include_usage:
+        chunks.append(head | {"choices": [], "usage": answer["usage"]})
+    return chunks

@@ -138,9 +138,17 @@ def test_shape_from_hf_config_reads_qwen2_biases_and_new_rope_format():
     with pytest.raises(NotImplementedError, match="original_max_position_embeddings"):  # megatron fixes it at 8192
         hmw.LlamaShape.from_hf_config({**config, "rope_scaling": {**LLAMA31_ROPE,
                                                                   "original_max_position_embeddings": 4096}})
-    with pytest.raises(NotImplementedError, match="mixture of 128 experts"):  # never read as its dense width
-        hmw.LlamaShape.from_hf_config({**config, "model_type": "qwen3_moe", "num_experts": 128,
-                                       "moe_intermediate_size": 768, "num_experts_per_tok": 8})
+    qwen3_moe = {**config, "model_type": "qwen3_moe", "num_experts": 128, "moe_intermediate_size": 768,
+                 "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001}
+    moe = hmw.LlamaShape.from_hf_config(qwen3_moe)
+    assert (moe.num_experts, moe.expert_ffn_hidden_size, moe.router_topk, moe.qk_norm) == (128, 768, 8, True)
+    assert moe.norm_topk_prob and moe.router_aux_loss == 0.0  # Hugging Face adds it only with the router's logits
+    assert hmw.LlamaShape.from_hf_config({**qwen3_moe, "output_router_logits": True}).router_aux_loss == 0.001
+    mixtral = {**config, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}
+    with pytest.raises(NotImplementedError, match="mixture of 8 experts of model type 'mixtral'"):
+        hmw.LlamaShape.from_hf_config(mixtral)  # never read as its dense width
+    with pytest.raises(NotImplementedError, match="dense layers between"):
+        hmw.LlamaShape.from_hf_config({**qwen3_moe, "mlp_only_layers": [0]})
 
 
 # -- megatron-core on CPU -------------------------------------------------------------
@@ -448,6 +456,46 @@ def test_converted_model_gives_the_hf_logits(megatron, hf_checkpoint):
         actual = megatron.forward_logits(model.eval(), packed)
     assert actual.shape == expected.shape
     assert float((actual - expected).abs().max()) < 1e-5
+
+
+QWEN3 = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,
+             tie_word_embeddings=False)
+QWEN3_MOE = dict(QWEN3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_moe_unnormalised"])
+def test_qwen3_and_its_mixture_of_experts_convert_both_ways(megatron, kind, tmp_path):
+    """Qwen3's per-head query and key norms, and Qwen3-MoE's router and
+    experts (renormalised top-k or not): the Hugging Face logits after load,
+    the Hugging Face tensors exactly after export."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    if kind == "qwen3":
+        hf_model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3))
+    else:
+        config = transformers.Qwen3MoeConfig(**QWEN3_MOE, norm_topk_prob=kind == "qwen3_moe")
+        torch.manual_seed(0)
+        hf_model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # norms away from 1, so that a dropped one shows
+        for name, parameter in hf_model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.uniform_(0.5, 2.0)
+    hf_model.eval().save_pretrained(tmp_path)
+    shape = hmw.LlamaShape.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert shape.qk_norm and shape.num_experts == (0 if kind == "qwen3" else 4)
+    model = megatron.build_gpt_model(shape, megatron.transformer_config(shape, "fp32"))
+    saved = megatron.read_hf_weights(tmp_path)
+    megatron.load_hf_weights(model, saved, shape)
+    tokens = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(1))
+    packed = megatron.PackedRows(tokens, torch.arange(12).expand(3, 12), None, None, {})
+    with torch.no_grad():
+        expected = hf_model(input_ids=tokens).logits
+        actual = megatron.forward_logits(model.eval(), packed)
+    assert float((actual - expected).abs().max()) < 1e-5
+    exported = dict(megatron.export_hf_weights(model, shape))
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[name], saved[name]) for name in saved)
 
 
 @pytest.mark.megatron

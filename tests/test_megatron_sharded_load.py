@@ -183,10 +183,10 @@ def _load_both_ways(path: str, tp: int, pp: int) -> dict:
     with torch.no_grad():
         for parameter in old.parameters():
             parameter.fill_(float("nan"))
-    mm.load_megatron_weights(old, hmw.hf_to_megatron(mm.read_hf_weights(path), shape), tp, tp_rank)
+    mm.load_megatron_weights(old, hmw.hf_to_megatron(mm.read_hf_weights(path), shape), tp, tp_rank, shape)
     with counting_reads() as reads:
         engine = MegatronLogprob.from_pretrained(path, tp=tp, pp=pp, dtype="fp32")
-    return {"old": mm.local_weights(old), "new": mm.local_weights(engine.model), "reads": reads}
+    return {"old": mm.local_weights(old, shape), "new": mm.local_weights(engine.model, shape), "reads": reads}
 
 
 def _worker(rank: int, port: int, checkpoints: dict, results: dict):

@@ -77,6 +77,15 @@ def hf_shape(model: Decl, base_dir: Path) -> mm.ModelShape | None:
         return None
 
 
+def hf_config(model: Decl, base_dir: Path) -> dict | None:
+    """An `hf:` model's config.json (a multimodal one's text model); None where it cannot be read."""
+    try:
+        config = _hf_config(model, base_dir)
+    except _CONFIG_ERRORS:
+        return None
+    return config.get("text_config", config) if isinstance(config, dict) else None
+
+
 def _hf_config(model: Decl, base_dir: Path) -> dict:
     source: str = model["source"]
     if not source.startswith("hf:"):

@@ -532,10 +532,12 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "as before. So etp x ep x pp must divide the stage's GPUs, and where the model's config.json is readable "
        "it must have experts and E must divide their number. The memory estimate (RLP506) counts the "
        "sharding (the experts' weights and gradients / (etp x ep x pp), their optimizer state also over the ranks "
-       "holding the same experts). The megatron engine converts dense Llama-family models only, so a mixture "
-       "of experts on it (a config with experts, or `ep` on a model whose config is not readable) is refused "
-       "too: `rldsl run` would stop when megatron loads it. The fsdp engine trains such a model as "
-       "transformers builds it.",
+       "holding the same experts). Of the mixtures, the megatron engine converts Qwen3-MoE (router and "
+       "experts, under expert parallelism each rank loading only its own experts and an export gathering "
+       "them); another mixture (or `ep` on a model whose config is not readable) is refused, as are the "
+       "layouts it does not run yet: `etp` other than `tp`, training experts with tp > 1 (megatron needs "
+       "sequence parallelism for it) and `ep` with pp > 1. `rldsl run` would stop when megatron loads them. "
+       "The fsdp engine trains any mixture as transformers builds it.",
        "stage train actor { model = policy  engine = megatron(tp = 2, ep = 4)  gpus = 6 ... }",
        "the `engine` of each megatron train or logprob stage, its GPU count and its model's config.json."),
     _r("RLP520", WARNING, "logprob forwards cut to fit the GPU (old meaning kept)",

@@ -1,7 +1,10 @@
 """Mixtures of experts on megatron (RLP515): expert parallelism whose
-groups do not tile the stage's ranks, or that the model cannot take; and a
-mixture of experts, which megatron here cannot convert yet: the memory
-estimate counts `ep` and `etp`, `rldsl run` would refuse the stage."""
+groups do not tile the stage's ranks, or that the model cannot take; a
+mixture megatron here cannot convert (Qwen3-MoE it can), and the layouts it
+does not run yet (an expert tensor parallelism other than `tp`; training
+experts under `tp > 1`, which needs sequence parallelism; `ep` with
+pipeline parallelism): the memory estimate counts `ep` and `etp`, `rldsl
+run` would refuse the stage."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from pathlib import Path
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, Diagnostic
-from rldsl.compiler.memory import hf_shape
+from rldsl.compiler.memory import hf_config, hf_shape
 from rldsl.compiler.types import arg_span
 
 
@@ -47,7 +50,7 @@ def _ranks_finding(ctx: Context, stage: Decl) -> Diagnostic | None:
 
 
 def _model_finding(ctx: Context, stage: Decl) -> Diagnostic | None:
-    """The model's experts: `ep` needs some and must divide them; megatron cannot convert them yet."""
+    """The model's experts: `ep` needs some and must divide them; megatron converts and runs only some."""
     model = ctx.pipe.model_of(stage)
     shape = hf_shape(model, Path(ctx.program.filename).parent) if model is not None and model.valid("source") \
         else None
@@ -68,13 +71,27 @@ def _model_finding(ctx: Context, stage: Decl) -> Diagnostic | None:
         return Diagnostic("RLP515", ERROR, f"{ctx.label(stage.name)}: {shape.experts} experts do not split over "
                           f"`ep = {ep}` groups", arg_span(engine, "ep"),
                           help=f"ep values that divide them: {', '.join(map(str, fits))}")
-    return _not_yet(ctx, stage, f"model `{model.name}` is a mixture of {shape.experts} experts")
+    kind = (hf_config(model, Path(ctx.program.filename).parent) or {}).get("model_type")
+    if kind not in CONVERTED_MIXTURES:
+        return _not_yet(ctx, stage, f"model `{model.name}` is a mixture of {shape.experts} experts of type "
+                                    f"{kind!r} (megatron converts {', '.join(CONVERTED_MIXTURES)})")
+    etp, tp, pp = engine.args.get("etp"), engine.args.get("tp", 1), engine.args.get("pp", 1)
+    if etp is not None and etp != tp:
+        return _not_yet(ctx, stage, f"`etp = {etp}` splits the experts over other ranks than `tp = {tp}`")
+    if tp > 1 and stage.stage_kind == "train":
+        return _not_yet(ctx, stage, f"training experts with `tp = {tp}` needs sequence parallelism")
+    if ep > 1 and pp > 1:
+        return _not_yet(ctx, stage, f"`ep = {ep}` with `pp = {pp}` runs pipelined forwards")
+    return None
+
+
+CONVERTED_MIXTURES = ("qwen3_moe",)  # rldsl/runtime/engines/megatron/hf_weights.py
 
 
 def _not_yet(ctx: Context, stage: Decl, why: str) -> Diagnostic:
     engine = stage["engine"]
-    return Diagnostic("RLP515", ERROR, f"{ctx.label(stage.name)}: {why}, which the megatron engine cannot convert "
-                      "yet", engine.name_span or stage.span_of("engine"),
+    return Diagnostic("RLP515", ERROR, f"{ctx.label(stage.name)}: {why}, which the megatron engine does not "
+                      "support yet", engine.name_span or stage.span_of("engine"),
                       notes=("the memory estimate (RLP506) counts `ep` and `etp`; `rldsl run` would refuse the "
                              "stage when megatron loads the model",),
                       help="use `engine = fsdp`, which trains the model as transformers builds it (its experts "

@@ -348,10 +348,11 @@ def _sglang_options(stage: StagePlan):
 
 def _megatron_parallelism(stage: StagePlan) -> dict:
     args = stage.engine.args
-    if args.get("ep", 1) > 1:  # a plan `check` would refuse (RLP515), run as it was saved
-        raise EngineUnavailable(f"stage `{stage.name}`: megatron(ep = {args['ep']}) shards a mixture of experts, "
-                                "which is not converted to megatron here (RLP515); train it with the fsdp engine")
-    return {"tp": args["tp"], "pp": args["pp"], "dtype": args["dtype"]}
+    etp = args.get("etp")
+    if etp is not None and etp != args["tp"]:  # a plan `check` would refuse (RLP515), run as it was saved
+        raise EngineUnavailable(f"stage `{stage.name}`: megatron(etp = {etp}) splits the experts over other ranks "
+                                f"than tp = {args['tp']}, which the megatron engine does not convert (RLP515)")
+    return {"tp": args["tp"], "pp": args["pp"], "ep": args.get("ep", 1), "dtype": args["dtype"]}
 
 
 def _unavailable(stage: StagePlan) -> EngineUnavailable:

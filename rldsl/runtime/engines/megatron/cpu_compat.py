@@ -41,9 +41,16 @@ Each patch, and why:
    (CPU states, patch 3) are saved and restored as on a GPU, and there is no
    CUDA generator to save.
 
+6. ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` are stand-ins that
+   do nothing: the MoE ``alltoall`` token dispatcher makes a side stream for
+   its device-to-host copies of the split sizes and synchronises on it.
+7. The dispatcher's ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` returns
+   a CPU tensor's numpy array too: it converts only CUDA tensors, and
+   ``all_to_all_single`` takes split sizes as a list, not a tensor.
+
 Not covered (they fail on a CPU even with these patches): bf16/fp16 mixed
-precision optimizers, the distributed optimizer, MoE layers and Transformer
-Engine layers.
+precision optimizers, the distributed optimizer and Transformer Engine
+layers.
 """
 
 from __future__ import annotations
@@ -112,6 +119,34 @@ def _no_cuda_rng_state(*args, **kwargs):
     return None
 
 
+class _Stream:
+    """What the MoE dispatcher asks of a CUDA stream, doing nothing (CPU work is synchronous)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+_STREAM = _Stream()
+
+
+def _split_sizes_on_cpu(original):
+    def to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return to_cpu
+
+
 def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
     attribute = "decoupled_grad" if use_decoupled_grad else "grad"
     grads = [getattr(p, attribute) for p in parameters if getattr(p, attribute, None) is not None]
@@ -140,6 +175,7 @@ def megatron_on_cpu() -> Iterator[None]:
     """Apply the patches above; restore every original on exit."""
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.tensor_parallel import random
+    from megatron.core.transformer.moe import token_dispatcher
 
     patches = _Patches()
     try:
@@ -156,6 +192,11 @@ def megatron_on_cpu() -> Iterator[None]:
         patches.set(random, "_set_cuda_rng_state", _no_cuda_rng_state)
         for module in (clip_grads, optimizer):  # optimizer.py imported the function by name
             patches.set(module, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm)
+        patches.set(torch.cuda, "Stream", _Stream)
+        patches.set(torch.cuda, "current_stream", lambda *args, **kwargs: _STREAM)
+        patches.set(torch.cuda, "stream", lambda *args, **kwargs: contextlib.nullcontext())
+        patches.set(token_dispatcher, "maybe_move_tensor_to_cpu",
+                    _split_sizes_on_cpu(token_dispatcher.maybe_move_tensor_to_cpu))
         yield
     finally:
         patches.undo()

@@ -2,9 +2,15 @@
 
 Pure torch (no megatron, no transformers), so it is tested anywhere.
 
-Llama, Mistral, Qwen2/2.5 and Qwen3-dense share one layout: RMSNorm,
-rotary positions, grouped-query attention and a gated SiLU MLP. Megatron
-stores two of their weights fused:
+Llama, Mistral, Qwen2/2.5 and Qwen3 share one layout: RMSNorm, rotary
+positions, grouped-query attention and a gated SiLU MLP; Qwen3 adds an
+RMSNorm over each query and key head (``q_norm`` / ``k_norm``, Megatron's
+``q_layernorm`` / ``k_layernorm``), and Qwen3-MoE replaces the MLP with a
+router (``mlp.gate``, Megatron's ``mlp.router``) and experts, each a gated
+SiLU MLP (``mlp.experts.E.*``, Megatron's ``mlp.experts.local_experts.E.*``
+under global expert ids here; a rank of expert parallelism holds a
+contiguous range of them, ``with_expert_offset``). Megatron stores two of
+their weights fused:
 
 - ``linear_qkv`` holds q, k and v interleaved per query group: for each of
   the ``kv_heads`` groups, that group's ``heads / kv_heads`` query heads,
@@ -56,6 +62,12 @@ class LlamaShape:
     rope_theta: float = 10000.0
     max_positions: int = 4096
     rope_scaling_factor: float | None = None  # Llama 3.1+'s "llama3" rope scaling (megatron's `rope_scaling`)
+    qk_norm: bool = False  # Qwen3's per-head RMSNorm of queries and keys
+    num_experts: int = 0  # a mixture of experts in every layer (Qwen3-MoE); 0: a dense MLP
+    expert_ffn_hidden_size: int = 0
+    router_topk: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
+    router_aux_loss: float = 0.0  # the load-balancing loss's weight
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -75,10 +87,6 @@ class LlamaShape:
         rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # older / newer transformers
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise NotImplementedError("output-projection and MLP biases are not converted")
-        experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
-        if experts:  # else its dense `intermediate_size` would build the wrong model
-            raise NotImplementedError(f"a mixture of {experts} experts is not converted to megatron here (RLP515); "
-                                      "train it with the fsdp engine")
         return cls(
             hidden_size=config["hidden_size"],
             ffn_hidden_size=config["intermediate_size"],
@@ -93,7 +101,32 @@ class LlamaShape:
             rope_theta=config.get("rope_theta") or rope.get("rope_theta", 10000.0),
             max_positions=config.get("max_position_embeddings", 4096),
             rope_scaling_factor=llama3_rope_factor(rope),
+            qk_norm=config.get("model_type") in QK_NORM_MODELS,
+            **_experts(config),
         )
+
+
+QK_NORM_MODELS = ("qwen3", "qwen3_moe")
+
+
+def _experts(config: Mapping) -> dict:
+    """A Qwen3-MoE config's experts; other mixtures refused (their dense
+    ``intermediate_size`` would otherwise build the wrong model)."""
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    if not experts:
+        return {}
+    kind = config.get("model_type")
+    if kind != "qwen3_moe":
+        raise NotImplementedError(f"a mixture of {experts} experts of model type {kind!r} is not converted to "
+                                  f"megatron here (only qwen3_moe is; RLP515): train it with the fsdp engine")
+    if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+        raise NotImplementedError("a Qwen3-MoE with dense layers between its expert layers (`decoder_sparse_step` "
+                                  "> 1 or `mlp_only_layers`) is not converted to megatron here")
+    return dict(num_experts=experts, expert_ffn_hidden_size=config["moe_intermediate_size"],
+                router_topk=config["num_experts_per_tok"], norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+                # Hugging Face adds the loss only when the config asks for the router's logits
+                router_aux_loss=float(config.get("router_aux_loss_coef", 0.0))
+                if config.get("output_router_logits") else 0.0)
 
 
 # megatron-core's llama3 rope scaling takes the factor; the rest is fixed at Llama 3.1's values
@@ -136,15 +169,27 @@ def _layer_rules(layer: int, shape: LlamaShape, fused_norms: bool) -> list[Rule]
     mc, hf = f"decoder.layers.{layer}.", f"model.layers.{layer}."
     attention, mlp = hf + "self_attn.", hf + "mlp."
     input_norm = "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
-    mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"
+    # an MoE layer's norm is a module of its own in either spec (no linear_fc1 to fuse it into)
+    mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms and not shape.num_experts else \
+        "pre_mlp_layernorm.weight"
     rules = [
         Rule(mc + input_norm, (hf + "input_layernorm.weight",)),
         Rule(mc + "self_attention.linear_qkv.weight", tuple(f"{attention}{p}_proj.weight" for p in "qkv"), QKV),
         Rule(mc + "self_attention.linear_proj.weight", (attention + "o_proj.weight",)),
         Rule(mc + mlp_norm, (hf + "post_attention_layernorm.weight",)),
-        Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), GATED),
-        Rule(mc + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",)),
     ]
+    if shape.num_experts:
+        rules.append(Rule(mc + "mlp.router.weight", (mlp + "gate.weight",)))
+        for expert in range(shape.num_experts):
+            mce, hfe = f"{mc}mlp.experts.local_experts.{expert}.", f"{mlp}experts.{expert}."
+            rules += [Rule(mce + "linear_fc1.weight", (hfe + "gate_proj.weight", hfe + "up_proj.weight"), GATED),
+                      Rule(mce + "linear_fc2.weight", (hfe + "down_proj.weight",))]
+    else:
+        rules += [Rule(mc + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), GATED),
+                  Rule(mc + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",))]
+    if shape.qk_norm:
+        rules += [Rule(mc + "self_attention.q_layernorm.weight", (attention + "q_norm.weight",)),
+                  Rule(mc + "self_attention.k_layernorm.weight", (attention + "k_norm.weight",))]
     if shape.qkv_bias:
         biases = tuple(f"{attention}{p}_proj.bias" for p in "qkv")
         rules.append(Rule(mc + "self_attention.linear_qkv.bias", biases, QKV))
@@ -356,6 +401,22 @@ def _rank_slice(hf: HFTensors, name: str, dim: int | None, tp: int, tp_rank: int
 
 
 # -- pipeline parallelism ---------------------------------------------------------
+
+
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def with_expert_offset(name: str, offset: int) -> str:
+    """An expert-parallel rank's local expert name -> the global one (its
+    experts are ``offset``, ``offset + 1``, ...); a negative offset goes back."""
+    match = _EXPERT.search(name)
+    if match is None or offset == 0:
+        return name
+    return f"{name[:match.start(1)]}{int(match.group(1)) + offset}{name[match.end(1):]}"
+
+
+def is_expert_weight(name: str) -> bool:
+    return _EXPERT.search(name) is not None
 
 
 def with_layer_offset(name: str, offset: int) -> str:

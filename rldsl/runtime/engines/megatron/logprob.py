@@ -17,6 +17,7 @@ from typing import Mapping
 import torch
 
 from rldsl.runtime.engines.megatron import model as mm
+from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows
 from rldsl.runtime.engines.megatron.hf_weights import HFToMegatronAssembler, LlamaShape
 from rldsl.runtime.engines.torch.offload import on_device_for_call
 from rldsl.runtime.engines.torch.packing import forward_rows, scatter_rows, take_rows, trim_padding
@@ -35,22 +36,26 @@ class MegatronLogprob:
     """
 
     def __init__(self, shape: LlamaShape, hf_weights: Mapping[str, torch.Tensor] | None = None, *, tp: int = 1,
-                 pp: int = 1, dtype: str = "bf16", rows_per_forward: int | None = None, tokens_per_forward: int = 0,
-                 seed: int = 0, offload: bool = False, temperature: float = 1.0):
-        mm.ensure_model_parallel(tp, pp, seed)
+                 pp: int = 1, ep: int = 1, dtype: str = "bf16", rows_per_forward: int | None = None,
+                 tokens_per_forward: int = 0, seed: int = 0, offload: bool = False, temperature: float = 1.0):
+        mm.ensure_model_parallel(tp, pp, seed, ep)
         self.temperature = temperature  # the generators' sampling temperature: logprobs are taken at it
         self.pipeline_parallel = pp
         self.shape = shape
         self.rows_per_forward = rows_per_forward
         self.tokens_per_forward = tokens_per_forward
         self.device = mm.compute_device()
-        self.model = mm.build_gpt_model(shape, mm.transformer_config(shape, dtype, tp, pp))
+        self.model = mm.build_gpt_model(shape, mm.transformer_config(shape, dtype, tp, pp, ep=ep))
         if hf_weights is not None:
             mm.load_hf_weights(self.model, hf_weights, shape)
         self.model.eval().requires_grad_(False)
         self.version = 0
         self._pending_version: int | None = None
         self._assembler = HFToMegatronAssembler(shape, fused_norms=mm.uses_fused_norms())
+        self.lockstep = ExpertLockstep(ep)
+        if self.lockstep.needed and pp > 1:
+            raise NotImplementedError("a megatron logprob stage with ep > 1 and pp > 1 is not built: its pipelined "
+                                      "forwards are not run in lockstep over expert parallelism")
         self.offload = offload  # weights in host memory between calls (torch/offload.py)
         if offload:
             self.sleep()
@@ -75,6 +80,10 @@ class MegatronLogprob:
         chunks = [trim(take_rows(batch, rows)) for rows in groups]
         if self.pipeline_parallel == 1:
             results = zip(groups, map(self._chunk_logprobs, chunks))
+            if self.lockstep.needed:  # every chunk's forward a round of its own, then the others' rounds joined
+                results = list(results)
+                empty = mm.PackedRows(*empty_rows(self.device), None, None, {})
+                self.lockstep.join_rounds(lambda: mm.forward_logits(self.model, empty))
         else:
             results = self._pipelined_logprobs(groups, chunks)
             if results is None:
@@ -82,6 +91,8 @@ class MegatronLogprob:
         return scatter_rows(results, *batch[FIELD_RESPONSE_IDS].shape)
 
     def _chunk_logprobs(self, chunk: Batch) -> torch.Tensor:
+        if self.lockstep.needed:
+            self.lockstep.round(has_rows=True)
         packed = mm.pack_rows(chunk, self.device, temperature=self.temperature)
         return mm.response_logprobs_from_logits(mm.forward_logits(self.model, packed), packed).cpu()
 
@@ -111,7 +122,7 @@ class MegatronLogprob:
             raise RuntimeError(f"bucket for version {version} arrived during the sync to {self._pending_version}")
         complete = dict(self._assembler.add(bucket.items()))
         mm.load_megatron_weights(self.model, complete, parallel_state.get_tensor_model_parallel_world_size(),
-                                 parallel_state.get_tensor_model_parallel_rank())
+                                 parallel_state.get_tensor_model_parallel_rank(), self.shape)
         if last and self._assembler.pending():
             raise RuntimeError(f"the last bucket left fused weights incomplete: {self._assembler.pending()[:3]}")
         self._pending_version = None if last else version

@@ -30,7 +30,14 @@ from rldsl.runtime.engines.megatron.hf_weights import (
     split_for_tensor_parallel,
     tensor_parallel_kind,
     tensor_parallel_shards,
+    with_expert_offset,
     with_layer_offset,
+)
+from rldsl.runtime.engines.megatron.experts import (
+    allow_router_without_transformer_engine,
+    expert_offset,
+    gather_experts,
+    moe_config_fields,
 )
 from rldsl.runtime.engines.torch.common import logit_divisor
 from rldsl.runtime.protocols import FIELD_PROMPT_IDS, FIELD_PROMPT_MASK, FIELD_RESPONSE_IDS, FIELD_RESPONSE_MASK
@@ -44,9 +51,9 @@ FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform"
 # -- process groups ---------------------------------------------------------------
 
 
-def ensure_model_parallel(tp: int, pp: int, seed: int) -> None:
+def ensure_model_parallel(tp: int, pp: int, seed: int, ep: int = 1) -> None:
     """Initialise torch.distributed (a one-process group if nobody did) and
-    Megatron's tensor/pipeline/data-parallel groups, once per process."""
+    Megatron's tensor/pipeline/expert/data-parallel groups, once per process."""
     from megatron.core import parallel_state, tensor_parallel
 
     if torch.cuda.is_available():
@@ -56,13 +63,16 @@ def ensure_model_parallel(tp: int, pp: int, seed: int) -> None:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
-                   parallel_state.get_pipeline_model_parallel_world_size())
-        if current != (tp, pp):
-            raise RuntimeError(f"Megatron groups already initialised with (tp, pp) = {current}, not {(tp, pp)}")
+                   parallel_state.get_pipeline_model_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_world_size())
+        if current != (tp, pp, ep):
+            raise RuntimeError(f"Megatron groups already initialised with (tp, pp, ep) = {current}, not "
+                               f"{(tp, pp, ep)}")
         return
-    if dist.get_world_size() % (tp * pp):
-        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp x pp = {tp * pp}")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if dist.get_world_size() % (tp * pp) or dist.get_world_size() % (tp * pp * ep):
+        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp x pp x ep = {tp * pp * ep}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     _form_export_groups()
 
@@ -82,7 +92,8 @@ def _form_export_groups() -> None:
     if dist.get_world_size() == 1:
         return
     own = [tuple(dist.get_process_group_ranks(group)) for group in
-           (parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group())]
+           (parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group(),
+            parallel_state.get_expert_model_parallel_group())]
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, own)
     for ranks in sorted({ranks for groups in everyone for ranks in groups if len(ranks) > 1} - set(_EXPORT_GROUPS)):
@@ -119,7 +130,7 @@ def transformer_engine_available() -> bool:
 
 
 def transformer_config(shape: LlamaShape, dtype: str = "bf16", tp: int = 1, pp: int = 1,
-                       recompute_layers: bool = False):
+                       recompute_layers: bool = False, ep: int = 1):
     """A Llama-style ``TransformerConfig``. ``calculate_per_token_loss`` makes
     DDP reduce gradients with a plain sum (no 1/dp factor): the split step
     divides by the global token or sequence count itself. ``recompute_layers``
@@ -146,6 +157,7 @@ def transformer_config(shape: LlamaShape, dtype: str = "bf16", tp: int = 1, pp: 
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -157,6 +169,7 @@ def transformer_config(shape: LlamaShape, dtype: str = "bf16", tp: int = 1, pp: 
         use_cpu_initialization=not torch.cuda.is_available(),
         calculate_per_token_loss=True,
         **(FULL_RECOMPUTE if recompute_layers else {}),
+        **moe_config_fields(shape, ep),
     )
 
 
@@ -165,10 +178,13 @@ def build_gpt_model(shape: LlamaShape, config):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 
+    layers = dict(num_experts=shape.num_experts or None, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm)
     if transformer_engine_available():
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**layers)
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **layers)
+    if shape.num_experts:
+        allow_router_without_transformer_engine()
     model = GPTModel(
         config,
         spec,
@@ -197,11 +213,9 @@ def layer_offset(model) -> int:
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
-def local_weights(model) -> dict[str, torch.Tensor]:
-    """This rank's weights under global (pipeline-independent) Megatron names."""
-    offset = layer_offset(model)
-    return {with_layer_offset(name, offset): tensor for name, tensor in model.state_dict().items()
-            if not name.endswith("_extra_state") and tensor is not None}
+def local_weights(model, shape: LlamaShape) -> dict[str, torch.Tensor]:
+    """This rank's weights under global (pipeline- and expert-parallel-independent) Megatron names."""
+    return {name: tensor for name, tensor in _load_targets(model, shape).items() if tensor is not None}
 
 
 # -- Hugging Face weights in ----------------------------------------------------------
@@ -216,15 +230,16 @@ def load_hf_weights(model, hf: Mapping[str, torch.Tensor], shape: LlamaShape) ->
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    source, targets = as_hf_tensors(hf), _load_targets(model)
+    source, targets = as_hf_tensors(hf), _load_targets(model, shape)
     _copy_shards(targets, tensor_parallel_shards(source, shape, tp, tp_rank, targets, uses_fused_norms()))
     log.info("tensor-parallel rank %d of pipeline stage %d read %.1f MB of Hugging Face weights", tp_rank,
              parallel_state.get_pipeline_model_parallel_rank(), source.bytes_read / 1e6)
 
 
-def load_megatron_weights(model, full: Mapping[str, torch.Tensor], tp: int, tp_rank: int) -> None:
+def load_megatron_weights(model, full: Mapping[str, torch.Tensor], tp: int, tp_rank: int,
+                          shape: LlamaShape) -> None:
     """Copy full (unsharded, globally named) Megatron tensors into this rank's shard."""
-    targets = _load_targets(model)
+    targets = _load_targets(model, shape)
     if "output_layer.weight" in targets and "output_layer.weight" not in full:
         # Tied embeddings on a last pipeline stage: its output layer is a copy of the embedding.
         full = {**full, "output_layer.weight": full["embedding.word_embeddings.weight"]}
@@ -232,11 +247,11 @@ def load_megatron_weights(model, full: Mapping[str, torch.Tensor], tp: int, tp_r
                            for name, tensor in full.items() if name in targets))  # others: another stage's
 
 
-def _load_targets(model) -> dict[str, torch.Tensor]:
+def _load_targets(model, shape: LlamaShape) -> dict[str, torch.Tensor]:
     """This rank's weights under global names, to be written in place."""
-    offset = layer_offset(model)
-    return {with_layer_offset(name, offset): tensor for name, tensor in model.state_dict().items()
-            if not name.endswith("_extra_state")}
+    layers, experts = layer_offset(model), expert_offset(shape)
+    return {with_expert_offset(with_layer_offset(name, layers), experts): tensor
+            for name, tensor in model.state_dict().items() if not name.endswith("_extra_state")}
 
 
 def _copy_shards(targets: Mapping[str, torch.Tensor], shards: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -265,22 +280,27 @@ def export_hf_weights(model, shape: LlamaShape) -> Iterator[tuple[str, torch.Ten
     pp_group = export_group(parallel_state.get_pipeline_model_parallel_group())
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     exporting = tp_rank == 0 and parallel_state.get_pipeline_model_parallel_rank() == 0
+    ep_group = export_group(parallel_state.get_expert_model_parallel_group())
     fused = uses_fused_norms()
     for stage in range(pp_size):
-        for name, tensor in _stage_weights(model, stage, tp_group, pp_group, pp_size, tp_rank == 0):
+        for name, tensor in _stage_weights(model, shape, stage, (tp_group, ep_group, pp_group), pp_size,
+                                           tp_rank == 0):
             if exporting and not (shape.tied_embeddings and name == "output_layer.weight"):
                 yield from megatron_tensor_to_hf(name, tensor.cpu(), shape, fused).items()
 
 
-def _stage_weights(model, stage, tp_group, pp_group, pp_size, relay) -> Iterator[tuple[str, torch.Tensor]]:
+def _stage_weights(model, shape, stage, groups, pp_size, relay) -> Iterator[tuple[str, torch.Tensor]]:
     """Pipeline stage ``stage``'s full tensors one at a time: each gathered
-    over tensor parallelism and (on the first tensor-parallel rank)
+    over tensor parallelism (an expert's, then over expert parallelism: the
+    same expert of every rank) and (on the first tensor-parallel rank)
     broadcast to every stage, then yielded before the next is gathered, so a
-    rank holds one full tensor beyond its shards (not the stage's)."""
+    rank holds one full tensor (ep of them for an expert) beyond its shards."""
     from megatron.core import parallel_state
 
+    tp_group, ep_group, pp_group = groups
     here = parallel_state.get_pipeline_model_parallel_rank() == stage
-    gathered = _gather_tensor_parallel(local_weights(model), tp_group) if here else iter(())
+    gathered = (pair for name, whole in _gather_tensor_parallel(local_weights(model, shape), tp_group)
+                for pair in gather_experts(name, whole, shape, ep_group)) if here else iter(())
     if pp_size == 1:
         yield from gathered
         return

@@ -61,6 +61,7 @@ import torch
 from rldsl.runtime.engines.megatron import components as mc
 from rldsl.runtime.engines.megatron import model as mm
 from rldsl.runtime.engines.megatron import state as ms
+from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows, refuse_untrained_expert_layouts
 from rldsl.runtime.engines.megatron.hf_weights import LlamaShape
 from rldsl.runtime.engines.megatron.open_step import LOSS_STATS, OpenStep, counted, global_sums, no_sums
 from rldsl.runtime.engines.megatron.proximal import PROXIMAL, ProximalPass
@@ -103,6 +104,7 @@ class MegatronTrainer(ProximalPass):
         *,
         tp: int = 1,
         pp: int = 1,
+        ep: int = 1,
         dtype: str = "bf16",
         distributed_optimizer: bool = True,
         overlap_grad_reduce: bool = True,
@@ -119,7 +121,7 @@ class MegatronTrainer(ProximalPass):
         seed: int = 0,
         temperature: float = 1.0,
     ):
-        mm.ensure_model_parallel(tp, pp, seed)
+        mm.ensure_model_parallel(tp, pp, seed, ep)
         self.temperature = temperature  # the generators' sampling temperature: logprobs are taken at it
         self.shape = shape
         self.loss = loss if isinstance(loss, PolicyLossConfig) else PolicyLossConfig(**(loss or {}))
@@ -131,7 +133,7 @@ class MegatronTrainer(ProximalPass):
         self.offload = offload  # sleep/wake move the weights and optimizer state to host memory
         self._offload = ms.DeviceOffload()
         self.device = mm.compute_device()
-        self.config = mm.transformer_config(shape, dtype, tp, pp, recompute_layers=True)
+        self.config = mm.transformer_config(shape, dtype, tp, pp, recompute_layers=True, ep=ep)
         module = mm.build_gpt_model(shape, self.config)
         if hf_weights is not None:
             mm.load_hf_weights(module, hf_weights, shape)
@@ -142,6 +144,8 @@ class MegatronTrainer(ProximalPass):
                                                max_grad_norm, eps)
         self.scheduler = mc.build_scheduler(self.optimizer, lr, weight_decay, schedule)
         self.hooks = mc.SyncHooks(self.config, self.model, self.ddp_config)
+        self.lockstep = ExpertLockstep(ep)
+        refuse_untrained_expert_layouts(shape, tp, pp, ep, self.loss.needs_proximal)
         self.version = 0
         self._open: OpenStep | None = None
 
@@ -293,18 +297,24 @@ class MegatronTrainer(ProximalPass):
             return no_sums()  # no rows: nothing to add
         packed, length, rows = self._pack(chunks)
         sums = counted(chunks)
-        with self.model.no_sync():
-            self._forward_backward()(
-                forward_step_func=partial(self._forward_step, sums=sums),
-                data_iterator=iter(packed),
-                model=[self.model],
-                num_microbatches=len(packed),
-                seq_length=length,
-                micro_batch_size=rows,
-                forward_only=False,
-            )
+        # under expert parallelism one forward a round (ExpertLockstep), else the call's forwards in one schedule
+        for some in ([[chunk] for chunk in packed] if self.lockstep.needed else [packed]):
+            if self.lockstep.needed:
+                self.lockstep.round(has_rows=True)
+            self._run_schedule(some, length, rows, partial(self._forward_step, sums=sums))
         self._open.add(sums, len(packed))
         return sums
+
+    def _run_schedule(self, packed: list, length: int, rows: int, forward_step) -> None:
+        with self.model.no_sync():
+            self._forward_backward()(forward_step_func=forward_step, data_iterator=iter(packed), model=[self.model],
+                                     num_microbatches=len(packed), seq_length=length, micro_batch_size=rows,
+                                     forward_only=False)
+
+    def _join_expert_rounds(self) -> None:
+        """Empty forwards and backwards until no rank of the expert-parallel group has rows (ExpertLockstep)."""
+        empty = [mm.PackedRows(*empty_rows(self.device), None, None, {})]
+        self.lockstep.join_rounds(lambda: self._run_schedule(empty, 1, 1, _empty_forward_step))
 
     def _forward_step(self, data_iterator, model, sums: dict[str, float]):
         packed = next(data_iterator)
@@ -340,6 +350,7 @@ class MegatronTrainer(ProximalPass):
     def _take_optimizer_step(self) -> dict[str, float] | None:
         """Scale, reduce and step on the sums since the last optimizer step:
         its metrics (``skipped`` on an fp16 overflow), None without tokens."""
+        self._join_expert_rounds()
         sums, microbatches = self._open.restart_sums()
         totals = global_sums(sums, self.device)
         count = totals[self.loss.count_name]
@@ -398,3 +409,10 @@ class MegatronTrainer(ProximalPass):
         metrics = step_metrics(totals, count, grad_norm, self.optimizer.param_groups[0]["lr"])
         metrics.update(mc.moe_aux_loss_metrics(self.config, microbatches))
         return metrics
+
+
+def _empty_forward_step(data_iterator, model):
+    """The schedule's forward step of an empty expert round: a zero loss over no tokens."""
+    logits = mm.forward_logits(model, next(data_iterator))
+    nothing = torch.zeros((), dtype=torch.int, device=logits.device)
+    return logits, lambda out: (out.sum() * 0.0, nothing, {})

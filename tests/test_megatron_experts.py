@@ -1,0 +1,112 @@
+"""A Qwen3-MoE on the megatron trainer, over gloo in two processes: expert
+parallelism (each rank holds half of each layer's experts, tokens travel to
+them and back) and tensor parallelism give the one-process gradients, and
+the export gathers every expert back into the Hugging Face tensors."""
+
+import json
+import socket
+
+import pytest
+import torch
+
+from rldsl.runtime.engines.megatron import hf_weights as hmw
+from rldsl.runtime.engines.policy_loss import PolicyLossConfig
+from tests.test_megatron_engine import QWEN3_MOE, make_batch, reference_gradients, reference_logprobs
+
+pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+LAYOUTS = [(1, 2)]  # (tp, ep)
+LOSS = PolicyLossConfig(kl=0.05)
+DP2_ROWS = {0: [(0, 3), (3, 7)], 1: [(7, 10)]}  # uneven: rank 1 holds fewer rows
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE)).save_pretrained(path)
+    return path
+
+
+def _worker(rank: int, port: int, path: str, results: dict):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from megatron.core import parallel_state
+
+    from rldsl.runtime.engines.megatron import model as mm
+    from rldsl.runtime.engines.megatron.cpu_compat import megatron_on_cpu
+    from rldsl.runtime.engines.megatron.logprob import MegatronLogprob
+    from rldsl.runtime.engines.megatron.trainer import MegatronTrainer
+
+    batch = make_batch(hmw.LlamaShape.from_hf_config(mm.read_hf_config(path)))
+    try:
+        with megatron_on_cpu():
+            for tp, ep in LAYOUTS:
+                trainer = MegatronTrainer.from_pretrained(path, tp=tp, ep=ep, dtype="fp32", distributed_optimizer=False,
+                                                          lr=0.0, max_grad_norm=None, loss=LOSS, rows_per_forward=2)
+                dp = parallel_state.get_data_parallel_world_size()
+                rows = DP2_ROWS[parallel_state.get_data_parallel_rank()] if dp == 2 else [(0, 4), (4, 10)]
+                trainer.begin_train_step(0)
+                for start, stop in rows:
+                    trainer.train_microbatch(0, {k: v[start:stop] for k, v in batch.items()})
+                trainer.finish_train_step(0)
+                module = trainer.model.module
+                names = dict(zip((n for n, _ in module.named_parameters()), mm.local_weights(module, trainer.shape)))
+                grads = {names[n]: p.main_grad.clone() for n, p in module.named_parameters()}
+                exported = {n: t for bucket in trainer.weight_buckets(4096) for n, t in bucket.items()}
+                results[(tp, ep, rank)] = (parallel_state.get_tensor_model_parallel_rank(), grads, exported)
+                logprob = MegatronLogprob.from_pretrained(path, tp=tp, ep=ep, dtype="fp32", rows_per_forward=2)
+                first, last = rows[0][0], rows[-1][1]  # this rank's rows: 4 forwards on rank 0, 2 on rank 1
+                results[("logprobs", tp, ep, rank)] = (first, logprob.logprobs({k: v[first:last]
+                                                                                 for k, v in batch.items()}))
+                parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_and_tensor_parallel_gradients_and_export_on_two_ranks(qwen3_moe):
+    import torch.multiprocessing as mp
+
+    from rldsl.runtime.engines.megatron import model as mm
+    from rldsl.runtime.engines.megatron.cpu_compat import megatron_on_cpu
+
+    shape = hmw.LlamaShape.from_hf_config(json.loads((qwen3_moe / "config.json").read_text()))
+    weights, batch = mm.read_hf_weights(qwen3_moe), make_batch(shape)
+    with megatron_on_cpu():
+        mm.ensure_model_parallel(1, 1, seed=0)
+        expected = reference_gradients(mm, shape, weights, batch, LOSS)
+        logprobs = reference_logprobs(mm, shape, weights, batch)
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with mp.Manager() as manager:
+        shared = manager.dict()
+        mp.spawn(_worker, args=(port, str(qwen3_moe), shared), nprocs=2, join=True)
+        results = dict(shared)
+    scale = max(float(g.abs().max()) for g in expected.values())
+    for tp, ep in LAYOUTS:
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        for rank in range(2):
+            tp_rank, grads, exported = results[(tp, ep, rank)]
+            for name, grad in grads.items():
+                shards.setdefault(name, {})[tp_rank] = grad
+            # every rank exports the whole model: its experts and the other rank's, gathered
+            assert exported.keys() == weights.keys() and all(torch.equal(exported[n], weights[n]) for n in weights)
+        merged = {n: hmw.merge_tensor_parallel(n, [s[r] for r in sorted(s)]) for n, s in shards.items()}
+        assert merged.keys() == expected.keys(), (tp, ep)
+        worst = max(float((merged[n] - expected[n]).abs().max()) for n in expected) / scale
+        assert worst < 1e-5, (tp, ep, worst)
+        for rank in range(2):  # a logprob stage's forwards in lockstep too, rows uneven over the ranks
+            first, values = results[("logprobs", tp, ep, rank)]
+            assert torch.allclose(values, logprobs[first:first + len(values)], atol=1e-5)
+        if ep == 2:  # each rank trained only its own half of the experts
+            local = {n for n in results[(tp, ep, 0)][1] if hmw.is_expert_weight(n)}
+            assert local and all(".local_experts.0." in n or ".local_experts.1." in n for n in local)

@@ -174,9 +174,12 @@ def _groups(stage) -> list[str]:
         shape = f"tp {stage.tp}" + (f" x pp {stage.pp}" if stage.pp > 1 else "")
         return [f"replicas ({shape} each): " + " ".join(f"[{where(r)}]" for r in gpu_ranks)]
     lines = []
+    ep = stage.engine.args.get("ep", 1) if stage.engine else 1  # megatron: ep groups of consecutive dp ranks
     for name, size, key in (("tp", stage.tp, lambda r: (r.dp_rank, r.pp_rank)),
                             ("dp", stage.dp, lambda r: (r.tp_rank, r.pp_rank)),
-                            ("pp", stage.pp, lambda r: (r.tp_rank, r.dp_rank))):
+                            ("pp", stage.pp, lambda r: (r.tp_rank, r.dp_rank)),
+                            (f"ep (each 1/{ep} of the experts)", ep,
+                             lambda r: (r.tp_rank, r.pp_rank, r.dp_rank // ep))):
         if size > 1:
             groups: dict = {}
             for r in gpu_ranks:

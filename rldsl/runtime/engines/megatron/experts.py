@@ -12,6 +12,7 @@ dense ones.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -124,10 +125,47 @@ def refuse_untrained_expert_layouts(shape: LlamaShape, tp: int, pp: int, ep: int
     """What training a mixture of experts here does not cover yet, refused before it hangs or errs."""
     if not shape.num_experts:
         return
-    if tp > 1:  # megatron-core trains MoE layers under tp only with sequence parallelism
-        raise NotImplementedError("training a mixture of experts on megatron with tp > 1 is not built (megatron "
-                                  "needs sequence parallelism for it); use tp = 1 with ep")
+    if tp > 1 and pp > 1:  # tp > 1 trains under sequence parallelism, whose stage-to-stage shapes are not built
+        raise NotImplementedError("training a mixture of experts on megatron with tp > 1 and pp > 1 is not built "
+                                  "(sequence parallelism across pipeline stages)")
     if ep > 1 and (pp > 1 or proximal):
         raise NotImplementedError(f"training with ep > 1 and {'pp > 1' if pp > 1 else 'a proximal policy'} is not "
                                   "built: those forwards are not run in lockstep over expert parallelism")
 
+
+
+class SequenceParallelNorm:
+    """megatron-core's local-spec norm (``WrappedTorchNorm``: torch's
+    RMSNorm) for sequence parallelism, which that wrapper refuses: the same
+    norm, its weight marked ``sequence_parallel`` so that ``finalize_model_grads``
+    sums its gradient over the tensor-parallel ranks (each saw 1/tp of the
+    positions), as Transformer Engine's norms are marked."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        for parameter in norm.parameters():
+            parameter.sequence_parallel = True
+        return norm
+
+
+def with_sequence_parallel_norms(layer_spec, config):
+    """The local spec's block with ``SequenceParallelNorm`` for every norm (the final one included)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    def swap(spec):
+        if spec is WrappedTorchNorm:
+            return SequenceParallelNorm
+        if isinstance(spec, ModuleSpec) and dataclasses.is_dataclass(spec.submodules):
+            fields = {f.name: swap(getattr(spec.submodules, f.name)) for f in dataclasses.fields(spec.submodules)}
+            return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **fields))
+        return spec
+
+    layers = [swap(layer_spec)] * get_num_layers_to_build(config)
+    return ModuleSpec(TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=layers,
+                                                                             layer_norm=SequenceParallelNorm))

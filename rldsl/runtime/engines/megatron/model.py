@@ -38,6 +38,7 @@ from rldsl.runtime.engines.megatron.experts import (
     expert_offset,
     gather_experts,
     moe_config_fields,
+    with_sequence_parallel_norms,
 )
 from rldsl.runtime.engines.torch.common import logit_divisor
 from rldsl.runtime.protocols import FIELD_PROMPT_IDS, FIELD_PROMPT_MASK, FIELD_RESPONSE_IDS, FIELD_RESPONSE_MASK
@@ -158,6 +159,8 @@ def transformer_config(shape: LlamaShape, dtype: str = "bf16", tp: int = 1, pp: 
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm,
+        # megatron-core trains MoE layers under tensor parallelism only with the sequence split over tp too
+        sequence_parallel=bool(shape.num_experts) and tp > 1,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -183,6 +186,8 @@ def build_gpt_model(shape: LlamaShape, config):
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**layers)
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **layers)
+        if config.sequence_parallel:
+            spec = with_sequence_parallel_norms(spec, config)
     if shape.num_experts:
         allow_router_without_transformer_engine()
     model = GPTModel(
@@ -390,8 +395,18 @@ def causal_mask(length: int, device) -> torch.Tensor | None:
 
 
 def forward_logits(model, packed: PackedRows) -> torch.Tensor:
-    """[n, L, vocab / tp] logits on the last pipeline stage (hidden states elsewhere)."""
-    return model(packed.tokens, packed.positions, attention_mask=causal_mask(packed.length, packed.tokens.device))
+    """[n, L, vocab / tp] logits on the last pipeline stage (hidden states elsewhere).
+    Under sequence parallelism the rows are right-padded to a multiple of tp
+    (each rank holds 1/tp of the positions), which causal attention keeps
+    from the real tokens; the padding's logits are cut off."""
+    tokens, length = packed.tokens, packed.length
+    pad = -length % model.config.tensor_model_parallel_size if model.config.sequence_parallel else 0
+    if pad:
+        tokens = torch.nn.functional.pad(tokens, (0, pad))
+    positions = torch.arange(length + pad, device=tokens.device).expand(len(tokens), length + pad) if pad \
+        else packed.positions
+    logits = model(tokens, positions, attention_mask=causal_mask(length + pad, tokens.device))
+    return logits[:, :length] if pad else logits
 
 
 def response_logprobs_from_logits(logits: torch.Tensor, packed: PackedRows) -> torch.Tensor:

@@ -221,3 +221,36 @@ def test_fsdp_shards_the_trainer_state_over_its_shard_group():
     assert unsharded == pytest.approx(115.9, abs=0.1) and "needs about 115.9GiB" in error.message
     assert unsharded - sharded == pytest.approx(16 * 7e9 * (1 - 1 / 8) / GIB, rel=1e-6)  # only the state differs
     assert seven_b_trainer("fsdp(dtype = bf16)")[1] == []
+
+
+def test_a_qwen3_moe_on_megatron_with_expert_parallelism_checks_and_plans_its_ep_groups(tmp_path):
+    """Qwen3-MoE converts on megatron (RLP515 passes it), and `plan` shows
+    which ranks share each half of the experts: consecutive data-parallel
+    ranks. Another mixture (Mixtral's config) is refused."""
+    import json
+
+    from rldsl.compiler.plan_view import render_plan
+
+    text = """
+pipeline moe
+cluster { nodes = 1  gpus_per_node = 8  gpu_memory = 256GiB }
+model policy { source = "hf:MODEL" }
+dataset prompts { source = "builtin:arith" }
+stage generate rollout { model = policy  engine = vllm  gpus = 4  samples_per_prompt = 8  max_new_tokens = 8 }
+stage reward score { fn = "rldsl.rewards:exact_match" }
+stage train actor { model = policy  engine = megatron(tp = 1, ep = 2)  gpus = 4  prompts_per_step = 8 }
+stage sync weights { from = actor  to = rollout }
+flow prompts -> rollout -> score -> actor
+staleness { max_lag = 1 }
+"""
+    qwen = compile_source(text.replace("MODEL", "qwen3-30b-a3b"), str(RECIPES / "moe.rlp"), base_dir=RECIPES)
+    assert not [d for d in qwen.diagnostics if d.is_error], qwen.diagnostics
+    assert "ep (each 1/2 of the experts) groups: [0:4 0:5] [0:6 0:7]" in render_plan(qwen)
+    config = json.loads((RECIPES / "qwen3-30b-a3b" / "config.json").read_text())
+    config.update(model_type="mixtral", num_local_experts=config.pop("num_experts"))
+    (tmp_path / "mixtral").mkdir()
+    (tmp_path / "mixtral" / "config.json").write_text(json.dumps(config))
+    mixtral = compile_source(text.replace("MODEL", "mixtral"), str(tmp_path / "moe.rlp"), base_dir=tmp_path)
+    assert [d.message for d in mixtral.diagnostics if d.code == "RLP515"] == [
+        "`actor`: model `policy` is a mixture of 128 experts of type 'mixtral' (megatron converts qwen3_moe), which "
+        "the megatron engine does not support yet"]

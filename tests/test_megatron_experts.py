@@ -4,13 +4,13 @@ them and back) and tensor parallelism give the one-process gradients, and
 the export gathers every expert back into the Hugging Face tensors."""
 
 import json
-import socket
 
 import pytest
 import torch
 
 from rldsl.runtime.engines.megatron import hf_weights as hmw
 from rldsl.runtime.engines.policy_loss import PolicyLossConfig
+from tests.ports import spawn_ranks
 from tests.test_megatron_engine import QWEN3_MOE, make_batch, reference_gradients, reference_logprobs
 
 pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -70,8 +70,6 @@ def _worker(rank: int, port: int, path: str, results: dict):
 
 
 def test_expert_and_tensor_parallel_gradients_and_export_on_two_ranks(qwen3_moe):
-    import torch.multiprocessing as mp
-
     from rldsl.runtime.engines.megatron import model as mm
     from rldsl.runtime.engines.megatron.cpu_compat import megatron_on_cpu
 
@@ -84,13 +82,7 @@ def test_expert_and_tensor_parallel_gradients_and_export_on_two_ranks(qwen3_moe)
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(_worker, args=(port, str(qwen3_moe), shared), nprocs=2, join=True)
-        results = dict(shared)
+    results = spawn_ranks(_worker, str(qwen3_moe))
     scale = max(float(g.abs().max()) for g in expected.values())
     for tp, ep in LAYOUTS:
         shards: dict[str, dict[int, torch.Tensor]] = {}

@@ -17,13 +17,13 @@ construction, which ``cuda_typed_tensors`` satisfies. NCCL needs a GPU.
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 
 from rldsl.runtime.engines.schedule import LRSchedule
 from tests import test_megatron_engine as engine_tests
+from tests.ports import spawn_ranks
 from tests.test_megatron_engine import SHAPES, make_batch, make_trainer, random_hf_weights, run_clean_step
 
 megatron = engine_tests.megatron  # the fixture: megatron-core under the CPU shim, one-process groups
@@ -269,15 +269,7 @@ def _dp2_worker(rank: int, port: int, directory: str, results: dict):
 
 @pytest.mark.megatron
 def test_resume_from_a_checkpoint_on_two_data_parallel_ranks(megatron, tmp_path):
-    import torch.multiprocessing as mp
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(_dp2_worker, args=(port, str(tmp_path), shared), nprocs=2, join=True)
-        results = dict(shared)
+    results = spawn_ranks(_dp2_worker, str(tmp_path))
     for rank in range(2):
         both_written, version, versions_match, metrics_match, resumed, first = results[rank]
         assert both_written and version == 2 and versions_match and metrics_match, rank

@@ -226,7 +226,7 @@ def test_fsdp_shards_the_trainer_state_over_its_shard_group():
 def test_a_qwen3_moe_on_megatron_with_expert_parallelism_checks_and_plans_its_ep_groups(tmp_path):
     """Qwen3-MoE converts on megatron (RLP515 passes it), and `plan` shows
     which ranks share each half of the experts: consecutive data-parallel
-    ranks. Another mixture (Mixtral's config) is refused."""
+    ranks. Another mixture (Mixtral's config) and another model type (Gemma 2's) are refused."""
     import json
 
     from rldsl.compiler.plan_view import render_plan
@@ -252,5 +252,21 @@ staleness { max_lag = 1 }
     (tmp_path / "mixtral" / "config.json").write_text(json.dumps(config))
     mixtral = compile_source(text.replace("MODEL", "mixtral"), str(tmp_path / "moe.rlp"), base_dir=tmp_path)
     assert [d.message for d in mixtral.diagnostics if d.code == "RLP515"] == [
-        "`actor`: model `policy` is a mixture of 128 experts of type 'mixtral' (megatron converts qwen3_moe), which "
-        "the megatron engine does not support yet"]
+        "`actor`: model `policy` is of type 'mixtral' (megatron converts llama, mistral, qwen2, qwen3, qwen3_moe), "
+        "which the megatron engine does not support yet"]
+    gemma = {k: v for k, v in config.items() if k not in ("num_local_experts", "moe_intermediate_size")}
+    (tmp_path / "gemma").mkdir()
+    (tmp_path / "gemma" / "config.json").write_text(json.dumps({**gemma, "model_type": "gemma2"}))
+    dense = compile_source(text.replace("MODEL", "gemma").replace("ep = 2", "ep = 1"), str(tmp_path / "moe.rlp"),
+                           base_dir=tmp_path)
+    assert [d.message for d in dense.diagnostics if d.code == "RLP515"] == [
+        "`actor`: model `policy` is of type 'gemma2' (megatron converts llama, mistral, qwen2, qwen3, qwen3_moe), "
+        "which the megatron engine does not support yet"]
+
+
+def test_the_checks_model_types_are_the_ones_megatron_converts():
+    pytest.importorskip("torch")
+    from rldsl.compiler.rules.experts import CONVERTED_MIXTURES, MEGATRON_MODEL_TYPES
+    from rldsl.runtime.engines.megatron.hf_weights import CONVERTED_MODEL_TYPES
+
+    assert MEGATRON_MODEL_TYPES == CONVERTED_MODEL_TYPES and set(CONVERTED_MIXTURES) <= set(CONVERTED_MODEL_TYPES)

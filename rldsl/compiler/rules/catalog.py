@@ -526,13 +526,14 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "  stage generate rollout { model = policy  served_by = a  samples_per_prompt = 8 } ... }",
        "each generate stage's `served_by` and written keys; the two pipelines' models, builtin datasets and "
        "`seed`; the serving generator's engine, environment and placement."),
-    _r("RLP515", ERROR, "a mixture of experts megatron cannot train here",
+    _r("RLP515", ERROR, "a model or mixture of experts megatron cannot train here",
        "`megatron(ep = E, etp = T)` shards a mixture of experts' experts: each expert over T ranks (default `tp`), "
        "the experts over E groups of those, in every pipeline stage; the rest of the model is split by tp and pp "
        "as before. So etp x ep x pp must divide the stage's GPUs, and where the model's config.json is readable "
        "it must have experts and E must divide their number. The memory estimate (RLP506) counts the "
        "sharding (the experts' weights and gradients / (etp x ep x pp), their optimizer state also over the ranks "
-       "holding the same experts). Of the mixtures, the megatron engine converts Qwen3-MoE (router and "
+       "holding the same experts). The megatron engine converts the model types llama, mistral, qwen2, qwen3 and "
+       "qwen3_moe (another type's weights would not fit its layout). Of the mixtures, it converts Qwen3-MoE (router and "
        "experts, under expert parallelism each rank loading only its own experts and an export gathering "
        "them); another mixture (or `ep` on a model whose config is not readable) is refused, as are the "
        "layouts it does not run yet: `etp` other than `tp`, training experts with tp > 1 and pp > 1 "

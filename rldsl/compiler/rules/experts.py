@@ -50,10 +50,14 @@ def _ranks_finding(ctx: Context, stage: Decl) -> Diagnostic | None:
 
 
 def _model_finding(ctx: Context, stage: Decl) -> Diagnostic | None:
-    """The model's experts: `ep` needs some and must divide them; megatron converts and runs only some."""
+    """The model's type and experts: megatron converts only some; `ep` needs experts and must divide them."""
     model = ctx.pipe.model_of(stage)
-    shape = hf_shape(model, Path(ctx.program.filename).parent) if model is not None and model.valid("source") \
-        else None
+    readable = model is not None and model.valid("source")
+    shape = hf_shape(model, Path(ctx.program.filename).parent) if readable else None
+    kind = (hf_config(model, Path(ctx.program.filename).parent) or {}).get("model_type") if readable else None
+    if kind is not None and kind not in MEGATRON_MODEL_TYPES:
+        return _not_yet(ctx, stage, f"model `{model.name}` is of type {kind!r} (megatron converts "
+                                    f"{', '.join(MEGATRON_MODEL_TYPES)})")
     engine = stage["engine"]
     ep = engine.args.get("ep", 1)
     if shape is None:
@@ -71,7 +75,6 @@ def _model_finding(ctx: Context, stage: Decl) -> Diagnostic | None:
         return Diagnostic("RLP515", ERROR, f"{ctx.label(stage.name)}: {shape.experts} experts do not split over "
                           f"`ep = {ep}` groups", arg_span(engine, "ep"),
                           help=f"ep values that divide them: {', '.join(map(str, fits))}")
-    kind = (hf_config(model, Path(ctx.program.filename).parent) or {}).get("model_type")
     if kind not in CONVERTED_MIXTURES:
         return _not_yet(ctx, stage, f"model `{model.name}` is a mixture of {shape.experts} experts of type "
                                     f"{kind!r} (megatron converts {', '.join(CONVERTED_MIXTURES)})")
@@ -86,7 +89,9 @@ def _model_finding(ctx: Context, stage: Decl) -> Diagnostic | None:
     return None
 
 
-CONVERTED_MIXTURES = ("qwen3_moe",)  # rldsl/runtime/engines/megatron/hf_weights.py
+# rldsl/runtime/engines/megatron/hf_weights.py's CONVERTED_MODEL_TYPES and its mixtures (a test keeps them equal)
+MEGATRON_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+CONVERTED_MIXTURES = ("qwen3_moe",)
 
 
 def _not_yet(ctx: Context, stage: Decl, why: str) -> Diagnostic:

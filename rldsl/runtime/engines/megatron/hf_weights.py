@@ -83,7 +83,13 @@ class LlamaShape:
 
     @classmethod
     def from_hf_config(cls, config: Mapping) -> "LlamaShape":
-        """From ``config.json`` of a Llama / Mistral / Qwen2 / Qwen3 model."""
+        """From ``config.json`` of a Llama / Mistral / Qwen2 / Qwen3 (-MoE) model;
+        another model type is refused (its weights would load into this
+        layout silently wrong, as Gemma's extra norms would be dropped)."""
+        kind = config.get("model_type")
+        if kind is not None and kind not in CONVERTED_MODEL_TYPES:
+            raise NotImplementedError(f"model type {kind!r} is not converted to megatron here (it converts "
+                                      f"{', '.join(CONVERTED_MODEL_TYPES)}): train it with the fsdp engine")
         rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # older / newer transformers
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise NotImplementedError("output-projection and MLP biases are not converted")
@@ -107,6 +113,9 @@ class LlamaShape:
 
 
 QK_NORM_MODELS = ("qwen3", "qwen3_moe")
+CONVERTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+# Hugging Face tensors no Megatron weight holds, by design: rotary frequencies some checkpoints save
+_DERIVED = re.compile(r"\.rotary_emb\.inv_freq$")
 
 
 def _experts(config: Mapping) -> dict:
@@ -346,6 +355,13 @@ def _even_chunks(tensor: torch.Tensor, parts: int, dim: int, name: str) -> list[
 
 
 # -- one rank's shards, read slice by slice ------------------------------------------
+
+
+def unconverted(hf_names: Iterable[str], shape: LlamaShape) -> list[str]:
+    """Hugging Face tensors that no Megatron weight is made of: a layout this
+    conversion does not know (a load would silently drop them)."""
+    known = {name for rule in shard_rules(shape) for name in rule.hf} | {"lm_head.weight"}
+    return sorted(name for name in hf_names if name not in known and not _DERIVED.search(name))
 
 
 def as_hf_tensors(hf: Mapping[str, torch.Tensor]) -> HFTensors:

@@ -30,6 +30,7 @@ from rldsl.runtime.engines.megatron.hf_weights import (
     split_for_tensor_parallel,
     tensor_parallel_kind,
     tensor_parallel_shards,
+    unconverted,
     with_expert_offset,
     with_layer_offset,
 )
@@ -236,6 +237,9 @@ def load_hf_weights(model, hf: Mapping[str, torch.Tensor], shape: LlamaShape) ->
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     source, targets = as_hf_tensors(hf), _load_targets(model, shape)
+    if extra := unconverted(source, shape):
+        raise ValueError(f"{len(extra)} Hugging Face weights have no place in the megatron model, e.g. "
+                         f"{extra[:3]}: a layout this conversion does not know; train the model with the fsdp engine")
     _copy_shards(targets, tensor_parallel_shards(source, shape, tp, tp_rank, targets, uses_fused_norms()))
     log.info("tensor-parallel rank %d of pipeline stage %d read %.1f MB of Hugging Face weights", tp_rank,
              parallel_state.get_pipeline_model_parallel_rank(), source.bytes_read / 1e6)

@@ -7,11 +7,12 @@ from pathlib import Path
 
 
 def save_char_llama(path: Path, seed: int = 0, vocab_multiple: int = 1, extra_tokens: tuple[str, ...] = (),
-                    **config) -> Path:
+                    architecture: str = "Llama", **config) -> Path:
     """Tokenizer + random weights in ``path``; the vocabulary is padded with
     unused tokens to a multiple of ``vocab_multiple`` (tensor parallelism
     splits it evenly). ``extra_tokens``: more characters, or words read as
-    one token (such as ``<tool_call>``)."""
+    one token (such as ``<tool_call>``). ``architecture``: transformers'
+    ``{architecture}Config`` / ``{architecture}ForCausalLM`` (``Qwen3Moe``)."""
     import tokenizers
     import torch
     import transformers
@@ -32,8 +33,8 @@ def save_char_llama(path: Path, seed: int = 0, vocab_multiple: int = 1, extra_to
     fast.save_pretrained(path)
     shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=2, max_position_embeddings=64)
-    llama = transformers.LlamaConfig(vocab_size=len(vocab), bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                                     **{**shape, **config})
+    built = getattr(transformers, f"{architecture}Config")(vocab_size=len(vocab), bos_token_id=1, eos_token_id=2,
+                                                           pad_token_id=0, **{**shape, **config})
     torch.manual_seed(seed)
-    transformers.LlamaForCausalLM(llama).save_pretrained(path)
+    getattr(transformers, f"{architecture}ForCausalLM")(built).save_pretrained(path)
     return path

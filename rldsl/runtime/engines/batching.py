@@ -97,6 +97,9 @@ class ContinuousBatcher:
         pending = Pending(list(prompts), samples_per_prompt, seed)
         with self._lock:
             self._require_open()
+            if self._weight_error is not None:  # never sample on weights a push failed to replace
+                raise RuntimeError(f"this replica could not apply its last weight push, so it generates no more "
+                                   f"on the old weights: {self._weight_error}") from self._weight_error
             self._queue.append(pending)
             self._wake_decoder()
         return pending.wait()
@@ -378,7 +381,7 @@ class ContinuousBatcher:
             if interrupting:
                 with self._lock:
                     self._stats["interrupts"] += 1
-        except Exception as error:  # nobody waits for a staged push: the next push hears of it
+        except Exception as error:  # nobody waits for a staged push: the next push and every request hear of it
             with self._lock:
                 self._weight_error = error
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from rldsl.models.hf_layout import fused_state
+
 DEFAULT_SHARD_SIZE = "5GB"
 # What a tokenizer may consist of, whichever kind it is (fast, sentencepiece, BPE vocab + merges).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -40,6 +42,8 @@ def save_model(out: Path, config, state: dict[str, torch.Tensor], max_shard_size
     config.dtype = _dtype_of(state)  # config.json says what the files hold
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
+    # a mixture of experts exported under checkpoint names (megatron's): stacked as transformers fuses them
+    state = fused_state(state, model.state_dict())
     loaded = model.load_state_dict(state, strict=False, assign=True)
     if loaded.unexpected_keys:
         raise ValueError(f"{len(loaded.unexpected_keys)} checkpoint tensors have no place in "

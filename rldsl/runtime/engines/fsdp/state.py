@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from rldsl.models.hf_layout import checkpoint_tensors
+
 CHECKPOINT_DIR = "fsdp"  # the shards and their metadata
 COUNTERS_FILE = "fsdp.json"
 CHECKPOINT_FILE = "fsdp.pt"  # the gathered single file of earlier checkpoints
@@ -55,8 +57,9 @@ def full_state_buckets(module: torch.nn.Module, bucket_bytes: int, dtype: torch.
                 yield bucket
             bucket, used = {}, 0
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if keeps:
-            bucket[name] = full.detach().to("cpu", dtype=cast, copy=True)
+        if keeps:  # a mixture of experts' fused parameters as each expert's tensors, under checkpoint names
+            bucket.update((part, value.detach().to("cpu", dtype=cast, copy=True))
+                          for part, value in checkpoint_tensors(name, full))
         del full  # the gathered copy goes before the next gather
         used += size
     if keeps and bucket:

@@ -164,9 +164,11 @@ def state_buckets(module: torch.nn.Module, bucket_bytes: int,
     in buckets of at most ``bucket_bytes`` (a tensor larger than that travels alone): CPU
     copies, or with ``on_host`` false the module's own tensors where they are (a stream
     packs them into its payload on the group's device: no host round trip)."""
+    from rldsl.models.hf_layout import checkpoint_named
     from rldsl.models.lora import trained_state
 
-    return tensor_buckets(trained_state(module).items(), bucket_bytes, on_host)
+    # a mixture of experts' fused parameters travel as each expert's tensors, under checkpoint names
+    return tensor_buckets(checkpoint_named(trained_state(module).items()), bucket_bytes, on_host)
 
 
 def tensor_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
@@ -206,14 +208,19 @@ class WeightReceiver:
                 f"weight bucket for version {version} arrived while version {self._pending_version} "
                 "was half applied; a sync must finish (last=True) before the next begins"
             )
+        from rldsl.models.hf_layout import runtime_view
+
         targets = self.model.module.state_dict()
         with torch.no_grad():
             for name, tensor in bucket.items():
-                if name not in targets:
+                target = targets.get(name)
+                if target is None:
+                    target = runtime_view(name, targets)  # an expert's tensor: its slice of the fused parameter
+                if target is None:
                     raise KeyError(f"weight {name!r} is not in this engine's model")
-                if targets[name].shape != tensor.shape:
-                    raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != {tuple(targets[name].shape)}")
-                targets[name].copy_(tensor)
+                if target.shape != tensor.shape:
+                    raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+                target.copy_(tensor)
         self._pending_version = None if last else version
         if last:
             self.version = version

@@ -231,11 +231,16 @@ def test_only_the_newest_complete_version_is_applied():
     batcher.close()
 
 
-def test_a_staged_version_that_fails_to_apply_is_reported_to_the_next_push():
+def test_a_staged_version_that_fails_to_apply_is_reported_to_every_request_and_the_next_push():
+    """Never sampling on the weights a push failed to replace: an on-policy run would otherwise
+    drop every sample as too stale, waiting for a version that never comes."""
     generator = TorchGenerator(small_model(), max_new_tokens=2)
     batcher = ContinuousBatcher(generator)
     batcher.update_weights({"no.such.weight": torch.zeros(1)}, 1, last=True)
     wait_until(lambda: batcher._weight_error is not None, "the failed apply")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="could not apply its last weight push.*no.such.weight"):
+            batcher.submit(*REQUESTS[0])
     with pytest.raises(RuntimeError, match="not in this engine"):
         push(batcher, model_seed=1, version=2)
     push(batcher, model_seed=1, version=2)

@@ -17,7 +17,7 @@ from typing import Mapping
 import torch
 
 from rldsl.runtime.engines.megatron import model as mm
-from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows
+from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows, refuse_unbuilt_expert_layouts
 from rldsl.runtime.engines.megatron.hf_weights import HFToMegatronAssembler, LlamaShape
 from rldsl.runtime.engines.torch.offload import on_device_for_call
 from rldsl.runtime.engines.torch.packing import forward_rows, scatter_rows, take_rows, trim_padding
@@ -38,6 +38,7 @@ class MegatronLogprob:
     def __init__(self, shape: LlamaShape, hf_weights: Mapping[str, torch.Tensor] | None = None, *, tp: int = 1,
                  pp: int = 1, ep: int = 1, dtype: str = "bf16", rows_per_forward: int | None = None,
                  tokens_per_forward: int = 0, seed: int = 0, offload: bool = False, temperature: float = 1.0):
+        refuse_unbuilt_expert_layouts(shape, tp, pp, ep)
         mm.ensure_model_parallel(tp, pp, seed, ep)
         self.temperature = temperature  # the generators' sampling temperature: logprobs are taken at it
         self.pipeline_parallel = pp
@@ -53,9 +54,6 @@ class MegatronLogprob:
         self._pending_version: int | None = None
         self._assembler = HFToMegatronAssembler(shape, fused_norms=mm.uses_fused_norms())
         self.lockstep = ExpertLockstep(ep)
-        if self.lockstep.needed and pp > 1:
-            raise NotImplementedError("a megatron logprob stage with ep > 1 and pp > 1 is not built: its pipelined "
-                                      "forwards are not run in lockstep over expert parallelism")
         self.offload = offload  # weights in host memory between calls (torch/offload.py)
         if offload:
             self.sleep()

@@ -71,7 +71,7 @@ def ensure_model_parallel(tp: int, pp: int, seed: int, ep: int = 1) -> None:
             raise RuntimeError(f"Megatron groups already initialised with (tp, pp, ep) = {current}, not "
                                f"{(tp, pp, ep)}")
         return
-    if dist.get_world_size() % (tp * pp) or dist.get_world_size() % (tp * pp * ep):
+    if dist.get_world_size() % (tp * pp * ep):
         raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp x pp x ep = {tp * pp * ep}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              expert_model_parallel_size=ep)

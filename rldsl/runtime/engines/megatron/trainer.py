@@ -61,7 +61,7 @@ import torch
 from rldsl.runtime.engines.megatron import components as mc
 from rldsl.runtime.engines.megatron import model as mm
 from rldsl.runtime.engines.megatron import state as ms
-from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows, refuse_untrained_expert_layouts
+from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows, refuse_unbuilt_expert_layouts
 from rldsl.runtime.engines.megatron.hf_weights import LlamaShape
 from rldsl.runtime.engines.megatron.open_step import LOSS_STATS, OpenStep, counted, global_sums, no_sums
 from rldsl.runtime.engines.megatron.proximal import PROXIMAL, ProximalPass
@@ -121,10 +121,11 @@ class MegatronTrainer(ProximalPass):
         seed: int = 0,
         temperature: float = 1.0,
     ):
+        self.loss = loss if isinstance(loss, PolicyLossConfig) else PolicyLossConfig(**(loss or {}))
+        refuse_unbuilt_expert_layouts(shape, tp, pp, ep, self.loss.needs_proximal)
         mm.ensure_model_parallel(tp, pp, seed, ep)
         self.temperature = temperature  # the generators' sampling temperature: logprobs are taken at it
         self.shape = shape
-        self.loss = loss if isinstance(loss, PolicyLossConfig) else PolicyLossConfig(**(loss or {}))
         self.rows_per_forward = rows_per_forward
         self.tokens_per_forward = tokens_per_forward  # 0: off; else the token budget of a forward
         self.pipeline_parallel = pp
@@ -145,7 +146,6 @@ class MegatronTrainer(ProximalPass):
         self.scheduler = mc.build_scheduler(self.optimizer, lr, weight_decay, schedule)
         self.hooks = mc.SyncHooks(self.config, self.model, self.ddp_config)
         self.lockstep = ExpertLockstep(ep)
-        refuse_untrained_expert_layouts(shape, tp, pp, ep, self.loss.needs_proximal)
         self.version = 0
         self._open: OpenStep | None = None
 

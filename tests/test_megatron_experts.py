@@ -11,7 +11,7 @@ import torch
 from rldsl.runtime.engines.megatron import hf_weights as hmw
 from rldsl.runtime.engines.policy_loss import PolicyLossConfig
 from tests.ports import spawn_ranks
-from tests.test_megatron_engine import QWEN3_MOE, make_batch, reference_gradients, reference_logprobs
+from tests.test_megatron_engine import QWEN3, QWEN3_MOE, make_batch, reference_gradients, reference_logprobs
 
 pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -103,3 +103,17 @@ def test_expert_and_tensor_parallel_gradients_and_export_on_two_ranks(qwen3_moe)
         if ep == 2:  # each rank trained only its own half of the experts
             local = {n for n in results[(tp, ep, 0)][1] if hmw.is_expert_weight(n)}
             assert local and all(".local_experts.0." in n or ".local_experts.1." in n for n in local)
+
+
+def test_the_expert_layouts_not_built_are_refused_before_anything_is_built():
+    from rldsl.runtime.engines.megatron.experts import refuse_unbuilt_expert_layouts
+
+    moe = hmw.LlamaShape.from_hf_config({**QWEN3_MOE, "model_type": "qwen3_moe"})
+    with pytest.raises(NotImplementedError, match="tp > 1 and pp > 1"):
+        refuse_unbuilt_expert_layouts(moe, tp=2, pp=2, ep=1)
+    with pytest.raises(NotImplementedError, match="ep > 1 with pp > 1"):
+        refuse_unbuilt_expert_layouts(moe, tp=1, pp=2, ep=2)
+    with pytest.raises(NotImplementedError, match="ep > 1 with a proximal-policy loss"):
+        refuse_unbuilt_expert_layouts(moe, tp=1, pp=1, ep=2, proximal=True)
+    refuse_unbuilt_expert_layouts(moe, tp=2, pp=1, ep=2)
+    refuse_unbuilt_expert_layouts(hmw.LlamaShape.from_hf_config({**QWEN3, "model_type": "qwen3"}), tp=2, pp=2, ep=1)

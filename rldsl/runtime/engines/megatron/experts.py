@@ -1,5 +1,7 @@
 """A mixture of experts on megatron-core: the config, the expert-parallel
-names, and the export's gather of every rank's experts.
+names, the export's gather of every rank's experts, forwards in lockstep
+over expert parallelism (``ExpertLockstep``), the norms sequence
+parallelism needs without Transformer Engine, and the layouts not built.
 
 Expert parallelism (``ep``) gives each of its ranks a contiguous range of
 each layer's experts: rank r holds global experts ``r * n/ep ... (r+1) * n/ep

@@ -11,7 +11,14 @@ import torch
 from rldsl.runtime.engines.megatron import hf_weights as hmw
 from rldsl.runtime.engines.policy_loss import PolicyLossConfig
 from tests.ports import spawn_ranks
-from tests.test_megatron_engine import QWEN3, QWEN3_MOE, make_batch, reference_gradients, reference_logprobs
+from tests.test_megatron_engine import (  # noqa: F401 - megatron: the one-process fixture, torn down after
+    QWEN3,
+    QWEN3_MOE,
+    make_batch,
+    megatron,
+    reference_gradients,
+    reference_logprobs,
+)
 
 pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -69,19 +76,11 @@ def _worker(rank: int, port: int, path: str, results: dict):
         dist.destroy_process_group()
 
 
-def test_expert_and_tensor_parallel_gradients_and_export_on_two_ranks(qwen3_moe):
-    from rldsl.runtime.engines.megatron import model as mm
-    from rldsl.runtime.engines.megatron.cpu_compat import megatron_on_cpu
-
+def test_expert_and_tensor_parallel_gradients_and_export_on_two_ranks(megatron, qwen3_moe):
     shape = hmw.LlamaShape.from_hf_config(json.loads((qwen3_moe / "config.json").read_text()))
-    weights, batch = mm.read_hf_weights(qwen3_moe), make_batch(shape)
-    with megatron_on_cpu():
-        mm.ensure_model_parallel(1, 1, seed=0)
-        expected = reference_gradients(mm, shape, weights, batch, LOSS)
-        logprobs = reference_logprobs(mm, shape, weights, batch)
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
+    weights, batch = megatron.read_hf_weights(qwen3_moe), make_batch(shape)
+    expected = reference_gradients(megatron, shape, weights, batch, LOSS)
+    logprobs = reference_logprobs(megatron, shape, weights, batch)
     results = spawn_ranks(_worker, str(qwen3_moe))
     scale = max(float(g.abs().max()) for g in expected.values())
     for tp, ep in LAYOUTS:

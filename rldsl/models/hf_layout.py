@@ -25,6 +25,11 @@ _FUSED = re.compile(r"^(?P<experts>.*\.experts)\.(?P<part>gate_up_proj|down_proj
 _EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
+def _fused_name(expert: re.Match) -> str:
+    """The fused parameter an expert's checkpoint tensor (an ``_EXPERT`` match) belongs to."""
+    return f"{expert['experts']}.{'down_proj' if expert['proj'] == 'down_proj' else 'gate_up_proj'}"
+
+
 def checkpoint_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)``, or a fused experts parameter as each expert's tensors (views)."""
     match = _FUSED.match(name)
@@ -55,7 +60,7 @@ def runtime_view(name: str, params: Mapping[str, torch.Tensor]) -> torch.Tensor 
     if match is None:
         return None
     index, proj = int(match["index"]), match["proj"]
-    fused = params.get(f"{match['experts']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+    fused = params.get(_fused_name(match))
     if fused is None or index >= len(fused):
         return None
     if proj == "down_proj":
@@ -72,8 +77,7 @@ def fused_state(state: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict
     out = {}
     for name, tensor in state.items():
         match = _EXPERT.match(name)
-        fused = f"{match['experts']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}" \
-            if match else None
+        fused = _fused_name(match) if match else None
         if fused is None or fused not in wanted or name in wanted:
             out[name] = tensor
             continue

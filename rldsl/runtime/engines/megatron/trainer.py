@@ -313,6 +313,8 @@ class MegatronTrainer(ProximalPass):
 
     def _join_expert_rounds(self) -> None:
         """Empty forwards and backwards until no rank of the expert-parallel group has rows (ExpertLockstep)."""
+        if not self.lockstep.needed:
+            return  # every optimizer step comes here: nothing to build without expert parallelism
         empty = [mm.PackedRows(*empty_rows(self.device), None, None, {})]
         self.lockstep.join_rounds(lambda: self._run_schedule(empty, 1, 1, _empty_forward_step))
 

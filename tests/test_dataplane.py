@@ -198,3 +198,30 @@ def test_connect_dataplane_specs():
         connect_dataplane({"backend": "s3"})
     with pytest.raises(ValueError, match="unknown option"):
         connect_dataplane({"backend": "memory", "storage_units": 2})
+
+
+# Runs in a fresh interpreter: the suite's own process imported torch._dynamo long ago.
+_IMPORT_WITHOUT_DYNAMO = """
+import sys, torch.compiler
+marks = torch.compiler.allow_in_graph, torch.compiler.assume_constant_result
+from rldsl.runtime.dataplane.transferqueue import import_transferqueue_module
+import_transferqueue_module()
+assert "tensordict" in sys.modules and "torch._dynamo" not in sys.modules, "torch._dynamo was imported"
+assert (torch.compiler.allow_in_graph, torch.compiler.assume_constant_result) == marks, "marks not restored"
+import torch
+from tensordict import TensorDict
+rows = TensorDict({"ids": torch.arange(6).view(3, 2)}, batch_size=[3])
+assert rows[1]["ids"].tolist() == [2, 3]
+ragged = torch.nested.as_nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)  # as a get builds
+assert "torch._dynamo" in sys.modules and ragged.to_padded_tensor(0).sum().item() == 5
+"""
+
+
+def test_transfer_queue_imports_without_torch_dynamo_and_reads_still_work():
+    """The import every actor of a run makes skips tensordict's torch.compile marks (about 1 s and 140 MB each)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("transfer_queue")
+    done = subprocess.run([sys.executable, "-c", _IMPORT_WITHOUT_DYNAMO], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]

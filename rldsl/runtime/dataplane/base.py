@@ -115,6 +115,10 @@ class DataPlane(abc.ABC):
         watch: losing one loses the samples in it. None for an in-process store."""
         return {}
 
+    def prepare_reads(self) -> None:
+        """Called once by a process that will ``get`` rows: a backend whose
+        first read pays a one-off cost starts paying it now, in the background."""
+
     def close(self) -> None:
         """Release this client (the owner of a shared store also stops it)."""
 

@@ -45,14 +45,44 @@ def transferqueue_env() -> dict[str, str]:
 
 def import_in_background() -> threading.Thread:
     """Start importing transfer_queue on a thread: it takes seconds (it pulls
-    in tensordict and torch._dynamo), time that can overlap Ray's start. A
+    in torch and tensordict), time that can overlap Ray's start. A
     later import waits on Python's import lock for this one to finish."""
     for name, value in transferqueue_env().items():
         os.environ.setdefault(name, value)
-    thread = threading.Thread(target=importlib.import_module, args=("transfer_queue",), daemon=True,
-                              name="import transfer_queue")
+    thread = threading.Thread(target=import_transferqueue_module, daemon=True, name="import transfer_queue")
     thread.start()
     return thread
+
+
+def import_transferqueue_module():
+    """``transfer_queue``, imported without importing ``torch._dynamo``.
+
+    tensordict (which TransferQueue imports) marks a few of its functions for
+    ``torch.compile`` at import through ``torch.compiler.allow_in_graph`` and
+    ``assume_constant_result``, and each of those imports the whole of
+    ``torch._dynamo``: about 1 s of CPU and 140 MB in every process that
+    touches the data plane, for marks that only matter to a process compiling
+    tensordict code, which no rldsl process does. The two are no-ops while
+    tensordict imports (a compile would then trace those functions rather
+    than keep them whole: slower, not wrong; another thread importing in that
+    window loses its marks the same way). A process that already has
+    ``torch._dynamo`` or tensordict imports as usual."""
+    import sys
+
+    import torch.compiler
+
+    if "tensordict" in sys.modules or "torch._dynamo" in sys.modules:
+        return importlib.import_module("transfer_queue")
+    marks = torch.compiler.allow_in_graph, torch.compiler.assume_constant_result
+    torch.compiler.allow_in_graph = torch.compiler.assume_constant_result = _unmarked
+    try:
+        return importlib.import_module("transfer_queue")
+    finally:
+        torch.compiler.allow_in_graph, torch.compiler.assume_constant_result = marks
+
+
+def _unmarked(fn):
+    return fn
 
 
 def _import_transferqueue():
@@ -62,9 +92,7 @@ def _import_transferqueue():
         raise RuntimeError("the TransferQueue data plane needs Ray: call rldsl.runtime.ray_lowering.cluster.start_ray() first")
     for name, value in transferqueue_env().items():
         os.environ.setdefault(name, value)
-    import transfer_queue
-
-    return ray, transfer_queue
+    return ray, import_transferqueue_module()
 
 
 def _transferqueue_running(ray) -> bool:
@@ -164,6 +192,14 @@ class TransferQueueDataPlane(DataPlane):
             owned = (getattr(self._tq.interface, "_TQ_STORAGE", None) or {}).get("SimpleStorage", {})
             actors[f"storage unit {name}"] = owned.get(name) or ray.get_actor(name)
         return actors
+
+    def prepare_reads(self) -> None:
+        """TransferQueue hands rows back as jagged nested tensors, whose first
+        construction imports ``torch._dynamo`` (about 1 s): a reader imports it
+        now, on a thread, beside its other start-up work, not on the
+        pipeline's first step (``import_transferqueue_module`` left it out)."""
+        threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True,
+                         name="import torch._dynamo").start()
 
     def put(self, keys, partition, fields, tags=None):
         keys = check_put(keys, fields, tags)

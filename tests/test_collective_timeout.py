@@ -3,12 +3,13 @@ after the collective timeout, not the rendezvous deadline's remainder."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 from datetime import timedelta
 
 import pytest
+
+from tests.ports import rank_context
 
 torch = pytest.importorskip("torch")
 
@@ -36,7 +37,7 @@ def _rank(rank: int, store: str, answers, answered) -> None:
 
 
 def test_a_hung_collective_names_its_group_after_the_collective_timeout(tmp_path):
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     answers, answered = context.Queue(), context.Event()
     ranks = [context.Process(target=_rank, args=(rank, str(tmp_path / "store"), answers, answered))
              for rank in range(2)]

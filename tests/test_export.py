@@ -17,7 +17,6 @@ atol 1e-5) and the run's tokenization:
 from __future__ import annotations
 
 import json
-import socket
 import stat
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +27,7 @@ import torch
 from rldsl.cli import main
 from rldsl.models.tiny import build_tiny_lm
 from rldsl.runtime.engines.torch.train import TorchTrainer
+from tests.ports import spawn_ranks
 from tests.test_split_step_gradient import make_batch
 from tests.runs import rldsl_here
 from tests.shared_runs import TORCH_STEPS
@@ -211,15 +211,7 @@ def test_torch_hf_llama_keeps_its_config_and_tokenizer(tmp_path):
 
 def on_two_ranks(worker, runs: dict) -> dict:
     """``worker(rank, port, runs, results)`` in two processes; the results they share."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(worker, args=(port, runs, shared), nprocs=2, join=True)
-        return dict(shared)
+    return spawn_ranks(worker, runs)
 
 
 def _fsdp_worker(rank: int, port: int, runs: dict, results: dict):

@@ -12,13 +12,12 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rldsl.models.tiny import build_tiny_lm
 from rldsl.runtime.engines.fsdp import FsdpTrainer
 from rldsl.runtime.engines.fsdp.state import read_model_state
 from tests.host_memory import peak_rss, peak_rss_reset
-from tests.ports import free_port
+from tests.ports import free_port, start_ranks
 from tests.test_split_step_gradient import make_batch
 
 SHAPE = {"d_model": 256, "n_layers": 4, "n_heads": 4, "d_ff": 1024}  # 3.2M parameters: 38 MiB with AdamW state
@@ -60,10 +59,7 @@ def _worker(rank: int, world_size: int, port: int, directory: str, results: dict
 
 
 def test_two_ranks_write_their_shards_and_the_checkpoint_resumes_anywhere(tmp_path):
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_worker, args=(2, free_port(), str(tmp_path), results), nprocs=2, join=True)
-        results = dict(results)
+    results = start_ranks(_worker, (2, free_port(), str(tmp_path)))
     assert results[("resumed", 0)] and results[("resumed", 1)]
     for rank in (0, 1):
         grown, state_bytes, seconds = results[("save", rank)]

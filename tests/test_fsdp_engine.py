@@ -30,10 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.ports import free_port
+from tests.ports import free_port, start_ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -269,12 +268,9 @@ def _one_layout(rank: int, world_size: int, shard: int, directory: str) -> dict:
 def run_ranks(world_size: int, shards: int | tuple[int, ...], directory, worker=_worker) -> dict:
     """The ranks' results; for several ``shards`` (layouts run one after another) a dict per layout."""
     layouts = shards if isinstance(shards, tuple) else (shards,)
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(worker, args=(world_size, layouts, free_port(), str(directory), results), nprocs=world_size,
-                 join=True)
-        per_layout = {shard: {key: value for rank in range(world_size) for key, value in
-                              results.get((shard, rank), {}).items()} for shard in layouts}
+    results = start_ranks(worker, (world_size, layouts, free_port(), str(directory)), nprocs=world_size)
+    per_layout = {shard: {key: value for rank in range(world_size) for key, value in
+                          results.get((shard, rank), {}).items()} for shard in layouts}
     return per_layout if isinstance(shards, tuple) else per_layout[shards]
 
 

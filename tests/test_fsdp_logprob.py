@@ -20,11 +20,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rldsl.runtime.engines.fsdp import FsdpLogprob, loading, sharding
 from rldsl.runtime.engines.torch.common import response_logprobs
-from tests.ports import free_port
+from tests.ports import free_port, start_ranks
 from tests.test_fsdp_engine import read_bytes_counted
 from tests.test_split_step_gradient import make_batch, make_model
 
@@ -128,12 +127,9 @@ def hf_model_read_in_slices(rank: int, shard: int, directory: str, results: dict
 def run_ranks(world_size: int, shards: int | tuple[int, ...], directory="") -> dict:
     """The ranks' results; for several ``shards`` (layouts run one after another) a dict per layout."""
     layouts = shards if isinstance(shards, tuple) else (shards,)
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_worker, args=(world_size, layouts, free_port(), str(directory), results), nprocs=world_size,
-                 join=True)
-        per_layout = {shard: {key: value for rank in range(world_size) for key, value in
-                              results.get((shard, rank), {}).items()} for shard in layouts}
+    results = start_ranks(_worker, (world_size, layouts, free_port(), str(directory)), nprocs=world_size)
+    per_layout = {shard: {key: value for rank in range(world_size) for key, value in
+                          results.get((shard, rank), {}).items()} for shard in layouts}
     return per_layout if isinstance(shards, tuple) else per_layout[shards]
 
 

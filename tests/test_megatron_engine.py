@@ -24,6 +24,7 @@ import torch
 
 from rldsl.runtime.engines.policy_loss import AGGREGATIONS, PolicyLossConfig, policy_loss
 from rldsl.runtime.engines.megatron import hf_weights as hmw
+from tests.ports import spawn_ranks
 
 # megatron-core warns about missing Apex / Transformer Engine and its own deprecations on every build.
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -668,13 +669,6 @@ def streamed_export(trainer) -> tuple[dict, tuple[int, int]]:
 
 @pytest.mark.megatron
 def test_data_tensor_and_pipeline_parallel_gradients_and_export_on_two_ranks(megatron):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     shape = PARALLEL_SHAPE
     weights, batch = random_hf_weights(shape, seed=1), make_batch(shape)
     expected = reference_gradients(megatron, shape, weights, batch, PolicyLossConfig(kl=0.05))
@@ -683,10 +677,7 @@ def test_data_tensor_and_pipeline_parallel_gradients_and_export_on_two_ranks(meg
     # the ratio pi_trainer / pi_generator of the last step over every token: its extremes
     ratio = torch.exp(logprobs - batch["behaviour_logprobs"])[batch["response_mask"] > 0]
     ratio_extremes = float(ratio.max()), float(ratio.min())
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(_parallel_worker, args=(port, shared), nprocs=2, join=True)
-        results = dict(shared)
+    results = spawn_ranks(_parallel_worker)
     scale = max(float(g.abs().max()) for g in expected.values())
     for layout in PARALLEL_LAYOUTS:
         shards: dict[str, dict[int, torch.Tensor]] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ports import free_port
+from tests.ports import spawn_ranks
 import torch
 
 from tests.test_megatron_engine import PARALLEL_SHAPE, make_batch, random_hf_weights
@@ -59,12 +59,8 @@ def _worker(rank: int, port: int, results: dict):
 
 def test_pipeline_parallel_logprobs_equal_the_unsplit_model_on_the_last_stage_only():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'rldsl[gpu]')")
-    import torch.multiprocessing as mp
 
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(_worker, args=(free_port(), shared), nprocs=2, join=True)
-        results = dict(shared)
+    results = spawn_ranks(_worker)
     mask = make_batch(PARALLEL_SHAPE)["response_mask"]
     for forwards in FORWARDS:
         expected = results[("pp1", forwards, 0)]

@@ -19,7 +19,7 @@ import torch
 
 from rldsl.runtime.engines.policy_loss import PolicyLossConfig
 from tests import test_megatron_engine as engine_tests
-from tests.ports import free_port
+from tests.ports import spawn_ranks
 from tests.test_megatron_engine import PARALLEL_SHAPE, SHAPES, make_batch, make_trainer, random_hf_weights
 
 megatron = engine_tests.megatron  # the fixture: megatron-core under the CPU shim, one-process groups
@@ -210,17 +210,13 @@ def _parallel_worker(rank: int, port: int, results: dict):
 
 
 def test_tensor_pipeline_and_data_parallel_proximal_pass_gives_the_one_process_weights(megatron):
-    import torch.multiprocessing as mp
 
     weights, batch = random_hf_weights(PARALLEL_SHAPE, seed=1), make_batch(PARALLEL_SHAPE)
     one = make_trainer(PARALLEL_SHAPE, weights, loss=PARALLEL_LOSS, **TRAINING)
     result = train_two_mini_batches(one, batch, SECOND)
     expected = {n: t for b in one.weight_buckets(1 << 20) for n, t in b.items()}
     assert result.metrics["clip_fraction"] > 0 and result.metrics["mean_ratio"] != pytest.approx(1.0, abs=1e-4)
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(_parallel_worker, args=(free_port(), shared), nprocs=2, join=True)
-        results = dict(shared)
+    results = spawn_ranks(_parallel_worker)
     for tp, pp in LAYOUTS:
         exported, metrics = results[(tp, pp, 0)]  # the first rank of the replica exports
         assert exported.keys() == expected.keys()

@@ -19,7 +19,7 @@ import logging
 
 import pytest
 
-from tests.ports import free_port
+from tests.ports import spawn_ranks
 import torch
 
 from rldsl.runtime.engines.megatron import hf_weights as hmw
@@ -213,14 +213,10 @@ def _worker(rank: int, port: int, checkpoints: dict, results: dict):
 @pytest.mark.megatron
 def test_each_rank_reads_only_its_shard_and_gets_the_full_read_weights(checkpoints):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'rldsl[gpu]')")
-    import torch.multiprocessing as mp
 
     from rldsl.models.hf_checkpoint import read_hf_weights
 
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(_worker, args=(free_port(), dict(checkpoints), shared), nprocs=2, join=True)
-        results = dict(shared)
+    results = spawn_ranks(_worker, dict(checkpoints))
     for kind, path in checkpoints.items():
         whole = sum(t.numel() * t.element_size() for t in read_hf_weights(path).values())
         for tp, pp in LAYOUTS:

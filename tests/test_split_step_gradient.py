@@ -13,9 +13,8 @@ import os
 
 import pytest
 
-from tests.ports import free_port
+from tests.ports import free_port, start_ranks
 import torch
-import torch.multiprocessing as mp
 
 from rldsl.models.tiny import build_tiny_lm
 from rldsl.runtime.engines.policy_loss import AGGREGATIONS, PolicyLossConfig, policy_loss
@@ -148,10 +147,7 @@ def _dp_worker(rank: int, world_size: int, port: int, results: dict):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_split_step_equals_full_batch_data_parallel_gloo(world_size):
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_dp_worker, args=(world_size, free_port(), results), nprocs=world_size, join=True)
-        results = dict(results)
+    results = start_ranks(_dp_worker, (world_size, free_port()), nprocs=world_size)
     assert len(results) == world_size * len(LOSS_CONFIGS) * (len(DP_LAYOUTS[world_size]) + 1)
     worst = max(results.values())
     assert worst < 1e-5, results

@@ -14,13 +14,15 @@ import torch
 
 from rldsl.runtime.transport.group import form_group
 from rldsl.runtime.transport.stream import TransportAborted, receive_buckets, send_buckets
+from tests.ports import rank_context
 
 MIB = 2**20
 
 
-def _spawn(target, world: int, tmp_path, *args) -> list:
-    """Run ``target(rank, store_path, *args)`` in ``world`` spawned processes; their results by rank."""
-    context = multiprocessing.get_context("spawn")
+def _spawn(target, world: int, tmp_path, *args, context=None) -> list:
+    """Run ``target(rank, store_path, *args)`` in ``world`` processes (from the fork server unless
+    ``context`` says otherwise); their results by rank."""
+    context = context or rank_context()
     results = context.Queue()
     store = str(tmp_path / "store")
     processes = [context.Process(target=_run, args=(target, rank, world, store, results, *args))
@@ -150,7 +152,9 @@ def test_host_memory_stays_near_two_buckets_not_the_model(tmp_path, monkeypatch)
     processes get a fixed one."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MIB))
     count, tensor_bytes = 16, 16 * MIB
-    sender, receiver = _spawn(_peak_rss_growth, 2, tmp_path, count, tensor_bytes)
+    # spawned: glibc reads the threshold when a process starts, and a fork server started without it
+    sender, receiver = _spawn(_peak_rss_growth, 2, tmp_path, count, tensor_bytes,
+                              context=multiprocessing.get_context("spawn"))
     assert receiver["checks"] == [(f"layer{i}.weight", float(i), float(i)) for i in range(count)]
     model = count * tensor_bytes
     assert sender["stats"]["peak_held_bytes"] <= 2 * tensor_bytes
@@ -219,7 +223,7 @@ def _one_receiver_dies(group, flag: str):
 
 
 def test_a_dead_member_does_not_hold_the_others_until_the_timeout(tmp_path):
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     results, store, flag = context.Queue(), str(tmp_path / "store"), str(tmp_path / "called-off")
     processes = [context.Process(target=_run, args=(_one_receiver_dies, rank, 3, store, results, flag))
                  for rank in range(3)]
@@ -259,7 +263,7 @@ def _closes_with_a_transfer_pending(rank: int, store_path: str, results) -> None
 
 
 def test_closing_a_group_with_a_transfer_pending_returns_at_once_and_the_next_group_forms(tmp_path):
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     results = context.Queue()
     store = str(tmp_path / "store")
     processes = [context.Process(target=_closes_with_a_transfer_pending, args=(rank, store, results))

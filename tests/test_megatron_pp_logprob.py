@@ -59,7 +59,6 @@ def _worker(rank: int, port: int, results: dict):
 
 def test_pipeline_parallel_logprobs_equal_the_unsplit_model_on_the_last_stage_only():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'rldsl[gpu]')")
-
     results = spawn_ranks(_worker)
     mask = make_batch(PARALLEL_SHAPE)["response_mask"]
     for forwards in FORWARDS:

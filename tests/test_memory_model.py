@@ -264,6 +264,38 @@ staleness { max_lag = 1 }
         "which the megatron engine does not support yet"]
 
 
+def test_the_expert_layouts_megatron_does_not_run_are_refused_by_check_as_by_the_run():
+    """The same layouts as the engine's refusal (tests/test_megatron_experts.py), each on its own."""
+    text = """
+pipeline moe
+cluster { nodes = 1  gpus_per_node = 8  gpu_memory = 256GiB }
+model policy { source = "hf:qwen3-30b-a3b" }
+dataset prompts { source = "builtin:arith" }
+stage generate rollout { model = policy  engine = vllm  gpus = 4  samples_per_prompt = 8  max_new_tokens = 8 }
+stage reward score { fn = "rldsl.rewards:exact_match" }
+stage train actor { model = policy  engine = megatron(ENGINE)  gpus = 4  prompts_per_step = 8  LOSS }
+stage sync weights { from = actor  to = rollout }
+flow prompts -> rollout -> score -> actor
+staleness { max_lag = 1 }
+"""
+
+    def refusals(engine: str, loss: str = "") -> list[str]:
+        found = compile_source(text.replace("ENGINE", engine).replace("LOSS", loss), str(RECIPES / "moe.rlp"),
+                               base_dir=RECIPES)
+        return [d.message.split(": ", 1)[1] for d in found.diagnostics if d.code == "RLP515"]
+
+    not_yet = ", which the megatron engine does not support yet"
+    assert refusals("tp = 2, etp = 1") == ["`etp = 1` splits the experts over other ranks than `tp = 2`" + not_yet]
+    assert refusals("tp = 2, pp = 2") == [
+        "experts with `tp = 2` and `pp = 2` need sequence parallelism across pipeline stages" + not_yet]
+    assert refusals("pp = 2, ep = 2") == ["`ep = 2` with `pp = 2` runs pipelined forwards" + not_yet]
+    assert refusals("ep = 2", "loss = grpo(correction = tis)") == [
+        "`ep = 2` with `correction = tis` runs a proximal-policy pass" + not_yet]
+    assert refusals("ep = 2", "loss = grpo(behaviour_cap = 2)") == [
+        "`ep = 2` with `behaviour_cap = 2` runs a proximal-policy pass" + not_yet]
+    assert refusals("ep = 1", "loss = grpo(correction = tis)") == refusals("tp = 2, ep = 2") == []
+
+
 def test_the_checks_model_types_are_the_ones_megatron_converts():
     pytest.importorskip("torch")
     from rldsl.compiler.rules.experts import CONVERTED_MIXTURES, MEGATRON_MODEL_TYPES

@@ -36,8 +36,7 @@ from rldsl.runtime.protocols import GenerationEngine, LogprobEngine, Prompt
 from tests.test_help_texts import BASE, GPU_CLUSTER
 
 class FakeTokenizer:
-    """A character tokenizer (the engine is started without SGLang's). The fake engine below still
-    differs from SGLang in one way: it answers a request whole (SGLang streams per child)."""
+    """A character tokenizer (the engine is started without SGLang's)."""
     eos_id, bos_id = 2, 1
 
     def encode(self, text, add_bos=False, add_eos=False):
@@ -51,7 +50,9 @@ EOS = FakeTokenizer.eos_id
 
 
 class FakeSGLangEngine:
-    """Records calls; answers like ``sglang.Engine`` with scripted tokens. As SGLang, it honours a
+    """Records calls; answers like ``sglang.Engine`` with scripted tokens. The engine sends each sample
+    as a request of its own, without ``stream``, and SGLang then answers each request whole, as this
+    does (a streaming call is refused: the engine makes none). As SGLang, it honours a
     request's ``sampling_seed`` only when started with ``enable_deterministic_inference``
     (``deterministic``); otherwise every sample is a fresh draw, whatever its seed."""
 

@@ -146,6 +146,19 @@ def test_a_session_we_did_not_start_is_left_running(session):
     assert ray.is_initialized()
 
 
+def test_a_local_ray_is_joined_by_address_from_another_process(session):
+    """A local Ray serves on loopback only; a process that joins it by address
+    (`rldsl run --address`, from a shell without the local start's settings)
+    joins on loopback too, not at the machine's routable address, where Ray
+    would look for it for minutes."""
+    code = ("import sys, ray\nfrom rldsl.runtime.ray_lowering.cluster import ray_session\n"
+            "with ray_session(sys.argv[1]):\n    print(ray.cluster_resources()['GPU'])")
+    shell = {name: value for name, value in os.environ.items() if name not in cluster.loopback_env()}
+    joined = subprocess.run([sys.executable, "-c", code, session.address], env=shell, capture_output=True, text=True,
+                            timeout=60)
+    assert joined.returncode == 0 and joined.stdout.split()[-1] == "2.0", joined.stderr[-2000:]
+
+
 @ray.remote(num_cpus=ACTOR_NUM_CPUS)
 class Worker:
     """Attaches to the data plane from its own process, like an engine does."""

@@ -93,6 +93,18 @@ def test_the_engines_satisfy_the_protocols(vllm_engine):
 
 
 @needs_vllm
+def test_a_one_worker_engine_on_a_cpu_runs_its_worker_in_the_engine_process(vllm_engine):
+    """As vLLM does on a GPU: no worker process beside the engine's (vLLM's titles name them)."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU vLLM itself runs a lone worker in the engine's process")
+    import psutil
+
+    titles = [" ".join(process.cmdline()) for process in psutil.Process().children(recursive=True)]
+    assert any("VLLM::EngineCore" in title for title in titles), titles
+    assert not any("VLLM::Worker" in title for title in titles), titles
+
+
+@needs_vllm
 def test_a_grpo_group_of_eight_comes_back_whole_seeded_per_prompt(vllm_engine):
     engine = vllm_engine.generator
     batch = engine.generate(GROUP, samples_per_prompt=8, seed=11)

@@ -186,6 +186,10 @@ def start_engine(model_path: str, options: VLLMOptions, seed: int) -> AsyncVLLM:
     if options.spans_nodes:
         _share_ray_address()
     ranks = options.tp * options.pp
+    if ranks == 1 and not torch.cuda.is_available():
+        # vLLM's CPU build gives a lone worker a process of its own beside the engine's; in the engine's
+        # process, as on a GPU, the engine starts about 7 s sooner and holds one interpreter fewer
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if ranks > 1 and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         binding = cpu_thread_binding(sorted(os.sched_getaffinity(0)), ranks)
         if binding:

@@ -14,6 +14,7 @@ be reached and what to check; which resource a placement group lacks.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import math
 import os
@@ -199,11 +200,31 @@ def start_ray(
     _probe_address(_resolve_address(address), address, connect_timeout_s)
     if not address.startswith("ray://"):
         _check_authentication(_resolve_address(address), address, connect_timeout_s)
+    undo = _join_on_loopback(_resolve_address(address))
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=False, runtime_env={"env_vars": env})
     except (ConnectionError, RuntimeError, SystemExit) as error:  # Ray exits the process if GCS never answers
+        for restore in reversed(undo):
+            restore()
         raise ClusterError(f"could not join the Ray cluster at {address!r}: {error}. {_ADDRESS_HINT}") from None
-    return RaySession(address, namespace, False, True)
+    session = RaySession(address, namespace, False, True)
+    for restore in undo:
+        session.add_cleanup(restore)
+    return session
+
+
+def _join_on_loopback(host_port: str) -> list[Callable[[], None]]:
+    """A cluster at a loopback address (another local run's Ray, or `ray start
+    --node-ip-address 127.0.0.1`) serves on loopback only: this process joins
+    on loopback too, as a local start does, or Ray looks for the cluster at
+    the machine's routable address and retries there for minutes. Returns
+    what undoes it (nothing for any other address)."""
+    host = host_port.rsplit(":", 1)[0].strip("[]")
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return []
+    return [_set_environ(loopback_env()), _ray_on_loopback()] if loopback else []
 
 
 class _DefaultAuthNotice(logging.Filter):

@@ -70,6 +70,10 @@ class MissingDataError(KeyError):
         return f"field(s) {self.missing_fields} not written for every requested key in partition {self.partition!r}"
 
 
+class DataPlaneUnavailable(RuntimeError):
+    """The data plane cannot start or be attached to here (the cluster's fault, not a bug)."""
+
+
 class DataPlane(abc.ABC):
     """Client of the data plane. See the module docstring for the semantics."""
 
@@ -114,10 +118,6 @@ class DataPlane(abc.ABC):
         message ("storage unit TransferQueueStorageUnit#0"), for a liveness
         watch: losing one loses the samples in it. None for an in-process store."""
         return {}
-
-    def prepare_reads(self) -> None:
-        """Called once by a process that will ``get`` rows: a backend whose
-        first read pays a one-off cost starts paying it now, in the background."""
 
     def close(self) -> None:
         """Release this client (the owner of a shared store also stops it)."""

@@ -4,19 +4,22 @@ TransferQueue runs on Ray and any Ray process attaches to it, so data moves
 worker to worker in one hop. Everything TransferQueue-specific lives here:
 its process environment, starting or attaching to its controller, and
 converting its jagged nested tensors back to the dense rows the data-plane
-contract (``dataplane_base``) promises.
+contract (``dataplane_base``) promises, without importing ``torch._dynamo``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
+import types
 from typing import Iterable
 
 from rldsl.runtime.dataplane.base import (
     DEFAULT_LEFT_PADDED_FIELDS,
     DataPlane,
+    DataPlaneUnavailable,
     MissingDataError,
     check_get,
     check_keys,
@@ -103,12 +106,35 @@ def _transferqueue_running(ray) -> bool:
         return False
 
 
+def _check_same_run(ray) -> None:
+    """TransferQueue's controller has a fixed namespace, but its storage units
+    live in the namespace of the run that started it, where every client looks
+    them up: a process of another run (another `rldsl run --address` on the
+    same cluster) would attach, then fail on its first row with Ray's lookup
+    error. It is refused here, named. (A run's namespace is its own, so two
+    runs' named actors never meet.)"""
+    name = f"{_TQ_STORAGE_UNIT_PREFIX}0"
+    try:
+        ray.get_actor(name)
+        return
+    except ValueError:
+        pass
+    from ray.util import list_named_actors
+
+    owners = sorted({a["namespace"] for a in list_named_actors(all_namespaces=True) if a["name"] == name})
+    raise DataPlaneUnavailable(
+        f"this Ray cluster already runs the TransferQueue data plane of another run (Ray namespace "
+        f"{', '.join(owners) or 'unknown'}; this run's is {ray.get_runtime_context().namespace}), and TransferQueue "
+        "serves one run per cluster: wait for that run to finish, or start this one on a Ray of its own "
+        "(without --address it starts a local one)")
+
+
 def _check_cpus_for_transferqueue(ray, storage_units: int) -> None:
     """tq.init blocks forever if its actors (1 CPU each) cannot be placed."""
     needed = 1 + storage_units
     available = ray.available_resources().get("CPU", 0.0)
     if available < needed:
-        raise RuntimeError(
+        raise DataPlaneUnavailable(
             f"TransferQueue needs {needed} free logical CPUs (controller + {storage_units} storage "
             f"unit(s), 1 CPU each) but Ray has {available:g} available "
             f"(total {ray.cluster_resources().get('CPU', 0):g}). Start Ray with more logical CPUs "
@@ -127,6 +153,46 @@ def _forget_previous_session(tq) -> None:
         except Exception:  # the handles point into a cluster that is gone
             pass
         state._TQ_CLIENT = state._TQ_CONTROLLER = state._TQ_STORAGE = None
+
+
+class _UnmarkedDynamo(types.ModuleType):
+    """``torch._dynamo`` as a get sees it (``_dynamic_marks_skipped``): its
+    ``mark_dynamic`` does nothing; anything else is the real module's."""
+
+    def mark_dynamic(self, *args, **kwargs) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(importlib.import_module("torch._dynamo"), name)
+
+
+_UNMARKED_DYNAMO = _UnmarkedDynamo("torch._dynamo")
+
+
+@contextlib.contextmanager
+def _dynamic_marks_skipped():
+    """TransferQueue hands rows back as jagged nested tensors, and building
+    one marks its sequence lengths dynamic for ``torch.compile`` through
+    ``torch._dynamo.mark_dynamic``, whose first use imports the whole of
+    ``torch._dynamo`` (about 1.3 s of CPU and 140 MB in every process that
+    reads rows). A get turns them into dense rows at once and nothing
+    compiles them, so the mark is skipped while a get runs in a process
+    that has not imported ``torch._dynamo``; any other use of it in that
+    window (another thread) gets the real module. A process that has it
+    reads as usual."""
+    import sys
+
+    import torch
+
+    if "torch._dynamo" in sys.modules:
+        yield
+        return
+    torch._dynamo = _UNMARKED_DYNAMO
+    try:
+        yield
+    finally:
+        if torch.__dict__.get("_dynamo") is _UNMARKED_DYNAMO:  # not replaced by a real import meanwhile
+            del torch._dynamo
 
 
 def _dense_from_nested(tensor, pad_left: bool):
@@ -169,6 +235,8 @@ class TransferQueueDataPlane(DataPlane):
         if self.owner:
             _check_cpus_for_transferqueue(ray, storage_units)
             _forget_previous_session(tq)
+        else:
+            _check_same_run(ray)
         # tq.init attaches when a controller exists (the config is then ignored).
         storage = {"num_data_storage_units": storage_units}
         tq.init({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": storage}})
@@ -193,14 +261,6 @@ class TransferQueueDataPlane(DataPlane):
             actors[f"storage unit {name}"] = owned.get(name) or ray.get_actor(name)
         return actors
 
-    def prepare_reads(self) -> None:
-        """TransferQueue hands rows back as jagged nested tensors, whose first
-        construction imports ``torch._dynamo`` (about 1 s): a reader imports it
-        now, on a thread, beside its other start-up work, not on the
-        pipeline's first step (``import_transferqueue_module`` left it out)."""
-        threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True,
-                         name="import torch._dynamo").start()
-
     def put(self, keys, partition, fields, tags=None):
         keys = check_put(keys, fields, tags)
         if not keys or (not fields and tags is None):
@@ -214,10 +274,11 @@ class TransferQueueDataPlane(DataPlane):
     def get(self, keys, partition, fields):
         keys = check_get(keys, fields)
         fields = list(fields)
-        batch = self._fetch(keys, partition, fields)
-        if batch is None:
-            raise self._diagnose_missing(keys, partition, fields)
-        return {f: _dense_from_nested(batch[f], f in self.left_padded_fields) for f in fields}
+        with _dynamic_marks_skipped():
+            batch = self._fetch(keys, partition, fields)
+            if batch is None:
+                raise self._diagnose_missing(keys, partition, fields)
+            return {f: _dense_from_nested(batch[f], f in self.left_padded_fields) for f in fields}
 
     def _fetch(self, keys, partition, fields):
         """The TensorDict if every key has every field, else None."""

@@ -36,8 +36,6 @@ ANSWER_MASK = "answer_mask"  # which of ANSWER_IDS are tokens: id 0 is a real to
 class StageWorker:
     """What every stage worker has: its engine's process set up, a tracer and the data plane."""
 
-    reads_rows = True  # gets rows from the data plane (a generator only puts them)
-
     def __init__(self, pipe: PipelinePlan, stage: StagePlan, rank: int, dataplane_spec: dict):
         from rldsl.runtime.dataplane import connect_dataplane
 
@@ -48,8 +46,6 @@ class StageWorker:
         self.tracer = Tracer(f"{stage.name}-{rank}", stage.name, stage.kind, rank, where_planned.gpus,
                              where_planned.node)
         self.dataplane = connect_dataplane(dataplane_spec)
-        if self.reads_rows:
-            self.dataplane.prepare_reads()
 
     def ready(self) -> bool:
         return True
@@ -81,8 +77,6 @@ class GeneratorWorker(StageWorker, WeightGroupMember):
     stages `served_by` this one. Each gets an engine of its own over this
     engine's base weights (the same tensors) with its own adapters, batcher
     and weight versions; their controllers reach it through ``serve``."""
-
-    reads_rows = False
 
     def __init__(self, pipe, stage, rank, dataplane_spec, tenants=()):
         from rldsl.runtime.engines.factory import build_generator

@@ -25,7 +25,7 @@ from rldsl.runtime.ray_lowering.cluster import (  # noqa: E402
     ray_session,
 )
 from rldsl.runtime.ray_lowering.placement import create_placement_group  # noqa: E402
-from tests.runs import release_shared_ray  # noqa: E402
+from tests.runs import ROOT, release_shared_ray  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.own_ray]
 
@@ -146,17 +146,21 @@ def test_a_session_we_did_not_start_is_left_running(session):
     assert ray.is_initialized()
 
 
-def test_a_local_ray_is_joined_by_address_from_another_process(session):
-    """A local Ray serves on loopback only; a process that joins it by address
-    (`rldsl run --address`, from a shell without the local start's settings)
-    joins on loopback too, not at the machine's routable address, where Ray
-    would look for it for minutes."""
-    code = ("import sys, ray\nfrom rldsl.runtime.ray_lowering.cluster import ray_session\n"
-            "with ray_session(sys.argv[1]):\n    print(ray.cluster_resources()['GPU'])")
+def test_another_run_joins_a_local_ray_by_address_and_is_told_the_data_plane_is_taken(session, transferqueue,
+                                                                                      tmp_path):
+    """A local Ray serves on loopback only; `rldsl run --address` from a shell
+    without the local start's settings joins it on loopback too (else Ray looks
+    for it at the machine's routable address for minutes). TransferQueue there
+    belongs to the run that started it (its storage units live in that run's
+    namespace): this run is refused, named, before any actor starts."""
     shell = {name: value for name, value in os.environ.items() if name not in cluster.loopback_env()}
-    joined = subprocess.run([sys.executable, "-c", code, session.address], env=shell, capture_output=True, text=True,
-                            timeout=60)
-    assert joined.returncode == 0 and joined.stdout.split()[-1] == "2.0", joined.stderr[-2000:]
+    joined = subprocess.run([sys.executable, "-m", "rldsl", "run", "pipelines/sim_async.rlp", "--address",
+                             session.address, "--run-dir", str(tmp_path / "run")], env=shell, capture_output=True,
+                            text=True, timeout=60, cwd=ROOT)
+    assert joined.returncode == 2, joined.stderr[-3000:]
+    assert "Connected to Ray cluster" in joined.stderr and "Traceback" not in joined.stderr
+    assert ("already runs the TransferQueue data plane of another run (Ray namespace rldsl-test-cluster; this run's "
+            "is rldsl-sim_async)") in joined.stderr, joined.stderr[-3000:]
 
 
 @ray.remote(num_cpus=ACTOR_NUM_CPUS)

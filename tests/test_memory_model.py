@@ -223,6 +223,20 @@ def test_fsdp_shards_the_trainer_state_over_its_shard_group():
     assert seven_b_trainer("fsdp(dtype = bf16)")[1] == []
 
 
+MOE_PIPELINE = """
+pipeline moe
+cluster { nodes = 1  gpus_per_node = 8  gpu_memory = 256GiB }
+model policy { source = "hf:MODEL" }
+dataset prompts { source = "builtin:arith" }
+stage generate rollout { model = policy  engine = vllm  gpus = 4  samples_per_prompt = 8  max_new_tokens = 8 }
+stage reward score { fn = "rldsl.rewards:exact_match" }
+stage train actor { model = policy  engine = megatron(ENGINE)  gpus = 4  prompts_per_step = 8  LOSS }
+stage sync weights { from = actor  to = rollout }
+flow prompts -> rollout -> score -> actor
+staleness { max_lag = 1 }
+"""
+
+
 def test_a_qwen3_moe_on_megatron_with_expert_parallelism_checks_and_plans_its_ep_groups(tmp_path):
     """Qwen3-MoE converts on megatron (RLP515 passes it), and `plan` shows
     which ranks share each half of the experts: consecutive data-parallel
@@ -231,18 +245,7 @@ def test_a_qwen3_moe_on_megatron_with_expert_parallelism_checks_and_plans_its_ep
 
     from rldsl.compiler.plan_view import render_plan
 
-    text = """
-pipeline moe
-cluster { nodes = 1  gpus_per_node = 8  gpu_memory = 256GiB }
-model policy { source = "hf:MODEL" }
-dataset prompts { source = "builtin:arith" }
-stage generate rollout { model = policy  engine = vllm  gpus = 4  samples_per_prompt = 8  max_new_tokens = 8 }
-stage reward score { fn = "rldsl.rewards:exact_match" }
-stage train actor { model = policy  engine = megatron(tp = 1, ep = 2)  gpus = 4  prompts_per_step = 8 }
-stage sync weights { from = actor  to = rollout }
-flow prompts -> rollout -> score -> actor
-staleness { max_lag = 1 }
-"""
+    text = MOE_PIPELINE.replace("ENGINE", "tp = 1, ep = 2").replace("LOSS", "")
     qwen = compile_source(text.replace("MODEL", "qwen3-30b-a3b"), str(RECIPES / "moe.rlp"), base_dir=RECIPES)
     assert not [d for d in qwen.diagnostics if d.is_error], qwen.diagnostics
     assert "ep (each 1/2 of the experts) groups: [0:4 0:5] [0:6 0:7]" in render_plan(qwen)
@@ -266,18 +269,7 @@ staleness { max_lag = 1 }
 
 def test_the_expert_layouts_megatron_does_not_run_are_refused_by_check_as_by_the_run():
     """The same layouts as the engine's refusal (tests/test_megatron_experts.py), each on its own."""
-    text = """
-pipeline moe
-cluster { nodes = 1  gpus_per_node = 8  gpu_memory = 256GiB }
-model policy { source = "hf:qwen3-30b-a3b" }
-dataset prompts { source = "builtin:arith" }
-stage generate rollout { model = policy  engine = vllm  gpus = 4  samples_per_prompt = 8  max_new_tokens = 8 }
-stage reward score { fn = "rldsl.rewards:exact_match" }
-stage train actor { model = policy  engine = megatron(ENGINE)  gpus = 4  prompts_per_step = 8  LOSS }
-stage sync weights { from = actor  to = rollout }
-flow prompts -> rollout -> score -> actor
-staleness { max_lag = 1 }
-"""
+    text = MOE_PIPELINE.replace("MODEL", "qwen3-30b-a3b")
 
     def refusals(engine: str, loss: str = "") -> list[str]:
         found = compile_source(text.replace("ENGINE", engine).replace("LOSS", loss), str(RECIPES / "moe.rlp"),

@@ -169,8 +169,7 @@ def start_ray(
     if os.environ.get(WORKER_SETUP_ENV):
         env[WORKER_SETUP_ENV] = os.environ[WORKER_SETUP_ENV]
     if address in (None, "", "local"):
-        restore = _set_environ({**env, **loopback_env()})  # worker processes inherit it
-        restore_ray = _ray_on_loopback()
+        undo = _on_loopback(env)  # worker processes inherit the environment
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_DEFAULT_AUTH_NOTICE)
         cpus = logical_cpus_needed() if num_cpus is None else num_cpus
         try:
@@ -184,8 +183,8 @@ def start_ray(
             )
         except BaseException as error:  # e.g. Ctrl-C half-way: do not leave a half-started Ray behind
             ray.shutdown()
-            restore_ray()
-            restore()
+            for restore in reversed(undo):
+                restore()
             if isinstance(error, Exception):
                 raise ClusterError(_local_start_failure(error)) from None
             raise
@@ -194,8 +193,8 @@ def start_ray(
 
         start_reaper()  # Ray's processes end with this one, however it ends (a SIGKILL included)
         session = RaySession(_local_gcs, namespace, True, True, local=True)
-        session.add_cleanup(restore)
-        session.add_cleanup(restore_ray)
+        for restore in undo:
+            session.add_cleanup(restore)
         return session
     _probe_address(_resolve_address(address), address, connect_timeout_s)
     if not address.startswith("ray://"):
@@ -224,7 +223,13 @@ def _join_on_loopback(host_port: str) -> list[Callable[[], None]]:
         loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):
         return []
-    return [_set_environ(loopback_env()), _ray_on_loopback()] if loopback else []
+    return _on_loopback() if loopback else []
+
+
+def _on_loopback(env: dict[str, str] | None = None) -> list[Callable[[], None]]:
+    """This process (and the Ray workers it starts) on loopback, with ``env``
+    beside; returns what undoes it, in the order to add as cleanups."""
+    return [_set_environ({**(env or {}), **loopback_env()}), _ray_on_loopback()]
 
 
 class _DefaultAuthNotice(logging.Filter):

@@ -39,11 +39,46 @@ def one_process_group():
     dist.destroy_process_group()
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject's addopts): two workers for the whole suite on
+    two cores or more, none when files or tests are named (a worker's start
+    would cost more than it saves)."""
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    return 2 if whole_suite and (os.cpu_count() or 1) >= 2 else 0
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Tests marked `own_ray` (they start or join a Ray of their own in this
     process, after ``tests.runs.release_shared_ray()``) run first: the shared
-    Ray then starts once, not once per switch."""
+    Ray then starts once, not once per switch.
+
+    With two workers (``--dist loadgroup``) every test that starts processes
+    (Ray runs, vLLM engines, gloo ranks) goes to one of them, in this order,
+    and the tests that run in the test process alone (the compiler's, the
+    control plane's) to the other: the second core then works through
+    those while the first one's tests wait on their processes. Both kinds
+    on each worker were slower: two Ray runs at once or a run beside a vLLM
+    engine each take twice as long on two cores (docs/performance.md)."""
     items.sort(key=lambda item: item.get_closest_marker("own_ray") is None)
+    for item in items:
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
+
+_PROCESS_MARKS = ("ray", "own_ray", "vllm")
+_PROCESS_FIXTURES = {"vllm_engine", "one_process_group", "torch_run", "sim_run_with_overrides", "rloo_tis_run"}
+_PROCESS_HELPERS = {"start_ranks", "spawn_ranks", "rank_context", "rldsl_here", "run_text", "shared_ray",
+                    "signalled_here"}  # tests/ports.py and tests/runs.py: a module using one starts processes
+
+
+def _starts_processes(item) -> bool:
+    if any(item.get_closest_marker(name) for name in _PROCESS_MARKS):
+        return True
+    if _PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    module = getattr(item, "module", None)
+    return module is not None and bool(_PROCESS_HELPERS & set(vars(module)))
 
 
 _session = []
@@ -81,13 +116,18 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if item.get_closest_marker("slow") is not None:
-        _slow_seconds[item.nodeid] = _slow_seconds.get(item.nodeid, 0.0) + report.duration
         if not _slow_reason(item) and report.when == "setup":
             report.outcome, report.longrepr = "failed", "marked `slow` without a reason: slow(reason=...)"
     elif report.when == "call" and report.passed and report.duration > BUDGET_S:
         report.outcome = "failed"
         report.longrepr = (f"took {report.duration:.0f} s, over the suite's {BUDGET_S:.0f} s budget per test: make it "
                            "faster, or mark it @pytest.mark.slow(reason=...) saying what it needs the time for")
+
+
+def pytest_runtest_logreport(report):
+    """In the process that reports (xdist's controller, or the only one)."""
+    if "slow" in report.keywords:
+        _slow_seconds[report.nodeid] = _slow_seconds.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter):

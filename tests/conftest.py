@@ -1,5 +1,6 @@
 """The suite's shared pieces: the repository root, one Ray for the session's
-runs (tests/runs.py), a one-rank process group, and a time budget every test keeps.
+runs (tests/runs.py), a one-rank process group, megatron-core on one process,
+and a time budget every test keeps.
 
 A test that takes over ``BUDGET_S`` fails unless it is marked
 ``@pytest.mark.slow(reason="what it needs the time for")``; the time of the
@@ -37,6 +38,25 @@ def one_process_group():
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    """megatron-core under the CPU shim, with world-size-1 model-parallel groups."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'rldsl[gpu]')")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from rldsl.runtime.engines.megatron import model as megatron_model
+    from rldsl.runtime.engines.megatron.cpu_compat import megatron_on_cpu
+
+    created_group = not dist.is_initialized()
+    with megatron_on_cpu():
+        megatron_model.ensure_model_parallel(tp=1, pp=1, seed=0)
+        yield megatron_model
+        parallel_state.destroy_model_parallel()
+        if created_group:
+            dist.destroy_process_group()
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

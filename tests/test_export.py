@@ -271,7 +271,7 @@ def megatron_logits(trainer, ids: torch.Tensor) -> torch.Tensor | None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from rldsl.runtime.engines.megatron import model as mm
+    from rldsl.runtime.engines.megatron.rows import causal_mask
 
     module = trainer.model.module
     positions = torch.arange(ids.shape[1]).expand_as(ids)
@@ -280,7 +280,7 @@ def megatron_logits(trainer, ids: torch.Tensor) -> torch.Tensor | None:
             hidden = torch.empty(ids.shape[1], ids.shape[0], trainer.shape.hidden_size)
             dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
             module.set_input_tensor(hidden)
-        out = module(ids, positions, attention_mask=mm.causal_mask(ids.shape[1], ids.device))
+        out = module(ids, positions, attention_mask=causal_mask(ids.shape[1], ids.device))
         if not ps.is_pipeline_last_stage():
             dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
             return None

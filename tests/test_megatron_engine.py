@@ -24,6 +24,7 @@ import torch
 
 from rldsl.runtime.engines.policy_loss import AGGREGATIONS, PolicyLossConfig, policy_loss
 from rldsl.runtime.engines.megatron import hf_weights as hmw
+from rldsl.runtime.engines.megatron import rows as megatron_rows
 from tests.ports import spawn_ranks
 
 # megatron-core warns about missing Apex / Transformer Engine and its own deprecations on every build.
@@ -157,25 +158,6 @@ def test_shape_from_hf_config_reads_qwen2_biases_and_new_rope_format():
 # -- megatron-core on CPU -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def megatron():
-    """megatron-core under the CPU shim, with world-size-1 model-parallel groups."""
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'rldsl[gpu]')")
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from rldsl.runtime.engines.megatron import model as megatron_model
-    from rldsl.runtime.engines.megatron.cpu_compat import megatron_on_cpu
-
-    created_group = not dist.is_initialized()
-    with megatron_on_cpu():
-        megatron_model.ensure_model_parallel(tp=1, pp=1, seed=0)
-        yield megatron_model
-        parallel_state.destroy_model_parallel()
-        if created_group:
-            dist.destroy_process_group()
-
-
 def make_trainer(shape, weights, **overrides):
     from rldsl.runtime.engines.megatron.trainer import MegatronTrainer
 
@@ -208,9 +190,9 @@ def reference_logprobs(megatron, shape, weights, batch) -> torch.Tensor:
     """The batch's response logprobs under ``weights``, one forward, no DDP."""
     model = megatron.build_gpt_model(shape, megatron.transformer_config(shape, "fp32"))
     megatron.load_hf_weights(model, weights, shape)
-    packed = megatron.pack_rows(batch, "cpu")
+    packed = megatron_rows.pack_rows(batch, "cpu")
     with torch.no_grad():
-        return megatron.response_logprobs_from_logits(megatron.forward_logits(model, packed), packed)
+        return megatron_rows.response_logprobs_from_logits(megatron_rows.forward_logits(model, packed), packed)
 
 
 def engine_mismatch(trainer_logprobs, batch, same_version: torch.Tensor) -> dict[str, float]:
@@ -227,8 +209,8 @@ def reference_gradients(megatron, shape, weights, batch, config, device="cpu") -
     model = megatron.build_gpt_model(shape, megatron.transformer_config(shape, "fp32")).to(device)
     megatron.load_hf_weights(model, weights, shape)
     batch = {name: value.to(device) for name, value in batch.items()}
-    packed = megatron.pack_rows(batch, device)
-    logprobs = megatron.response_logprobs_from_logits(megatron.forward_logits(model, packed), packed)
+    packed = megatron_rows.pack_rows(batch, device)
+    logprobs = megatron_rows.response_logprobs_from_logits(megatron_rows.forward_logits(model, packed), packed)
     out = policy_loss(logprobs, batch["behaviour_logprobs"], batch["advantage"], batch["response_mask"], config,
                     batch["ref_logprobs"])
     (out.loss_sum / out.count).backward()
@@ -453,10 +435,10 @@ def test_converted_model_gives_the_hf_logits(megatron, hf_checkpoint):
     model = megatron.build_gpt_model(shape, megatron.transformer_config(shape, "fp32"))
     megatron.load_hf_weights(model, megatron.read_hf_weights(path), shape)
     tokens = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(1))
-    packed = megatron.PackedRows(tokens, torch.arange(12).expand(3, 12), None, None, {})
+    packed = megatron_rows.PackedRows(tokens, torch.arange(12).expand(3, 12), None, None, {})
     with torch.no_grad():
         expected = hf_model(input_ids=tokens).logits
-        actual = megatron.forward_logits(model.eval(), packed)
+        actual = megatron_rows.forward_logits(model.eval(), packed)
     assert actual.shape == expected.shape
     assert float((actual - expected).abs().max()) < 1e-5
 
@@ -491,10 +473,10 @@ def test_qwen3_and_its_mixture_of_experts_convert_both_ways(megatron, kind, tmp_
     saved = megatron.read_hf_weights(tmp_path)
     megatron.load_hf_weights(model, saved, shape)
     tokens = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(1))
-    packed = megatron.PackedRows(tokens, torch.arange(12).expand(3, 12), None, None, {})
+    packed = megatron_rows.PackedRows(tokens, torch.arange(12).expand(3, 12), None, None, {})
     with torch.no_grad():
         expected = hf_model(input_ids=tokens).logits
-        actual = megatron.forward_logits(model.eval(), packed)
+        actual = megatron_rows.forward_logits(model.eval(), packed)
     assert float((actual - expected).abs().max()) < 1e-5
     exported = dict(megatron.export_hf_weights(model, shape))
     assert exported.keys() == saved.keys()
@@ -527,13 +509,13 @@ def test_llama31_rope_scaling_is_converted_and_matters_at_long_positions(megatro
     hf_model.save_pretrained(path)
     shape = hmw.LlamaShape.from_hf_config(json.loads((path / "config.json").read_text()))
     tokens = torch.randint(0, 64, (2, 60), generator=torch.Generator().manual_seed(1))
-    packed = megatron.PackedRows(tokens, torch.arange(60).expand(2, 60), None, None, {})
+    packed = megatron_rows.PackedRows(tokens, torch.arange(60).expand(2, 60), None, None, {})
     logits = {}
     for name, built in (("scaled", shape), ("plain", dataclasses.replace(shape, rope_scaling_factor=None))):
         model = megatron.build_gpt_model(built, megatron.transformer_config(built, "fp32"))
         megatron.load_hf_weights(model, megatron.read_hf_weights(path), built)
         with torch.no_grad():
-            logits[name] = megatron.forward_logits(model.eval(), packed)
+            logits[name] = megatron_rows.forward_logits(model.eval(), packed)
     with torch.no_grad():
         expected = hf_model(input_ids=tokens).logits
     assert float((logits["scaled"] - expected).abs().max()) < 1e-5

@@ -11,14 +11,7 @@ import torch
 from rldsl.runtime.engines.megatron import hf_weights as hmw
 from rldsl.runtime.engines.policy_loss import PolicyLossConfig
 from tests.ports import spawn_ranks
-from tests.test_megatron_engine import (  # noqa: F401 - megatron: the one-process fixture, torn down after
-    QWEN3,
-    QWEN3_MOE,
-    make_batch,
-    megatron,
-    reference_gradients,
-    reference_logprobs,
-)
+from tests.test_megatron_engine import QWEN3, QWEN3_MOE, make_batch, reference_gradients, reference_logprobs
 
 pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]

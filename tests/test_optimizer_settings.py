@@ -14,12 +14,9 @@ from rldsl.runtime.engines.factory import training_options
 from rldsl.runtime.engines.policy_loss import PolicyLossConfig, kl_estimate, policy_loss
 from rldsl.runtime.engines.schedule import LRSchedule
 from rldsl.runtime.engines.torch.train import TorchTrainer
-from tests import test_fsdp_engine, test_megatron_engine
+from tests import test_fsdp_engine
 from tests.test_megatron_engine import SHAPES, make_trainer, random_hf_weights
 from tests.test_training_keys import BASE, TRAIN, compiled
-
-
-megatron = test_megatron_engine.megatron  # megatron-core on CPU, the fixture of its own tests
 
 
 def trainer_from(train: str) -> TorchTrainer:

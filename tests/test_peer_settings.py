@@ -13,6 +13,7 @@ import torch
 
 from rldsl.runtime.control.settings import settings_from_plan
 from rldsl.runtime.engines.factory import training_options
+from rldsl.runtime.engines.megatron import rows as megatron_rows
 from rldsl.runtime.engines.policy_loss import PolicyLossConfig, policy_loss
 from rldsl.runtime.engines.torch.common import response_logprobs
 from rldsl.runtime.engines.torch.train import TorchTrainer
@@ -21,7 +22,6 @@ from tests.test_policy_loss import ADVANTAGES, BEHAVIOUR, LOGPROBS, MASK, REFERE
 from tests.test_split_step_gradient import make_batch, make_model
 from tests.test_training_keys import compiled
 
-megatron = test_megatron_engine.megatron  # megatron-core on CPU, the fixture of its own tests
 NEW_LOSS_ARGS = ("length_norm", "count_masked", "rejected", "rejected_in_ratio", "kl_weighted")
 
 
@@ -206,8 +206,8 @@ def megatron_reference(megatron, shape, weights, batch, forwards):
     total = 0.0
     for rows in forwards:
         part = {name: value[rows] for name, value in batch.items()}
-        packed = megatron.pack_rows(part, "cpu")
-        logprobs = megatron.response_logprobs_from_logits(megatron.forward_logits(model, packed), packed)
+        packed = megatron_rows.pack_rows(part, "cpu")
+        logprobs = megatron_rows.response_logprobs_from_logits(megatron_rows.forward_logits(model, packed), packed)
         out = policy_loss(logprobs, part["behaviour_logprobs"], part["advantage"], part["response_mask"], MICRO,
                           part["ref_logprobs"])
         total = total + out.loss_sum

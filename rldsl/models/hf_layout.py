@@ -23,6 +23,13 @@ import torch
 
 _FUSED = re.compile(r"^(?P<experts>.*\.experts)\.(?P<part>gate_up_proj|down_proj)$")
 _EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_GATE_UP = ("gate_proj", "up_proj")  # a fused expert's rows: its gate's, then its up's
+
+
+def _gate_up_part(gate_up: torch.Tensor, proj: str) -> torch.Tensor:
+    """The rows of one expert's fused ``gate_up`` tensor ``[2F, H]`` that ``proj`` is (a view)."""
+    width = gate_up.shape[0] // 2
+    return gate_up[:width] if proj == "gate_proj" else gate_up[width:]
 
 
 def _fused_name(expert: re.Match) -> str:
@@ -41,10 +48,9 @@ def checkpoint_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, t
         for index, down in enumerate(tensor):
             yield f"{experts}.{index}.down_proj.weight", down
         return
-    width = tensor.shape[1] // 2
     for index, gate_up in enumerate(tensor):
-        yield f"{experts}.{index}.gate_proj.weight", gate_up[:width]
-        yield f"{experts}.{index}.up_proj.weight", gate_up[width:]
+        for proj in _GATE_UP:
+            yield f"{experts}.{index}.{proj}.weight", _gate_up_part(gate_up, proj)
 
 
 def checkpoint_named(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -63,10 +69,7 @@ def runtime_view(name: str, params: Mapping[str, torch.Tensor]) -> torch.Tensor 
     fused = params.get(_fused_name(match))
     if fused is None or index >= len(fused):
         return None
-    if proj == "down_proj":
-        return fused[index]
-    width = fused.shape[1] // 2
-    return fused[index, :width] if proj == "gate_proj" else fused[index, width:]
+    return fused[index] if proj == "down_proj" else _gate_up_part(fused[index], proj)
 
 
 def fused_state(state: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -85,5 +88,5 @@ def fused_state(state: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict
     for fused, experts in parts.items():
         order = [experts[index] for index in range(len(experts))]
         out[fused] = torch.stack([e["down_proj"] if fused.endswith("down_proj") else
-                                  torch.cat([e["gate_proj"], e["up_proj"]]) for e in order])
+                                  torch.cat([e[proj] for proj in _GATE_UP]) for e in order])
     return out

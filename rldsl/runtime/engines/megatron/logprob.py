@@ -17,6 +17,7 @@ from typing import Mapping
 import torch
 
 from rldsl.runtime.engines.megatron import model as mm
+from rldsl.runtime.engines.megatron import rows as mr
 from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows, refuse_unbuilt_expert_layouts
 from rldsl.runtime.engines.megatron.hf_weights import HFToMegatronAssembler, LlamaShape
 from rldsl.runtime.engines.torch.offload import on_device_for_call
@@ -80,8 +81,8 @@ class MegatronLogprob:
             results = zip(groups, map(self._chunk_logprobs, chunks))
             if self.lockstep.needed:  # every chunk's forward a round of its own, then the others' rounds joined
                 results = list(results)
-                empty = mm.PackedRows(*empty_rows(self.device), None, None, {})
-                self.lockstep.join_rounds(lambda: mm.forward_logits(self.model, empty))
+                empty = mr.PackedRows(*empty_rows(self.device), None, None, {})
+                self.lockstep.join_rounds(lambda: mr.forward_logits(self.model, empty))
         else:
             results = self._pipelined_logprobs(groups, chunks)
             if results is None:
@@ -91,8 +92,8 @@ class MegatronLogprob:
     def _chunk_logprobs(self, chunk: Batch) -> torch.Tensor:
         if self.lockstep.needed:
             self.lockstep.round(has_rows=True)
-        packed = mm.pack_rows(chunk, self.device, temperature=self.temperature)
-        return mm.response_logprobs_from_logits(mm.forward_logits(self.model, packed), packed).cpu()
+        packed = mr.pack_rows(chunk, self.device, temperature=self.temperature)
+        return mr.response_logprobs_from_logits(mr.forward_logits(self.model, packed), packed).cpu()
 
     def _pipelined_logprobs(self, groups: list, chunks: list[Batch]) -> list | None:
         """One forward-only pipeline schedule over every chunk: (rows, logprobs)
@@ -103,9 +104,9 @@ class MegatronLogprob:
 
         if not chunks:
             return [] if parallel_state.is_pipeline_last_stage() else None
-        length = max(mm.packed_length(chunk) for chunk in chunks)
+        length = max(mr.packed_length(chunk) for chunk in chunks)
         rows = max(len(chunk[FIELD_RESPONSE_IDS]) for chunk in chunks)
-        packed = [mm.pack_rows(chunk, self.device, length, rows, self.temperature) for chunk in chunks]
+        packed = [mr.pack_rows(chunk, self.device, length, rows, self.temperature) for chunk in chunks]
         outputs = get_forward_backward_func()(
             forward_step_func=logprob_forward_step, data_iterator=iter(packed), model=[self.model],
             num_microbatches=len(packed), seq_length=length, micro_batch_size=rows, forward_only=True)
@@ -141,12 +142,12 @@ def logprob_forward_step(data_iterator, model):
     """The schedule's step: logits (hidden states before the last stage) and
     the function the last stage applies to them."""
     packed = next(data_iterator)
-    return mm.forward_logits(model, packed), partial(_collect_logprobs, packed)
+    return mr.forward_logits(model, packed), partial(_collect_logprobs, packed)
 
 
-def _collect_logprobs(packed: mm.PackedRows, logits: torch.Tensor):
+def _collect_logprobs(packed: mr.PackedRows, logits: torch.Tensor):
     """The schedule's "loss": nothing to reduce; the logprobs ride in the
     reported values, which a forward-only schedule returns per microbatch."""
-    logprobs = mm.response_logprobs_from_logits(logits, packed).cpu()
+    logprobs = mr.response_logprobs_from_logits(logits, packed).cpu()
     zero = torch.zeros((), device=logits.device)
     return zero, torch.tensor(0, dtype=torch.int, device=logits.device), {"logprobs": logprobs}

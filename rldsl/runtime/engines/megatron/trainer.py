@@ -60,6 +60,7 @@ import torch
 
 from rldsl.runtime.engines.megatron import components as mc
 from rldsl.runtime.engines.megatron import model as mm
+from rldsl.runtime.engines.megatron import rows as mr
 from rldsl.runtime.engines.megatron import state as ms
 from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows, refuse_unbuilt_expert_layouts
 from rldsl.runtime.engines.megatron.hf_weights import LlamaShape
@@ -281,15 +282,15 @@ class MegatronTrainer(ProximalPass):
         chunks = [take_rows(batch, rows) for rows in groups]
         return [trim_padding(chunk) for chunk in chunks] if self.tokens_per_forward else chunks
 
-    def _pack(self, chunks: list[Batch]) -> tuple[list[mm.PackedRows], int, int]:
+    def _pack(self, chunks: list[Batch]) -> tuple[list[mr.PackedRows], int, int]:
         """Packed chunks, the sequence length and rows the schedule is told.
         Pipeline stages exchange activations of one shape, so with pp > 1
         every chunk is padded to the largest; without, each keeps its own."""
-        length = max(mm.packed_length(chunk) for chunk in chunks)
+        length = max(mr.packed_length(chunk) for chunk in chunks)
         rows = max(len(chunk[FIELD_RESPONSE_IDS]) for chunk in chunks)
         if self.pipeline_parallel == 1:
-            return [mm.pack_rows(chunk, self.device, temperature=self.temperature) for chunk in chunks], length, rows
-        return [mm.pack_rows(chunk, self.device, length, rows, self.temperature) for chunk in chunks], length, rows
+            return [mr.pack_rows(chunk, self.device, temperature=self.temperature) for chunk in chunks], length, rows
+        return [mr.pack_rows(chunk, self.device, length, rows, self.temperature) for chunk in chunks], length, rows
 
     def _train_chunks(self, chunks: list[Batch]) -> dict[str, float]:
         """One schedule over a call's pipeline microbatches; adds their sums to the open step's."""
@@ -315,18 +316,18 @@ class MegatronTrainer(ProximalPass):
         """Empty forwards and backwards until no rank of the expert-parallel group has rows (ExpertLockstep)."""
         if not self.lockstep.needed:
             return  # every optimizer step comes here: nothing to build without expert parallelism
-        empty = [mm.PackedRows(*empty_rows(self.device), None, None, {})]
+        empty = [mr.PackedRows(*empty_rows(self.device), None, None, {})]
         self.lockstep.join_rounds(lambda: self._run_schedule(empty, 1, 1, _empty_forward_step))
 
     def _forward_step(self, data_iterator, model, sums: dict[str, float]):
         packed = next(data_iterator)
-        return mm.forward_logits(model, packed), partial(self._loss_sum, packed, sums)
+        return mr.forward_logits(model, packed), partial(self._loss_sum, packed, sums)
 
-    def _loss_sum(self, packed: mm.PackedRows, sums: dict[str, float], logits: torch.Tensor):
+    def _loss_sum(self, packed: mr.PackedRows, sums: dict[str, float], logits: torch.Tensor):
         """The schedule's loss function: (un-normalised sum, local count, logged values)."""
         fields = packed.batch
         ref = fields.get(FIELD_REF_LOGPROBS)
-        logprobs, behaviour, mask = (mm.response_logprobs_from_logits(logits, packed),
+        logprobs, behaviour, mask = (mr.response_logprobs_from_logits(logits, packed),
                                      fields[FIELD_BEHAVIOUR_LOGPROBS], trained_tokens(fields))
         proximal = fields.get(PROXIMAL)
         result = policy_loss(logprobs, behaviour, fields[FIELD_ADVANTAGE], mask, self.loss, ref, proximal)
@@ -415,6 +416,6 @@ class MegatronTrainer(ProximalPass):
 
 def _empty_forward_step(data_iterator, model):
     """The schedule's forward step of an empty expert round: a zero loss over no tokens."""
-    logits = mm.forward_logits(model, next(data_iterator))
+    logits = mr.forward_logits(model, next(data_iterator))
     nothing = torch.zeros((), dtype=torch.int, device=logits.device)
     return logits, lambda out: (out.sum() * 0.0, nothing, {})

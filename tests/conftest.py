@@ -1,6 +1,6 @@
 """The suite's shared pieces: the repository root, one Ray for the session's
 runs (tests/runs.py), a one-rank process group, megatron-core on one process,
-and a time budget every test keeps.
+two xdist workers for the whole suite, and a time budget every test keeps.
 
 A test that takes over ``BUDGET_S`` fails unless it is marked
 ``@pytest.mark.slow(reason="what it needs the time for")``; the time of the
@@ -73,21 +73,23 @@ def pytest_collection_modifyitems(config, items):
     process, after ``tests.runs.release_shared_ray()``) run first: the shared
     Ray then starts once, not once per switch.
 
-    With two workers (``--dist loadgroup``) every test that starts processes
-    (Ray runs, vLLM engines, gloo ranks) goes to one of them, in this order,
+    With two workers (``--dist loadgroup``) the tests that start processes
+    (Ray runs, vLLM engines, gloo ranks) go to one of them, in this order,
     and the tests that run in the test process alone (the compiler's, the
-    control plane's) to the other: the second core then works through
-    those while the first one's tests wait on their processes. Both kinds
-    on each worker were slower: two Ray runs at once or a run beside a vLLM
-    engine each take twice as long on two cores (docs/performance.md)."""
+    control plane's) to the other, which runs them at a lower priority
+    (``IN_PROCESS_NICENESS``): they take the CPU the first worker's
+    processes leave, and slow those runs little. Two Ray runs at once, or a
+    Ray run beside a vLLM engine, each take twice as long on two cores
+    (docs/performance.md)."""
     items.sort(key=lambda item: item.get_closest_marker("own_ray") is None)
     for item in items:
-        if _starts_processes(item):
-            item.add_marker(pytest.mark.xdist_group("processes"))
+        item.add_marker(pytest.mark.xdist_group(PROCESSES if _starts_processes(item) else IN_PROCESS))
 
 
+PROCESSES, IN_PROCESS = "processes", "in_process"
+IN_PROCESS_NICENESS = 5  # CFS then gives this worker a quarter of a contended core's time, not half
 _PROCESS_MARKS = ("ray", "own_ray", "vllm")
-_PROCESS_FIXTURES = {"vllm_engine", "one_process_group", "torch_run", "sim_run_with_overrides", "rloo_tis_run"}
+_PROCESS_FIXTURES = {"vllm_engine", "torch_run", "sim_run_with_overrides", "rloo_tis_run"}
 _PROCESS_HELPERS = {"start_ranks", "spawn_ranks", "rank_context", "rldsl_here", "run_text", "shared_ray",
                     "signalled_here"}  # tests/ports.py and tests/runs.py: a module using one starts processes
 
@@ -142,6 +144,14 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = (f"took {report.duration:.0f} s, over the suite's {BUDGET_S:.0f} s budget per test: make it "
                            "faster, or mark it @pytest.mark.slow(reason=...) saying what it needs the time for")
+
+
+def pytest_runtest_setup(item):
+    """The worker of the in-process tests lowers its priority at its first one."""
+    worker = getattr(item.config, "workerinput", None)
+    if worker is not None and not worker.get("niced") and not _starts_processes(item):
+        worker["niced"] = True
+        os.nice(IN_PROCESS_NICENESS)
 
 
 def pytest_runtest_logreport(report):

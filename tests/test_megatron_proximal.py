@@ -22,8 +22,6 @@ from tests import test_megatron_engine as engine_tests
 from tests.ports import spawn_ranks
 from tests.test_megatron_engine import PARALLEL_SHAPE, SHAPES, make_batch, make_trainer, random_hf_weights
 
-megatron = engine_tests.megatron  # the fixture: megatron-core under the CPU shim, one-process groups
-
 pytestmark = [pytest.mark.megatron,
               pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]

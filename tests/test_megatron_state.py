@@ -22,11 +22,8 @@ import pytest
 import torch
 
 from rldsl.runtime.engines.schedule import LRSchedule
-from tests import test_megatron_engine as engine_tests
 from tests.ports import spawn_ranks
 from tests.test_megatron_engine import SHAPES, make_batch, make_trainer, random_hf_weights, run_clean_step
-
-megatron = engine_tests.megatron  # the fixture: megatron-core under the CPU shim, one-process groups
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]

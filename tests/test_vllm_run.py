@@ -30,17 +30,20 @@ def test_the_cpu_vllm_pipeline_streams_pushes_into_vllm_mid_response_and_the_aud
     from tests.runs import rldsl_here
 
     run_dir = tmp_path / "run"
-    # two groups in flight (vLLM decodes whenever a version arrives), long hot responses and a fast
-    # trainer: versions land mid-response. EOS is not held back (min_new_tokens): vLLM's logprobs would
-    # then be renormalised without it and differ from the trainer's, which the first step checks
+    # two groups in flight (vLLM decodes whenever a version arrives), long hot responses, and small
+    # groups, many per step: a step's decoding is four waves of two groups against training its 32
+    # rows, so versions land mid-response (with 8 samples and 4 prompts per step one run in about five
+    # had none). EOS is not held back (min_new_tokens): vLLM's logprobs would then be renormalised
+    # without it and differ from the trainer's, which the first step checks
     overrides = ["weights.transport=collective", "rollout.update=interrupt", "rollout.concurrency=2",
-                 "rollout.max_new_tokens=56", "rollout.temperature=2.0", "actor.prompts_per_step=4",
-                 "actor.micro_batch=32", "prompts.eval_size=16", "run.eval_every=0", "run.checkpoint_every=0"]
+                 "rollout.max_new_tokens=56", "rollout.temperature=2.0", "rollout.samples_per_prompt=4",
+                 "actor.prompts_per_step=8", "actor.micro_batch=32", "prompts.eval_size=16", "run.eval_every=0",
+                 "run.checkpoint_every=0"]
     run = rldsl_here("run", "pipelines/grpo_vllm_cpu.rlp", "--steps", "6", "--run-dir", str(run_dir),
                      *[a for o in overrides for a in ("--set", o)])
     assert run.returncode == 0, run.stderr[-6000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["ledger"]["trained"] == 6 * 4 * 8 and not summary["ledger"]["dropped"]
+    assert summary["steps"] == 6 and summary["ledger"]["trained"] == 6 * 8 * 4 and not summary["ledger"]["dropped"]
     assert summary["weight_transport"]["transport"] == "collective"
     assert summary["weight_transport"]["failed_pushes"] == 0
     records = [json.loads(line) for line in (run_dir / JOURNAL_FILE).read_text().splitlines()]

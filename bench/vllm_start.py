@@ -2,7 +2,7 @@
 worker in the engine's process (what `start_engine` picks there, as vLLM
 does on a GPU) against vLLM's own CPU layout (a process for the worker
 beside the engine's, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``), alternated in
-one run on the same tiny Llama (head_dim 64, fp32).
+one run on the test suite's shared tiny Llama (head_dim 64, fp32; tests/vllm_engines.py).
 
 Printed per start: the layout, seconds to a started engine, seconds for one
 GRPO group (8 samples x 16 tokens) after it, and the medians per layout.
@@ -24,13 +24,14 @@ LAYOUTS = {"in the engine's process": "0", "a process of its own": "1"}
 
 
 def start_and_generate(model_dir: Path, multiprocessing: str) -> tuple[float, float]:
-    from rldsl.runtime.engines.vllm import VLLMGenerator, VLLMOptions
+    from rldsl.runtime.engines.vllm import VLLMGenerator
     from rldsl.runtime.protocols import Prompt
+    from tests.vllm_engines import shared_engine_options
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing  # read by the engine process it spawns
     started = time.perf_counter()
-    options = VLLMOptions(kv_cache=256 << 20, dtype="fp32", max_model_len=128, sleep=False)
-    engine = VLLMGenerator.from_path(str(model_dir), options, seed=0, max_new_tokens=16, temperature=1.0)
+    engine = VLLMGenerator.from_path(str(model_dir), shared_engine_options(), seed=0, max_new_tokens=16,
+                                     temperature=1.0)
     start_s = time.perf_counter() - started
     try:
         started = time.perf_counter()
@@ -45,11 +46,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.hf_tiny import save_char_llama
+    from tests.vllm_engines import save_shared_model
 
-    model_dir = save_char_llama(Path(tempfile.mkdtemp(prefix="vllm-start-")) / "model", seed=0, hidden_size=128,
-                                intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
-                                max_position_embeddings=128)
+    model_dir = save_shared_model(Path(tempfile.mkdtemp(prefix="vllm-start-")) / "model")
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in LAYOUTS}
     print("| worker | start s | first group s |\n|---|---:|---:|")
     for _ in range(args.reps):

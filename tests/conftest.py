@@ -149,7 +149,7 @@ def pytest_runtest_makereport(item, call):
 def pytest_runtest_setup(item):
     """The worker of the in-process tests lowers its priority at its first one."""
     worker = getattr(item.config, "workerinput", None)
-    if worker is not None and not worker.get("niced") and not _starts_processes(item):
+    if worker is not None and not worker.get("niced") and item.get_closest_marker("xdist_group").args == (IN_PROCESS,):
         worker["niced"] = True
         os.nice(IN_PROCESS_NICENESS)
 

@@ -79,15 +79,27 @@ class SharedEngine:
         self.push(self.reference().module.state_dict())
 
 
-def start_shared_engine(directory: Path) -> SharedEngine:
-    from rldsl.runtime.engines.vllm import VLLMGenerator, VLLMOptions
+def save_shared_model(directory: Path) -> Path:
+    """The shared engine's tiny Llama (head_dim 64), saved under ``directory``."""
     from tests.hf_tiny import save_char_llama
 
-    model_dir = save_char_llama(directory, seed=0, hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                                num_key_value_heads=2, max_position_embeddings=128)
-    options = VLLMOptions(kv_cache=256 << 20, dtype="fp32", max_model_len=128, sleep=False)
-    generator = VLLMGenerator.from_path(str(model_dir), options, seed=0, max_new_tokens=MAX_NEW_TOKENS,
-                                        temperature=TEMPERATURE)
+    return save_char_llama(directory, seed=0, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                           num_key_value_heads=2, max_position_embeddings=128)
+
+
+def shared_engine_options():
+    """On a CPU: 256 MiB of KV cache, fp32 (the trainer's), no sleeping."""
+    from rldsl.runtime.engines.vllm import VLLMOptions
+
+    return VLLMOptions(kv_cache=256 << 20, dtype="fp32", max_model_len=128, sleep=False)
+
+
+def start_shared_engine(directory: Path) -> SharedEngine:
+    from rldsl.runtime.engines.vllm import VLLMGenerator
+
+    model_dir = save_shared_model(directory)
+    generator = VLLMGenerator.from_path(str(model_dir), shared_engine_options(), seed=0,
+                                        max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE)
     return SharedEngine(generator, model_dir)
 
 

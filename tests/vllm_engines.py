@@ -13,7 +13,6 @@ A test that pushes weights restores the engine's weights before it ends
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,13 +25,23 @@ TEMPERATURE = 0.7  # the shared engine samples at it: the trainer must take logp
 MAX_NEW_TOKENS = 12
 
 
-def worker_process_per_vllm_worker() -> None:
-    """An ``RLDSL_WORKER_SETUP`` hook: vLLM's own CPU layout (a process for
-    its worker beside the engine's) in the run's actors, not the in-process
-    worker `start_engine` picks for one worker on a CPU. Its IPC per decode
-    step makes this tiny model's generation slower than its training, as
-    generation is at scale: a run that must be generation-bound uses it."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+def paced_vllm_decoding() -> None:
+    """An ``RLDSL_WORKER_SETUP`` hook: the run's vLLM engines sleep a fixed
+    time per sampling step (tests/vllm_paced_decoding.py), so generation
+    stays slower than training, as it is at scale, whatever else runs on
+    the machine: a run whose property needs pushes to find groups
+    decoding uses it."""
+    from rldsl.runtime.engines import vllm
+
+    engine_args = vllm.VLLMOptions.engine_args
+
+    def paced_engine_args(self, model_path: str, seed: int) -> dict:
+        return {**engine_args(self, model_path, seed), "logits_processors": [PACED_DECODING]}
+
+    vllm.VLLMOptions.engine_args = paced_engine_args
+
+
+PACED_DECODING = "tests.vllm_paced_decoding:PacedDecoding"
 
 
 @dataclass

@@ -5,10 +5,12 @@ Runs the default pipeline with two generator replicas fed by a collective
 sync (`transport = collective`, gloo on a CPU, 64 KiB buckets), then reads
 its trace.json: each push is the trainer's `weight export` span; the
 microbatches (`train_microbatch`) that start inside it, and the trainer's
-training time inside it, are the work a push used to hold back. Also
-printed: the mean push, the mean step time and the samples per second.
+training time inside it, are the work a push used to hold back (read on
+the trainer's first rank). Also printed: the mean push, the mean step time
+and the samples per second. `--trainer fsdp`: two fsdp ranks train instead
+of one torch rank.
 
-    python bench/push_overlap.py [--steps 8] [--run-dir DIR]
+    python bench/push_overlap.py [--steps 8] [--trainer torch|fsdp] [--run-dir DIR]
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def pipeline(steps: int) -> str:
+def pipeline(steps: int, trainer: str) -> str:
     from tests.test_weight_transport_run import collective_pipeline
 
-    return collective_pipeline(eval_size=0).replace("steps = 4", f"steps = {steps}")
+    return collective_pipeline(eval_size=0, trainer=trainer).replace("steps = 4", f"steps = {steps}")
 
 
 def spans(events: list[dict], name: str, **args) -> list[tuple[int, int]]:
@@ -38,8 +40,8 @@ def spans(events: list[dict], name: str, **args) -> list[tuple[int, int]]:
 
 def report(run_dir: Path) -> None:
     events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
-    pushes = spans(events, "weight export", transport="collective")
-    microbatches = spans(events, "train_microbatch")
+    pushes = spans(events, "weight export", transport="collective", actor="actor-0")
+    microbatches = spans(events, "train_microbatch", actor="actor-0")
     pushing = sum(end - start for start, end in pushes)
     training = sum(max(0, min(e, end) - max(s, start)) for start, end in pushes for s, e in microbatches)
     started = [sum(start < s < end for s, _ in microbatches) for start, end in pushes]
@@ -56,12 +58,13 @@ def report(run_dir: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--trainer", choices=("torch", "fsdp"), default="torch")
     parser.add_argument("--run-dir", type=Path, default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="push-overlap-"))
     run_dir = args.run_dir or work / "run"
     source = work / "collective.rlp"
-    source.write_text(pipeline(args.steps))
+    source.write_text(pipeline(args.steps, args.trainer))
     proc = subprocess.run([sys.executable, "-m", "rldsl.cli", "run", str(source), "--run-dir", str(run_dir)],
                           capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:

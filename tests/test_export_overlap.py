@@ -1,5 +1,5 @@
 """An export that may run beside the trainer's step (a rank-to-rank push
-from a torch or megatron trainer) runs while the next step fills and trains; whatever changes the
+from a torch, megatron or fsdp trainer) runs while the next step fills and trains; whatever changes the
 weights (an optimizer step, the step's finish) waits until it ends."""
 
 from __future__ import annotations

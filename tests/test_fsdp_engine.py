@@ -5,7 +5,8 @@
   process, dp 2 and 4 (full shard) and dp 4 with shard 2 (hybrid);
 - a rollout batch in two optimizer steps bumps the version once;
 - checkpoints restore weights, optimizer state, version and step count;
-- weight buckets are the unsharded model's state dict, in the compute dtype;
+- weight buckets are the unsharded model's state dict, in the compute dtype,
+  also gathered on the device beside the next step's microbatches;
 - sleep / wake keep every value;
 - the model is sharded as it is built: parameters on meta when sharded, no
   rank holding a full parameter, an ``hf:`` model read from its safetensors
@@ -127,6 +128,31 @@ def buckets_match_the_model(**options) -> None:
     got = {name: tensor for bucket in buckets for name, tensor in bucket.items()}
     assert list(got) == list(expected)
     assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def export_beside_a_step(batch, **options) -> None:
+    """The weights exported on another thread while this one trains the next
+    step's microbatches (on Ray: the push's concurrency group beside the
+    step's calls), gathered where the shards are (``on_host=False``, a
+    rank-to-rank push): the microbatches only keep their rows, so the
+    export's gathers are the only collectives on the group and it neither
+    hangs nor mixes; its buckets equal the host copies taken before, and the
+    step then trains."""
+    import threading
+
+    trainer = two_optimizer_steps(batch, **options)
+    before = [bucket for bucket in trainer.weight_buckets(4096)]
+    beside = []
+    thread = threading.Thread(target=lambda: beside.extend(trainer.weight_buckets(4096, on_host=False)))
+    trainer.begin_train_step(1)
+    thread.start()
+    trainer.train_microbatch(1, {name: value[:5] for name, value in batch.items()})
+    trainer.train_microbatch(1, {name: value[5:] for name, value in batch.items()})
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the export beside the step hung"
+    assert [list(b) for b in beside] == [list(b) for b in before]
+    assert all(torch.equal(b[name].cpu(), a[name]) for a, b in zip(before, beside) for name in a)
+    assert trainer.finish_train_step(1).version == 2
 
 
 def gathers_streamed(buckets):
@@ -260,6 +286,7 @@ def _one_layout(rank: int, world_size: int, shard: int, directory: str) -> dict:
     batch = make_batch(make_model())
     checkpoint_round_trip(batch, directory, **options)
     buckets_match_the_model(**options)
+    export_beside_a_step(batch, **options)
     sleep_and_wake_keep_values(batch, **options)
     found[(rank, "done")] = True
     return found
@@ -287,6 +314,7 @@ def test_one_rank_matches_full_batch_and_keeps_state(one_process_group, tmp_path
     batch = make_batch(make_model())
     checkpoint_round_trip(batch, tmp_path)
     buckets_match_the_model()
+    export_beside_a_step(batch)
     sleep_and_wake_keep_values(batch)
     assert isinstance(FsdpTrainer(make_model()), Trainer)
 

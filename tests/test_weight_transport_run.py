@@ -4,6 +4,7 @@ gloo group of the trainer and the generator replicas, on a real local Ray."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,17 @@ STEPS = 4
 BUCKET = 65536  # 64KiB: the tiny model (~430 KB in fp32) travels in several buckets
 
 
-def collective_pipeline(eval_size: int) -> str:
+def collective_pipeline(eval_size: int, trainer: str = "torch") -> str:
+    """The default pipeline with two generator replicas fed rank to rank; ``trainer = "fsdp"``: two fsdp
+    ranks train."""
     source = (ROOT / "pipelines" / "grpo_async.rlp").read_text()
-    return (source.replace("gpus_per_node = 2 ", "gpus_per_node = 3 ")
-            .replace("  gpus = 1\n  samples_per_prompt = 8", "  gpus = 2\n  samples_per_prompt = 8")
+    if trainer == "fsdp":
+        source = (source.replace("gpus_per_node = 2 ", "gpus_per_node = 4 ")
+                  .replace("  engine = torch\n  gpus = 1\n  prompts_per_step", "  engine = fsdp\n  gpus = 2\n"
+                                                                             "  prompts_per_step"))
+    else:
+        source = source.replace("gpus_per_node = 2 ", "gpus_per_node = 3 ")
+    return (source.replace("  gpus = 1\n  samples_per_prompt = 8", "  gpus = 2\n  samples_per_prompt = 8")
             .replace("bucket = 64MiB }", "bucket = 64KiB  transport = collective }")
             .replace("eval_size = 128", f"eval_size = {eval_size}")
             .replace("steps = 40", f"steps = {STEPS}").replace("eval_every = 10", "eval_every = 2")
@@ -36,9 +44,10 @@ def _audit(run_dir: Path):
     return rldsl_here("audit", str(run_dir))
 
 
-def test_a_run_streams_every_version_rank_to_rank(tmp_path):
+@pytest.mark.parametrize("trainer", ["torch", "fsdp"])
+def test_a_run_streams_every_version_rank_to_rank(tmp_path, trainer):
     source = tmp_path / "collective.rlp"
-    source.write_text(collective_pipeline(eval_size=0))
+    source.write_text(collective_pipeline(eval_size=0, trainer=trainer))
     proc = rldsl_here("run", str(source), "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "weights: collective (asked for, rank to rank over gloo)" in proc.stderr
@@ -54,21 +63,23 @@ def test_a_run_streams_every_version_rank_to_rank(tmp_path):
     assert {e["args"]["actor"] for e in receives} == {"rollout-0", "rollout-1"}
     assert all(e["args"]["transport"] == "collective" for e in receives)
     assert len(receives) == 2 * STEPS  # every version, to both replicas, and nothing through the object store
-    _assert_pushes_off_the_critical_path(events)
+    _assert_pushes_off_the_critical_path(events, trainer_ranks=2 if trainer == "fsdp" else 1)
     audit = _audit(tmp_path / "run")
     assert audit.returncode == 0, audit.stdout + audit.stderr  # every sample's lag in bound
 
 
-def _assert_pushes_off_the_critical_path(events: list[dict]) -> None:
+def _assert_pushes_off_the_critical_path(events: list[dict], trainer_ranks: int) -> None:
     """The trainer's timeline: the step after a push trains while the push
-    streams (the torch trainer exports beside its steps), and nothing that
+    streams (torch and fsdp trainers export beside their steps), and nothing that
     changes the weights (an optimizer step, a step's finish) runs during one."""
     def spans(name: str) -> list[tuple[int, int, dict]]:
         return [(e["ts"], e["ts"] + e["dur"], e["args"]) for e in events
                 if e["ph"] == "X" and e["name"] == name and e.get("cat") != "gpu"]
 
-    pushes = [(start, end) for start, end, args in spans("weight export") if args.get("transport") == "collective"]
-    assert len(pushes) == STEPS
+    exports = [(start, end, args) for start, end, args in spans("weight export")
+               if args.get("transport") == "collective"]
+    assert Counter(args["actor"] for _, _, args in exports) == {f"actor-{rank}": STEPS for rank in range(trainer_ranks)}
+    pushes = [(start, end) for start, end, _ in exports]  # every rank gathers its part of each push
     changes = spans("finish_train_step") + spans("optimizer_step")
     assert not [(s, e) for s, e, _ in changes if any(p < e and s < q for p, q in pushes)]  # the fence
     overlapped = [args["step"] for s, _, args in spans("train_microbatch") if any(p < s < q for p, q in pushes)]

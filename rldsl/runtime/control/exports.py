@@ -2,7 +2,7 @@
 the rank-to-rank push itself, once per version.
 
 Where the trainer's export may run beside its step's calls
-(``StageHandles.export_overlaps``: torch and megatron trainers), the export
+(``StageHandles.export_overlaps``: torch, megatron and fsdp trainers), the export
 runs while the next step fills and trains: its microbatches only read the
 weights. Whatever changes them (an optimizer step, the step's finish, the
 trainer's sleep) and the next export wait for it, so a version is never

@@ -197,14 +197,17 @@ def build_judge(stage: StagePlan, pipe: PipelinePlan, seed: int):
 def trainer_exports_beside_steps(stage: StagePlan) -> bool:
     """Whether the stage's trainer may export its weights while its next
     step trains (``exports_beside_steps`` on the engine's class: no forward
-    swaps the weights, and the export's collectives, if any, are its own)."""
+    of the step's microbatches swaps the weights, and the export's
+    collectives, if any, never pair with the step's)."""
     if stage.engine.name == "sim":
         from rldsl.runtime.engines.sim import SimTrainer as trainer
     elif stage.engine.name == "torch":
         from rldsl.runtime.engines.torch.train import TorchTrainer as trainer
     elif stage.engine.name == "megatron":
         from rldsl.runtime.engines.megatron.trainer import MegatronTrainer as trainer
-    else:  # fsdp: a forward swaps each layer's sharded parameters for gathered ones and back
+    elif stage.engine.name == "fsdp":
+        from rldsl.runtime.engines.fsdp.trainer import FsdpTrainer as trainer
+    else:
         return False
     return bool(getattr(trainer, "exports_beside_steps", False))
 

@@ -31,9 +31,14 @@ class TrainerWorker(StageWorker, WeightGroupMember):
         self.checkpoint = checkpoint or {}  # {"run_dir": ..., "every": N, "keep": K}
         # Held while a stream reads the weights (its own concurrency group, beside the step's calls): whatever
         # changes them waits. The controller already orders them so; this keeps the fence if it ever did not.
-        self._weights_read = threading.Lock()
+        # Reentrant: a step's finish holds it and checkpoints.
+        self._weights_read = threading.RLock()
         group = join_dist_group(dist) if dist and dist["world_size"] > 1 else None
         self.engine = build_trainer(stage, pipe, seed=pipe.run.seed, process_group=group)
+        # An engine whose forwards and checkpoints gather over the group its export gathers over (fsdp) runs
+        # them after an export, not beside it: two threads' collectives on one group would pair up wrongly
+        self._after_export = contextlib.nullcontext if getattr(self.engine, "forwards_beside_exports", True) \
+            else lambda: self._weights_read
         self._collectives = named_collectives(dist if group is not None else None)
         self.needs = [p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK,
                       p.FIELD_ADVANTAGE, p.FIELD_VERSION]
@@ -66,7 +71,9 @@ class TrainerWorker(StageWorker, WeightGroupMember):
         trainer's calls, as this actor takes one at a time."""
         with self.tracer.span("reference logprob", groups=prompt_groups(keys)):
             fields = self._get(keys, GENERATED_FIELDS)
-            self._put(keys, {p.FIELD_REF_LOGPROBS: self.engine.reference_logprobs(fields)})
+            with self._after_export():
+                logprobs = self.engine.reference_logprobs(fields)
+            self._put(keys, {p.FIELD_REF_LOGPROBS: logprobs})
 
     def optimizer_step(self, step: int) -> dict:
         """A mini-batch's optimizer step inside the open step (a collective)."""
@@ -188,7 +195,7 @@ class TrainerWorker(StageWorker, WeightGroupMember):
 
         version = self.engine.version
         directory = checkpoint_dir(self.checkpoint["run_dir"], version)
-        with self.tracer.span("checkpoint save", version=version), self._awake():
+        with self._after_export(), self.tracer.span("checkpoint save", version=version), self._awake():
             self.engine.save_checkpoint(directory / TRAINER_DIR)
         if self.rank == 0:  # the engine returns once every rank's files are written
             write_json_atomically(directory / TRAINER_MARKER, {"version": version, "engine": self.stage.engine.name,

@@ -33,7 +33,7 @@ CHECKPOINT_FILE = "fsdp.pt"  # the gathered single file of earlier checkpoints
 
 
 def full_state_buckets(module: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None,
-                       only=None):
+                       only=None, on_host: bool = True):
     """The state dict with every shard gathered, as CPU copies in buckets of
     at most ``bucket_bytes`` (a larger tensor travels alone); floating
     tensors in ``dtype`` when given (the compute dtype: what the trainer's
@@ -42,7 +42,11 @@ def full_state_buckets(module: torch.nn.Module, bucket_bytes: int, dtype: torch.
     sharded tensors' global shapes), so beyond its shards a rank holds about
     one bucket. Every rank gathers (one collective per tensor); only the
     first rank keeps copies and yields, the others iterate along. ``only``:
-    a test of the names to push (LoRA: the adapters)."""
+    a test of the names to push (LoRA: the adapters). Without ``on_host``
+    the gathered tensors stay on their device (a rank-to-rank push packs
+    them there: no host round trip on a GPU); a tensor that needed no
+    gather is then the parameter itself, valid until the next optimizer
+    step."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     keeps = dist.get_rank() == 0
@@ -58,8 +62,8 @@ def full_state_buckets(module: torch.nn.Module, bucket_bytes: int, dtype: torch.
             bucket, used = {}, 0
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if keeps:  # a mixture of experts' fused parameters as each expert's tensors, under checkpoint names
-            bucket.update((part, value.detach().to("cpu", dtype=cast, copy=True))
-                          for part, value in checkpoint_tensors(name, full))
+            bucket.update((part, value.detach().to("cpu", dtype=cast, copy=True) if on_host
+                           else value.detach().to(dtype=cast)) for part, value in checkpoint_tensors(name, full))
         del full  # the gathered copy goes before the next gather
         used += size
     if keeps and bucket:

@@ -58,6 +58,13 @@ from rldsl.runtime.protocols import Batch, trained_tokens
 
 
 class FsdpTrainer(TorchTrainer):
+    # An export may run beside the next step's microbatches: they only keep rows, and the forwards run at
+    # the mini-batch boundaries, which wait for it (runtime/control/exports.py). Nothing else that gathers
+    # over the trainer's group, or swaps a layer's shards for gathered parameters, may run beside it: a
+    # reference scored on the trainer and a checkpoint wait for the export (TrainerWorker).
+    exports_beside_steps = True
+    forwards_beside_exports = False
+
     def __init__(self, model, shard: int = 0, dtype: str = "fp32", offload: bool = True, process_group=None,
                  **options):
         device = training_device()
@@ -93,14 +100,15 @@ class FsdpTrainer(TorchTrainer):
         super().abort_train_step(step)
         reshard_all(self.model.module)  # a forward that failed half way may have left a unit gathered
 
-    def weight_buckets(self, bucket_bytes: int):
+    def weight_buckets(self, bucket_bytes: int, on_host: bool = True):
         """Full (unsharded) tensors under the torch engine's (Hugging Face)
-        names, as CPU copies in the compute dtype (the values the forwards
-        use). A collective: every rank iterates it; only the first rank
-        yields buckets."""
+        names in the compute dtype (the values the forwards use): CPU
+        copies, or without ``on_host`` gathered where the shards are, for a
+        rank-to-rank push. A collective: every rank iterates it; only the
+        first rank yields buckets."""
         self._require_awake("weight_buckets")
         only = is_adapter if has_adapters(self.model.module) else None  # LoRA: the adapters alone
-        return full_state_buckets(self.model.module, bucket_bytes, DTYPES[self.dtype], only)
+        return full_state_buckets(self.model.module, bucket_bytes, DTYPES[self.dtype], only, on_host)
 
     # -- checkpoints and offload -------------------------------------------------
 

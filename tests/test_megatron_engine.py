@@ -378,6 +378,9 @@ def test_weight_buckets_give_back_the_hf_weights_and_change_after_a_step(megatro
     assert exported.keys() == weights.keys()
     assert all(torch.equal(exported[name], weights[name]) for name in weights)
     assert all(len(b) == 1 for b in buckets if sum(t.numel() * t.element_size() for t in b.values()) > largest // 2)
+    on_device = [b for b in trainer.weight_buckets(largest // 2, on_host=False)]  # a push's: as gathered
+    assert [list(b) for b in on_device] == [list(b) for b in buckets]
+    assert all(torch.equal(b[name].cpu(), a[name]) for a, b in zip(buckets, on_device) for name in a)
     result = run_clean_step(trainer, shape, step=0)
     assert result.version == 1 and result.metrics["grad_norm"] > 0
     after = {n: t for b in trainer.weight_buckets(1 << 20) for n, t in b.items()}
@@ -612,13 +615,14 @@ def export_beside_a_step(trainer, batch, rows) -> dict:
     """The weights exported on another thread while this one trains a step's
     microbatches (on Ray: the push's concurrency group beside the step's
     calls). The export gathers on groups of its own, so the two threads'
-    collectives never pair up across ranks: it neither hangs nor mixes."""
+    collectives never pair up across ranks: it neither hangs nor mixes. As a
+    push takes them: on the device, not copied to host memory."""
     import threading
 
     out = {}
 
     def export() -> None:
-        out["weights"] = {n: t for b in trainer.weight_buckets(4096) for n, t in b.items()}
+        out["weights"] = {n: t.clone() for b in trainer.weight_buckets(4096, on_host=False) for n, t in b.items()}
 
     trainer.begin_train_step(2)
     thread = threading.Thread(target=export)

@@ -265,8 +265,10 @@ def _copy_shards(targets: Mapping[str, torch.Tensor], shards: Iterable[tuple[str
 # -- Hugging Face weights out ----------------------------------------------------------
 
 
-def export_hf_weights(model, shape: LlamaShape) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full Hugging Face tensors, on CPU, in a fixed order.
+def export_hf_weights(model, shape: LlamaShape, on_host: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full Hugging Face tensors, in a fixed order: on CPU, or without
+    ``on_host`` where they were gathered (a tensor no rank split may then be
+    a view of the parameter, valid until the next optimizer step).
 
     A collective: every rank of the tensor- and pipeline-parallel groups must
     iterate it to the end. Only the first tensor- and pipeline-parallel rank
@@ -286,7 +288,7 @@ def export_hf_weights(model, shape: LlamaShape) -> Iterator[tuple[str, torch.Ten
         for name, tensor in _stage_weights(model, shape, stage, (tp_group, ep_group, pp_group), pp_size,
                                            tp_rank == 0):
             if exporting and not (shape.tied_embeddings and name == "output_layer.weight"):
-                yield from megatron_tensor_to_hf(name, tensor.cpu(), shape, fused).items()
+                yield from megatron_tensor_to_hf(name, tensor.cpu() if on_host else tensor, shape, fused).items()
 
 
 def _stage_weights(model, shape, stage, groups, pp_size, relay) -> Iterator[tuple[str, torch.Tensor]]:

@@ -211,16 +211,19 @@ class MegatronTrainer(ProximalPass):
         self._zero_grads()
         self._open = None
 
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        """Hugging Face-named CPU tensors (tensor-parallel shards gathered) in
-        buckets of at most ``bucket_bytes``. A collective over the tensor- and
-        pipeline-parallel groups: call it on every trainer rank; only the
-        first rank of a model replica yields buckets."""
+    streams_from_device = True  # weight_buckets(on_host=False): gathered on the GPU, for a stream
+
+    def weight_buckets(self, bucket_bytes: int, on_host: bool = True) -> Iterator[dict[str, torch.Tensor]]:
+        """Hugging Face-named tensors (tensor-parallel shards gathered) in
+        buckets of at most ``bucket_bytes``: CPU copies, or without
+        ``on_host`` on the device, for a rank-to-rank push. A collective over
+        the tensor- and pipeline-parallel groups: call it on every trainer
+        rank; only the first rank of a model replica yields buckets."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self._require_awake("weight_buckets")
         bucket, used = {}, 0
-        for name, tensor in mm.export_hf_weights(self.model.module, self.shape):
+        for name, tensor in mm.export_hf_weights(self.model.module, self.shape, on_host):
             size = tensor.numel() * tensor.element_size()
             if bucket and used + size > bucket_bytes:
                 yield bucket

@@ -211,8 +211,9 @@ def reference_gradients(megatron, shape, weights, batch, config, device="cpu") -
     batch = {name: value.to(device) for name, value in batch.items()}
     packed = megatron_rows.pack_rows(batch, device)
     logprobs = megatron_rows.response_logprobs_from_logits(megatron_rows.forward_logits(model, packed), packed)
+    proximal = logprobs.detach() if config.needs_proximal else None  # the batch-start weights are these
     out = policy_loss(logprobs, batch["behaviour_logprobs"], batch["advantage"], batch["response_mask"], config,
-                    batch["ref_logprobs"])
+                      batch["ref_logprobs"], proximal)
     (out.loss_sum / out.count).backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 

@@ -1,7 +1,9 @@
 """A Qwen3-MoE on the megatron trainer, over gloo in two processes: expert
 parallelism (each rank holds half of each layer's experts, tokens travel to
 them and back) and tensor parallelism give the one-process gradients, and
-the export gathers every expert back into the Hugging Face tensors."""
+the export gathers every expert back into the Hugging Face tensors. With a
+loss that weighs tokens by the proximal policy and two optimizer steps, the
+proximal pass's forwards run in lockstep too (uneven rows, both ways)."""
 
 import json
 
@@ -19,6 +21,11 @@ pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarn
 LAYOUTS = [(1, 2), (2, 1)]  # (tp, ep)
 LOSS = PolicyLossConfig(kl=0.05)
 DP2_ROWS = {0: [(0, 3), (3, 7)], 1: [(7, 10)]}  # uneven: rank 1 holds fewer rows
+# weights exp(proximal - behaviour), untruncated: the gradient shows any wrong proximal logprob
+PROXIMAL_LOSS = PolicyLossConfig(kl=0.05, correction="is")
+# two mini-batches per rank: 3 forwards against 1 in the first (training), 1 against 2 in the second (proximal)
+MINIBATCHES = {0: ([(0, 3), (3, 5)], [(5, 6)]), 1: ([(6, 7)], [(7, 9), (9, 10)])}
+SECOND_MINIBATCH = [5, 7, 8, 9]
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +71,31 @@ def _worker(rank: int, port: int, path: str, results: dict):
                 first, last = rows[0][0], rows[-1][1]  # this rank's rows: 4 forwards on rank 0, 2 on rank 1
                 results[("logprobs", tp, ep, rank)] = (first, logprob.logprobs({k: v[first:last]
                                                                                  for k, v in batch.items()}))
+                if ep == 2:
+                    results[("proximal", rank)] = _two_minibatches_with_a_proximal_loss(path, batch, rank)
                 parallel_state.destroy_model_parallel()
     finally:
         dist.destroy_process_group()
+
+
+def _two_minibatches_with_a_proximal_loss(path: str, batch: dict, rank: int) -> dict:
+    """The second mini-batch's gradients (lr 0: the weights stay those of the batch's start)."""
+    from rldsl.runtime.engines.megatron import model as mm
+    from rldsl.runtime.engines.megatron.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer.from_pretrained(path, ep=2, dtype="fp32", distributed_optimizer=False, lr=0.0,
+                                              max_grad_norm=None, loss=PROXIMAL_LOSS, rows_per_forward=2)
+    trainer.begin_train_step(0)
+    first, second = MINIBATCHES[rank]
+    for rows in (first, second):
+        for start, stop in rows:
+            trainer.train_microbatch(0, {k: v[start:stop] for k, v in batch.items()})
+        if rows is first:
+            assert trainer.optimizer_step(0) == {"deferred": 1.0}  # held: the proximal pass runs for the second
+    assert trainer.finish_train_step(0).version == 1
+    module = trainer.model.module
+    names = dict(zip((n for n, _ in module.named_parameters()), mm.local_weights(module, trainer.shape)))
+    return {names[n]: p.main_grad.clone() for n, p in module.named_parameters()}
 
 
 def test_expert_and_tensor_parallel_gradients_and_export_on_two_ranks(megatron, qwen3_moe):
@@ -95,6 +124,13 @@ def test_expert_and_tensor_parallel_gradients_and_export_on_two_ranks(megatron, 
         if ep == 2:  # each rank trained only its own half of the experts
             local = {n for n in results[(tp, ep, 0)][1] if hmw.is_expert_weight(n)}
             assert local and all(".local_experts.0." in n or ".local_experts.1." in n for n in local)
+    second = {k: v[SECOND_MINIBATCH] for k, v in batch.items()}
+    expected = reference_gradients(megatron, shape, weights, second, PROXIMAL_LOSS)
+    merged = {**results[("proximal", 0)], **results[("proximal", 1)]}  # each rank's experts; the rest all-reduced
+    assert merged.keys() == expected.keys()
+    scale = max(float(g.abs().max()) for g in expected.values())
+    worst = max(float((merged[n] - expected[n]).abs().max()) for n in expected) / scale
+    assert worst < 1e-5, worst
 
 
 def test_the_expert_layouts_not_built_are_refused_before_anything_is_built():
@@ -105,7 +141,5 @@ def test_the_expert_layouts_not_built_are_refused_before_anything_is_built():
         refuse_unbuilt_expert_layouts(moe, tp=2, pp=2, ep=1)
     with pytest.raises(NotImplementedError, match="ep > 1 with pp > 1"):
         refuse_unbuilt_expert_layouts(moe, tp=1, pp=2, ep=2)
-    with pytest.raises(NotImplementedError, match="ep > 1 with a proximal-policy loss"):
-        refuse_unbuilt_expert_layouts(moe, tp=1, pp=1, ep=2, proximal=True)
     refuse_unbuilt_expert_layouts(moe, tp=2, pp=1, ep=2)
     refuse_unbuilt_expert_layouts(hmw.LlamaShape.from_hf_config({**QWEN3, "model_type": "qwen3"}), tp=2, pp=2, ep=1)

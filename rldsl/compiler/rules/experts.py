@@ -3,9 +3,8 @@ groups do not tile the stage's ranks, or that the model cannot take; a
 mixture megatron here cannot convert (Qwen3-MoE it can), and the layouts it
 does not run yet (an expert tensor parallelism other than `tp`; experts
 under `tp > 1` with pipeline parallelism, which needs sequence parallelism
-across stages; `ep` with pipeline parallelism or with a loss that weighs
-tokens by the behaviour policy, whose proximal pass is not run in lockstep): the memory
-estimate counts `ep` and `etp`, `rldsl run` would refuse the stage."""
+across stages; `ep` with pipeline parallelism): the memory estimate counts
+`ep` and `etp`, `rldsl run` would refuse the stage."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from pathlib import Path
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, Diagnostic
-from rldsl.compiler.ir import token_weighting
 from rldsl.compiler.memory import hf_config, hf_shape
 from rldsl.compiler.types import arg_span
 
@@ -88,9 +86,6 @@ def _model_finding(ctx: Context, stage: Decl) -> Diagnostic | None:
                                     "pipeline stages")
     if ep > 1 and pp > 1:
         return _not_yet(ctx, stage, f"`ep = {ep}` with `pp = {pp}` runs pipelined forwards")
-    weighting = token_weighting(stage.get("loss")) if stage.stage_kind == "train" else ""
-    if ep > 1 and weighting:  # the loss's proximal pass (the runtime's needs_proximal)
-        return _not_yet(ctx, stage, f"`ep = {ep}` with `{weighting}` runs a proximal-policy pass")
     return None
 
 

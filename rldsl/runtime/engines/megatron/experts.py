@@ -123,16 +123,16 @@ def empty_rows(device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.ones(1, 1, dtype=torch.long, device=device), torch.zeros(1, 1, dtype=torch.long, device=device))
 
 
-def refuse_unbuilt_expert_layouts(shape: LlamaShape, tp: int, pp: int, ep: int, proximal: bool = False) -> None:
+def refuse_unbuilt_expert_layouts(shape: LlamaShape, tp: int, pp: int, ep: int) -> None:
     """What running a mixture of experts here does not cover yet, refused before it hangs or errs."""
     if not shape.num_experts:
         return
     if tp > 1 and pp > 1:  # tp > 1 runs under sequence parallelism, whose stage-to-stage shapes are not built
         raise NotImplementedError("a mixture of experts on megatron with tp > 1 and pp > 1 is not built (sequence "
                                   "parallelism across pipeline stages)")
-    if ep > 1 and (pp > 1 or proximal):
-        raise NotImplementedError(f"ep > 1 with {'pp > 1' if pp > 1 else 'a proximal-policy loss'} is not built: "
-                                  "those forwards are not run in lockstep over expert parallelism")
+    if ep > 1 and pp > 1:
+        raise NotImplementedError("ep > 1 with pp > 1 is not built: the pipeline's forwards are not run in lockstep "
+                                  "over expert parallelism")
 
 
 

@@ -18,6 +18,13 @@ per rollout batch those are the weights of every forward. With several:
   later mini-batch, call by call as it arrived, against its kept logprobs,
   one optimizer step each.
 
+Under expert parallelism (``ExpertLockstep``) every proximal forward is a
+round of its own, as a training forward is: the first held boundary first
+joins the mini-batch's training rounds (empty training forwards), and each
+later boundary, and finish before it trains, joins the proximal rounds with
+empty forward-only ones, so a rank's forward-only pass never meets
+another's training forward in the experts' exchanges.
+
 No grad also keeps the MoE routers from logging auxiliary losses for these
 forwards. A later pass (``ppo_epochs``) sends the same rows again and gets
 the same proximal logprobs. The cost: one forward-only pass per later row,
@@ -28,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from rldsl.runtime.engines.megatron import rows as mr
+from rldsl.runtime.engines.megatron.experts import empty_rows
 from rldsl.runtime.engines.megatron.logprob import logprob_forward_step
 from rldsl.runtime.engines.megatron.open_step import HeldSteps
 from rldsl.runtime.protocols import Batch
@@ -43,8 +52,10 @@ class ProximalPass:
     def _hold_optimizer_step(self) -> dict[str, float]:
         """A mini-batch boundary whose optimizer step waits for finish."""
         if self._open.held is None:
+            self._join_expert_rounds()  # the training forwards end here on every rank; proximal ones follow
             self._open.held = HeldSteps(*self._open.restart_sums())
         else:
+            self._join_proximal_rounds()
             self._open.held.later.append([])
         return dict(DEFERRED)
 
@@ -61,20 +72,36 @@ class ProximalPass:
     @torch.no_grad()
     def _proximal_logprobs(self, chunks: list[Batch]) -> list[torch.Tensor] | None:
         """Each chunk's response logprobs (CPU) on the current weights, through
-        the schedule and shapes the training pass uses; None off the last stage."""
+        the schedule and shapes the training pass uses (under expert
+        parallelism one forward a round, as training's); None off the last stage."""
         from megatron.core import parallel_state
 
         packed, length, rows = self._pack(chunks)
-        outputs = self._forward_backward()(
-            forward_step_func=logprob_forward_step, data_iterator=iter(packed), model=[self.model],
-            num_microbatches=len(packed), seq_length=length, micro_batch_size=rows, forward_only=True)
+        outputs = []
+        for some in ([[chunk] for chunk in packed] if self.lockstep.needed else [packed]):
+            if self.lockstep.needed:
+                self.lockstep.round(has_rows=True)
+            outputs += self._forward_only(some, length, rows, logprob_forward_step)
         if not parallel_state.is_pipeline_last_stage():
             return None
         return [output["logprobs"] for output in outputs]
 
+    def _forward_only(self, packed: list, length: int, rows: int, forward_step) -> list:
+        return self._forward_backward()(
+            forward_step_func=forward_step, data_iterator=iter(packed), model=[self.model],
+            num_microbatches=len(packed), seq_length=length, micro_batch_size=rows, forward_only=True)
+
+    @torch.no_grad()
+    def _join_proximal_rounds(self) -> None:
+        """Empty forward-only rounds until no rank of the expert-parallel group has proximal rows."""
+        if self.lockstep.needed:
+            empty = [mr.PackedRows(*empty_rows(self.device), None, None, {})]
+            self.lockstep.join_rounds(lambda: self._forward_only(empty, 1, 1, mr.empty_forward_step))
+
     def _take_held_optimizer_steps(self) -> dict[str, float] | None:
         """The first mini-batch's optimizer step, then each later mini-batch
         trained against its proximal logprobs and stepped; the last attempt."""
+        self._join_proximal_rounds()
         open_step = self._open
         held, open_step.held = open_step.held, None
         open_step.sums, open_step.pipeline_microbatches = held.sums, held.pipeline_microbatches

@@ -105,3 +105,10 @@ def response_logprobs_from_logits(logits: torch.Tensor, packed: PackedRows) -> t
     picked = token_logprobs.gather(1, index.clamp(min=0, max=packed.length - 1))
     real_rows = len(packed.batch[FIELD_RESPONSE_IDS])
     return (picked * packed.response_mask.to(picked.dtype))[:real_rows]
+
+
+def empty_forward_step(data_iterator, model):
+    """A schedule's forward step of an empty expert round (experts.ExpertLockstep): a zero loss over no tokens."""
+    logits = forward_logits(model, next(data_iterator))
+    nothing = torch.zeros((), dtype=torch.int, device=logits.device)
+    return logits, lambda out: (out.sum() * 0.0, nothing, {})

@@ -123,7 +123,7 @@ class MegatronTrainer(ProximalPass):
         temperature: float = 1.0,
     ):
         self.loss = loss if isinstance(loss, PolicyLossConfig) else PolicyLossConfig(**(loss or {}))
-        refuse_unbuilt_expert_layouts(shape, tp, pp, ep, self.loss.needs_proximal)
+        refuse_unbuilt_expert_layouts(shape, tp, pp, ep)
         mm.ensure_model_parallel(tp, pp, seed, ep)
         self.temperature = temperature  # the generators' sampling temperature: logprobs are taken at it
         self.shape = shape
@@ -320,7 +320,7 @@ class MegatronTrainer(ProximalPass):
         if not self.lockstep.needed:
             return  # every optimizer step comes here: nothing to build without expert parallelism
         empty = [mr.PackedRows(*empty_rows(self.device), None, None, {})]
-        self.lockstep.join_rounds(lambda: self._run_schedule(empty, 1, 1, _empty_forward_step))
+        self.lockstep.join_rounds(lambda: self._run_schedule(empty, 1, 1, mr.empty_forward_step))
 
     def _forward_step(self, data_iterator, model, sums: dict[str, float]):
         packed = next(data_iterator)
@@ -415,10 +415,3 @@ class MegatronTrainer(ProximalPass):
         metrics = step_metrics(totals, count, grad_norm, self.optimizer.param_groups[0]["lr"])
         metrics.update(mc.moe_aux_loss_metrics(self.config, microbatches))
         return metrics
-
-
-def _empty_forward_step(data_iterator, model):
-    """The schedule's forward step of an empty expert round: a zero loss over no tokens."""
-    logits = mr.forward_logits(model, next(data_iterator))
-    nothing = torch.zeros((), dtype=torch.int, device=logits.device)
-    return logits, lambda out: (out.sum() * 0.0, nothing, {})

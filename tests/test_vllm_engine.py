@@ -257,3 +257,22 @@ def test_episodes_run_on_vllm_in_token_space(vllm_engine):
     with torch.no_grad():
         recomputed = response_logprobs(vllm_engine.reference(), batch, TEMPERATURE)
     assert float((recomputed - batch[p.FIELD_BEHAVIOUR_LOGPROBS])[trained].abs().max()) < 1e-4
+
+
+def test_a_push_into_a_mixture_of_experts_on_vllms_cpu_build_is_refused(tmp_path, monkeypatch):
+    """vLLM's CPU build reloads a mixture of experts wrongly (bench/vllm_moe_push.py: up to 0.5 in log-probability
+    after a push, with vLLM's own reload_weights too; a dense model exactly): the push says so instead."""
+    import json
+
+    from rldsl.runtime.engines.vllm_async import AsyncVLLM, moe_reload_refused
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # vLLM's CPU build, on any machine
+    for name, config in {"moe": {"model_type": "qwen3_moe", "num_experts": 4}, "dense": {"model_type": "qwen3"}}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    refused = moe_reload_refused(str(tmp_path / "moe"))
+    assert "reloads a mixture of experts' weights wrongly" in refused and "engine = torch" in refused
+    assert moe_reload_refused(str(tmp_path / "dense")) is None
+    assert moe_reload_refused(str(tmp_path / "missing")) is None
+    with pytest.raises(RuntimeError, match="no version can be pushed"):  # before the engine is touched
+        AsyncVLLM(engine=None, loop=None, reload_refused=refused).load_weights([[("w", torch.zeros(1))]], 1)

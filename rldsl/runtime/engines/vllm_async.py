@@ -17,6 +17,8 @@ What the vLLM engines (vllm.py) need of vLLM, in calls that return at once
   ``pause_generation(mode="keep")``, each bucket loaded by the workers
   (vllm_worker.py), the version set, the prefix cache reset (running
   requests recompute theirs under the new weights), ``resume_generation``;
+  refused for a mixture of experts on vLLM's CPU build, which reloads its
+  layers wrongly (``moe_reload_refused``);
 - LoRA adapters (``load_adapter``): each version written as PEFT's
   directory and added to vLLM as a ``LoRARequest`` of its own, which the
   requests submitted after it name; the version before it removed. Several
@@ -60,8 +62,9 @@ class Sample:
 class AsyncVLLM:
     """``AsyncLLM`` driven from threads; see the module docstring."""
 
-    def __init__(self, engine, loop: EventLoopThread) -> None:
+    def __init__(self, engine, loop: EventLoopThread, reload_refused: str | None = None) -> None:
         self.engine, self.loop = engine, loop
+        self.reload_refused = reload_refused  # why weights cannot be loaded in place (None: they can)
         self.tokens_decoded = 0
         self._ids = itertools.count()
         self._adapter_ids = itertools.count(1)  # vLLM's LoRA ids start at 1
@@ -79,7 +82,7 @@ class AsyncVLLM:
             await engine.update_weight_version(str(version))
             return engine
 
-        return cls(loop.run(build()), loop)
+        return cls(loop.run(build()), loop, moe_reload_refused(engine_args["model"]))
 
     # -- generation --------------------------------------------------------------------
 
@@ -150,6 +153,8 @@ class AsyncVLLM:
 
     def load_weights(self, buckets: Iterable[list[tuple[str, Any]]], version: int) -> None:
         """Every bucket in place, generation paused (requests in flight kept) meanwhile."""
+        if self.reload_refused:
+            raise RuntimeError(self.reload_refused)
         self.loop.run(self._load(buckets, version))
 
     async def _load(self, buckets, version: int) -> None:
@@ -238,3 +243,26 @@ class AsyncVLLM:
         if handler is not None and not handler.done():
             handler.cancel()
             await asyncio.gather(handler, return_exceptions=True)
+
+
+def moe_reload_refused(model_path: str) -> str | None:
+    """Why new weights cannot go into this model in place: vLLM's CPU build
+    (0.32) reloads a mixture of experts wrongly, through its own
+    ``reload_weights`` as through ours, while a dense model reloads exactly
+    (bench/vllm_moe_push.py); None on a GPU, for a dense model, or when the
+    config cannot be read."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    try:
+        with open(os.path.join(model_path, "config.json")) as file:
+            config = json.load(file)
+    except (OSError, ValueError):
+        return None
+    if not (config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")):
+        return None
+    return (f"vLLM's CPU build reloads a mixture of experts' weights wrongly (the model at {model_path}: its "
+            "log-probabilities then differ from the same weights' in transformers by up to 0.5, with vLLM's own "
+            "reload too; docs/engines.md), so no version can be pushed into it: generate with `engine = torch` "
+            "on a CPU, or run vLLM on a GPU")

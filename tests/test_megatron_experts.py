@@ -3,8 +3,10 @@ parallelism (each rank holds half of each layer's experts, tokens travel to
 them and back) and tensor parallelism give the one-process gradients, and
 the export gathers every expert back into the Hugging Face tensors. With a
 loss that weighs tokens by the proximal policy and two optimizer steps, the
-proximal pass's forwards run in lockstep too (uneven rows, both ways)."""
+proximal pass's forwards run in lockstep too (uneven rows, both ways). On
+four processes, expert parallelism under pipeline parallelism (pp = 2)."""
 
+import contextlib
 import json
 
 import pytest
@@ -38,55 +40,59 @@ def qwen3_moe(tmp_path_factory):
     return path
 
 
-def _worker(rank: int, port: int, path: str, results: dict):
+@contextlib.contextmanager
+def _ranks_on_cpu(rank: int, port: int, world_size: int):
+    """This process as one of ``world_size`` gloo ranks with megatron's CPU shim."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    from megatron.core import parallel_state
-
-    from rldsl.runtime.engines.megatron import model as mm
     from rldsl.runtime.engines.megatron.cpu_compat import megatron_on_cpu
-    from rldsl.runtime.engines.megatron.logprob import MegatronLogprob
-    from rldsl.runtime.engines.megatron.trainer import MegatronTrainer
 
-    batch = make_batch(hmw.LlamaShape.from_hf_config(mm.read_hf_config(path)))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         with megatron_on_cpu():
-            for tp, ep in LAYOUTS:
-                trainer = MegatronTrainer.from_pretrained(path, tp=tp, ep=ep, dtype="fp32", distributed_optimizer=False,
-                                                          lr=0.0, max_grad_norm=None, loss=LOSS, rows_per_forward=2)
-                dp = parallel_state.get_data_parallel_world_size()
-                rows = DP2_ROWS[parallel_state.get_data_parallel_rank()] if dp == 2 else [(0, 4), (4, 10)]
-                trainer.begin_train_step(0)
-                for start, stop in rows:
-                    trainer.train_microbatch(0, {k: v[start:stop] for k, v in batch.items()})
-                trainer.finish_train_step(0)
-                module = trainer.model.module
-                names = dict(zip((n for n, _ in module.named_parameters()), mm.local_weights(module, trainer.shape)))
-                grads = {names[n]: p.main_grad.clone() for n, p in module.named_parameters()}
-                exported = {n: t for bucket in trainer.weight_buckets(4096) for n, t in bucket.items()}
-                results[(tp, ep, rank)] = (parallel_state.get_tensor_model_parallel_rank(), grads, exported)
-                logprob = MegatronLogprob.from_pretrained(path, tp=tp, ep=ep, dtype="fp32", rows_per_forward=2)
-                first, last = rows[0][0], rows[-1][1]  # this rank's rows: 4 forwards on rank 0, 2 on rank 1
-                results[("logprobs", tp, ep, rank)] = (first, logprob.logprobs({k: v[first:last]
-                                                                                 for k, v in batch.items()}))
-                if ep == 2:
-                    results[("proximal", rank)] = _two_minibatches_with_a_proximal_loss(path, batch, rank)
-                parallel_state.destroy_model_parallel()
+            yield
     finally:
         dist.destroy_process_group()
 
 
-def _two_minibatches_with_a_proximal_loss(path: str, batch: dict, rank: int) -> dict:
-    """The second mini-batch's gradients (lr 0: the weights stay those of the batch's start)."""
+def _one_step(path: str, batch: dict, rows: list, **layout) -> tuple[dict, dict]:
+    """A step over this rank's ``rows``: its gradients (by Hugging Face name) and the export."""
     from rldsl.runtime.engines.megatron import model as mm
     from rldsl.runtime.engines.megatron.trainer import MegatronTrainer
 
-    trainer = MegatronTrainer.from_pretrained(path, ep=2, dtype="fp32", distributed_optimizer=False, lr=0.0,
+    trainer = MegatronTrainer.from_pretrained(path, **layout, dtype="fp32", distributed_optimizer=False, lr=0.0,
+                                              max_grad_norm=None, loss=LOSS, rows_per_forward=2)
+    trainer.begin_train_step(0)
+    for start, stop in rows:
+        trainer.train_microbatch(0, {k: v[start:stop] for k, v in batch.items()})
+    trainer.finish_train_step(0)
+    module = trainer.model.module
+    names = dict(zip((n for n, _ in module.named_parameters()), mm.local_weights(module, trainer.shape)))
+    grads = {names[n]: p.main_grad.clone() for n, p in module.named_parameters()}
+    return grads, {n: t for bucket in trainer.weight_buckets(4096) for n, t in bucket.items()}
+
+
+def _logprobs(path: str, batch: dict, rows: list, **layout) -> tuple[int, torch.Tensor | None]:
+    """A logprob stage's call on this rank's rows (None off the last pipeline stage), and their first row."""
+    from rldsl.runtime.engines.megatron.logprob import MegatronLogprob
+
+    logprob = MegatronLogprob.from_pretrained(path, **layout, dtype="fp32", rows_per_forward=2)
+    first, last = rows[0][0], rows[-1][1]
+    return first, logprob.logprobs({k: v[first:last] for k, v in batch.items()})
+
+
+def _two_minibatches_with_a_proximal_loss(path: str, batch: dict, pp: int = 1) -> dict:
+    """The second mini-batch's gradients (lr 0: the weights stay those of the batch's start)."""
+    from megatron.core import parallel_state
+
+    from rldsl.runtime.engines.megatron import model as mm
+    from rldsl.runtime.engines.megatron.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer.from_pretrained(path, pp=pp, ep=2, dtype="fp32", distributed_optimizer=False, lr=0.0,
                                               max_grad_norm=None, loss=PROXIMAL_LOSS, rows_per_forward=2)
     trainer.begin_train_step(0)
-    first, second = MINIBATCHES[rank]
+    first, second = MINIBATCHES[parallel_state.get_data_parallel_rank()]
     for rows in (first, second):
         for start, stop in rows:
             trainer.train_microbatch(0, {k: v[start:stop] for k, v in batch.items()})
@@ -96,6 +102,27 @@ def _two_minibatches_with_a_proximal_loss(path: str, batch: dict, rank: int) -> 
     module = trainer.model.module
     names = dict(zip((n for n, _ in module.named_parameters()), mm.local_weights(module, trainer.shape)))
     return {names[n]: p.main_grad.clone() for n, p in module.named_parameters()}
+
+
+def _worker(rank: int, port: int, path: str, results: dict):
+    from megatron.core import parallel_state
+
+    from rldsl.runtime.engines.megatron import model as mm
+    from rldsl.runtime.engines.megatron.model import ensure_model_parallel
+
+    batch = make_batch(hmw.LlamaShape.from_hf_config(mm.read_hf_config(path)))
+    with _ranks_on_cpu(rank, port, 2):
+        for tp, ep in LAYOUTS:
+            ensure_model_parallel(tp, 1, 0, ep)  # the groups first: this rank's rows follow its data-parallel place
+            dp = parallel_state.get_data_parallel_world_size()
+            rows = DP2_ROWS[parallel_state.get_data_parallel_rank()] if dp == 2 else [(0, 4), (4, 10)]
+            grads, exported = _one_step(path, batch, rows, tp=tp, ep=ep)
+            results[(tp, ep, rank)] = (parallel_state.get_tensor_model_parallel_rank(), grads, exported)
+            # this rank's rows: 4 forwards on rank 0, 2 on rank 1
+            results[("logprobs", tp, ep, rank)] = _logprobs(path, batch, rows, tp=tp, ep=ep)
+            if ep == 2:
+                results[("proximal", rank)] = _two_minibatches_with_a_proximal_loss(path, batch)
+            parallel_state.destroy_model_parallel()
 
 
 def test_expert_and_tensor_parallel_gradients_and_export_on_two_ranks(megatron, qwen3_moe):
@@ -124,13 +151,58 @@ def test_expert_and_tensor_parallel_gradients_and_export_on_two_ranks(megatron, 
         if ep == 2:  # each rank trained only its own half of the experts
             local = {n for n in results[(tp, ep, 0)][1] if hmw.is_expert_weight(n)}
             assert local and all(".local_experts.0." in n or ".local_experts.1." in n for n in local)
+    assert_second_minibatch_gradients(megatron, shape, weights, batch, [results[("proximal", r)] for r in range(2)])
+
+
+def assert_second_minibatch_gradients(megatron, shape, weights, batch, per_rank: list[dict]) -> None:
+    """The ranks' gradients after two mini-batches with a proximal loss (each rank's experts and stage; the rest
+    all-reduced) against one process's over the second mini-batch's rows."""
     second = {k: v[SECOND_MINIBATCH] for k, v in batch.items()}
     expected = reference_gradients(megatron, shape, weights, second, PROXIMAL_LOSS)
-    merged = {**results[("proximal", 0)], **results[("proximal", 1)]}  # each rank's experts; the rest all-reduced
+    merged = {name: grad for grads in per_rank for name, grad in grads.items()}
     assert merged.keys() == expected.keys()
     scale = max(float(g.abs().max()) for g in expected.values())
     worst = max(float((merged[n] - expected[n]).abs().max()) for n in expected) / scale
     assert worst < 1e-5, worst
+
+
+def _pipelined_worker(rank: int, port: int, path: str, results: dict):
+    """pp = 2 x ep = 2 on four ranks (two data-parallel replicas of two stages): a step, its export, a logprob
+    call, two mini-batches with a proximal loss."""
+    from megatron.core import parallel_state
+
+    from rldsl.runtime.engines.megatron import model as mm
+    from rldsl.runtime.engines.megatron.model import ensure_model_parallel
+
+    batch = make_batch(hmw.LlamaShape.from_hf_config(mm.read_hf_config(path)))
+    with _ranks_on_cpu(rank, port, 4):
+        ensure_model_parallel(1, 2, 0, 2)
+        rows = DP2_ROWS[parallel_state.get_data_parallel_rank()]
+        results[rank] = (*_one_step(path, batch, rows, pp=2, ep=2), *_logprobs(path, batch, rows, pp=2, ep=2))
+        results[("proximal", rank)] = _two_minibatches_with_a_proximal_loss(path, batch, pp=2)
+        parallel_state.destroy_model_parallel()
+
+
+def test_expert_and_pipeline_parallel_on_four_ranks(megatron, qwen3_moe):
+    """ep = 2 under pp = 2, rows uneven over the two replicas: the one-process gradients, every expert exported,
+    a logprob stage's logprobs, each rank's forwards in lockstep with its stage's other replica."""
+    shape = hmw.LlamaShape.from_hf_config(json.loads((qwen3_moe / "config.json").read_text()))
+    weights, batch = megatron.read_hf_weights(qwen3_moe), make_batch(shape)
+    expected = reference_gradients(megatron, shape, weights, batch, LOSS)
+    logprobs = reference_logprobs(megatron, shape, weights, batch)
+    results = spawn_ranks(_pipelined_worker, str(qwen3_moe), nprocs=4)
+    merged = {name: grad for rank in range(4) for name, grad in results[rank][0].items()}
+    assert merged.keys() == expected.keys()
+    scale = max(float(g.abs().max()) for g in expected.values())
+    worst = max(float((merged[n] - expected[n]).abs().max()) for n in expected) / scale
+    assert worst < 1e-5, worst
+    exported = results[0][1]  # the first stage's first rank exports the whole model
+    assert exported.keys() == weights.keys() and all(torch.equal(exported[n], weights[n]) for n in weights)
+    scored = [results[rank][2:] for rank in range(4) if results[rank][3] is not None]  # the last stage's ranks
+    assert len(scored) == 2
+    for first, values in scored:
+        assert torch.allclose(values, logprobs[first:first + len(values)], atol=1e-5)
+    assert_second_minibatch_gradients(megatron, shape, weights, batch, [results[("proximal", r)] for r in range(4)])
 
 
 def test_the_expert_layouts_not_built_are_refused_before_anything_is_built():
@@ -139,7 +211,6 @@ def test_the_expert_layouts_not_built_are_refused_before_anything_is_built():
     moe = hmw.LlamaShape.from_hf_config({**QWEN3_MOE, "model_type": "qwen3_moe"})
     with pytest.raises(NotImplementedError, match="tp > 1 and pp > 1"):
         refuse_unbuilt_expert_layouts(moe, tp=2, pp=2, ep=1)
-    with pytest.raises(NotImplementedError, match="ep > 1 with pp > 1"):
-        refuse_unbuilt_expert_layouts(moe, tp=1, pp=2, ep=2)
     refuse_unbuilt_expert_layouts(moe, tp=2, pp=1, ep=2)
+    refuse_unbuilt_expert_layouts(moe, tp=1, pp=2, ep=2)
     refuse_unbuilt_expert_layouts(hmw.LlamaShape.from_hf_config({**QWEN3, "model_type": "qwen3"}), tp=2, pp=2, ep=1)

@@ -280,10 +280,10 @@ def test_the_expert_layouts_megatron_does_not_run_are_refused_by_check_as_by_the
     assert refusals("tp = 2, etp = 1") == ["`etp = 1` splits the experts over other ranks than `tp = 2`" + not_yet]
     assert refusals("tp = 2, pp = 2") == [
         "experts with `tp = 2` and `pp = 2` need sequence parallelism across pipeline stages" + not_yet]
-    assert refusals("pp = 2, ep = 2") == ["`ep = 2` with `pp = 2` runs pipelined forwards" + not_yet]
     # a loss that weighs tokens by the proximal policy runs its pass in lockstep (tests/test_megatron_experts.py)
     assert refusals("ep = 2", "loss = grpo(correction = tis)") == refusals("ep = 2", "loss = grpo(behaviour_cap = 2)")
     assert refusals("ep = 2", "loss = grpo(correction = tis)") == refusals("tp = 2, ep = 2") == []
+    assert refusals("pp = 2, ep = 2") == []  # pipelined forwards in lockstep too (tests/test_megatron_experts.py)
 
 
 def test_the_checks_model_types_are_the_ones_megatron_converts():

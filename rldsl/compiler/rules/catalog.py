@@ -537,8 +537,7 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "experts, under expert parallelism each rank loading only its own experts and an export gathering "
        "them); another mixture (or `ep` on a model whose config is not readable) is refused, as are the "
        "layouts it does not run yet: `etp` other than `tp`, experts with tp > 1 and pp > 1 "
-       "(sequence parallelism across pipeline stages) and `ep` with pp > 1. `rldsl run` would stop when megatron "
-       "loads them. "
+       "(sequence parallelism across pipeline stages). `rldsl run` would stop when megatron loads them. "
        "The fsdp engine trains any mixture as transformers builds it.",
        "stage train actor { model = policy  engine = megatron(tp = 2, ep = 4)  gpus = 6 ... }",
        "the `engine` of each megatron train or logprob stage, its GPU count and its model's config.json."),

@@ -3,8 +3,8 @@ groups do not tile the stage's ranks, or that the model cannot take; a
 mixture megatron here cannot convert (Qwen3-MoE it can), and the layouts it
 does not run yet (an expert tensor parallelism other than `tp`; experts
 under `tp > 1` with pipeline parallelism, which needs sequence parallelism
-across stages; `ep` with pipeline parallelism): the memory estimate counts
-`ep` and `etp`, `rldsl run` would refuse the stage."""
+across stages): the memory estimate counts `ep` and `etp`, `rldsl run`
+would refuse the stage."""
 
 from __future__ import annotations
 
@@ -84,8 +84,6 @@ def _model_finding(ctx: Context, stage: Decl) -> Diagnostic | None:
     if tp > 1 and pp > 1:
         return _not_yet(ctx, stage, f"experts with `tp = {tp}` and `pp = {pp}` need sequence parallelism across "
                                     "pipeline stages")
-    if ep > 1 and pp > 1:
-        return _not_yet(ctx, stage, f"`ep = {ep}` with `pp = {pp}` runs pipelined forwards")
     return None
 
 

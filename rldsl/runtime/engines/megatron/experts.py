@@ -130,9 +130,6 @@ def refuse_unbuilt_expert_layouts(shape: LlamaShape, tp: int, pp: int, ep: int) 
     if tp > 1 and pp > 1:  # tp > 1 runs under sequence parallelism, whose stage-to-stage shapes are not built
         raise NotImplementedError("a mixture of experts on megatron with tp > 1 and pp > 1 is not built (sequence "
                                   "parallelism across pipeline stages)")
-    if ep > 1 and pp > 1:
-        raise NotImplementedError("ep > 1 with pp > 1 is not built: the pipeline's forwards are not run in lockstep "
-                                  "over expert parallelism")
 
 
 

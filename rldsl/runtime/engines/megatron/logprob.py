@@ -98,21 +98,31 @@ class MegatronLogprob:
     def _pipelined_logprobs(self, groups: list, chunks: list[Batch]) -> list | None:
         """One forward-only pipeline schedule over every chunk: (rows, logprobs)
         pairs on the last stage, None elsewhere. Stages exchange activations
-        of one shape, so every chunk is padded to the largest."""
+        of one shape, so every chunk is padded to the largest. Under expert
+        parallelism a schedule per chunk, each a round, then the group's
+        other rounds joined (every stage of a replica decides alike)."""
         from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        if not chunks:
-            return [] if parallel_state.is_pipeline_last_stage() else None
-        length = max(mr.packed_length(chunk) for chunk in chunks)
-        rows = max(len(chunk[FIELD_RESPONSE_IDS]) for chunk in chunks)
-        packed = [mr.pack_rows(chunk, self.device, length, rows, self.temperature) for chunk in chunks]
-        outputs = get_forward_backward_func()(
-            forward_step_func=logprob_forward_step, data_iterator=iter(packed), model=[self.model],
-            num_microbatches=len(packed), seq_length=length, micro_batch_size=rows, forward_only=True)
+        outputs = []
+        for some in ([[chunk] for chunk in chunks] if self.lockstep.needed else [chunks] if chunks else []):
+            if self.lockstep.needed:
+                self.lockstep.round(has_rows=True)
+            length = max(mr.packed_length(chunk) for chunk in some)
+            rows = max(len(chunk[FIELD_RESPONSE_IDS]) for chunk in some)
+            packed = [mr.pack_rows(chunk, self.device, length, rows, self.temperature) for chunk in some]
+            outputs += self._forward_only(packed, length, rows, logprob_forward_step)
+        empty = [mr.PackedRows(*empty_rows(self.device), None, None, {})]
+        self.lockstep.join_rounds(lambda: self._forward_only(empty, 1, 1, mr.empty_forward_step))
         if not parallel_state.is_pipeline_last_stage():
             return None
         return list(zip(groups, (out["logprobs"] for out in outputs)))
+
+    def _forward_only(self, packed: list, length: int, rows: int, forward_step) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(packed),
+                                           model=[self.model], num_microbatches=len(packed), seq_length=length,
+                                           micro_batch_size=rows, forward_only=True)
 
     def update_weights(self, bucket: Mapping[str, torch.Tensor], version: int, last: bool) -> None:
         from megatron.core import parallel_state

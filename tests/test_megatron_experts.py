@@ -15,12 +15,13 @@ import torch
 from rldsl.runtime.engines.megatron import hf_weights as hmw
 from rldsl.runtime.engines.policy_loss import PolicyLossConfig
 from tests.ports import spawn_ranks
-from tests.test_megatron_engine import QWEN3, QWEN3_MOE, make_batch, reference_gradients, reference_logprobs
+from tests.test_megatron_engine import QWEN3_MOE, make_batch, reference_gradients, reference_logprobs
 
 pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 LAYOUTS = [(1, 2), (2, 1)]  # (tp, ep)
+PIPELINED_LAYOUTS = [(1, 2, 2), (2, 2, 1)]  # (tp, pp, ep) on four ranks
 LOSS = PolicyLossConfig(kl=0.05)
 DP2_ROWS = {0: [(0, 3), (3, 7)], 1: [(7, 10)]}  # uneven: rank 1 holds fewer rows
 # weights exp(proximal - behaviour), untruncated: the gradient shows any wrong proximal logprob
@@ -167,8 +168,8 @@ def assert_second_minibatch_gradients(megatron, shape, weights, batch, per_rank:
 
 
 def _pipelined_worker(rank: int, port: int, path: str, results: dict):
-    """pp = 2 x ep = 2 on four ranks (two data-parallel replicas of two stages): a step, its export, a logprob
-    call, two mini-batches with a proximal loss."""
+    """Each of ``PIPELINED_LAYOUTS`` on four ranks: a step, its export, a logprob call (and with ep two mini-batches
+    with a proximal loss)."""
     from megatron.core import parallel_state
 
     from rldsl.runtime.engines.megatron import model as mm
@@ -176,41 +177,42 @@ def _pipelined_worker(rank: int, port: int, path: str, results: dict):
 
     batch = make_batch(hmw.LlamaShape.from_hf_config(mm.read_hf_config(path)))
     with _ranks_on_cpu(rank, port, 4):
-        ensure_model_parallel(1, 2, 0, 2)
-        rows = DP2_ROWS[parallel_state.get_data_parallel_rank()]
-        results[rank] = (*_one_step(path, batch, rows, pp=2, ep=2), *_logprobs(path, batch, rows, pp=2, ep=2))
-        results[("proximal", rank)] = _two_minibatches_with_a_proximal_loss(path, batch, pp=2)
-        parallel_state.destroy_model_parallel()
+        for tp, pp, ep in PIPELINED_LAYOUTS:
+            ensure_model_parallel(tp, pp, 0, ep)
+            dp = parallel_state.get_data_parallel_world_size()
+            rows = DP2_ROWS[parallel_state.get_data_parallel_rank()] if dp == 2 else [(0, 4), (4, 10)]
+            layout = {"tp": tp, "pp": pp, "ep": ep}
+            results[(tp, pp, ep, rank)] = (parallel_state.get_tensor_model_parallel_rank(),
+                                           *_one_step(path, batch, rows, **layout), *_logprobs(path, batch, rows, **layout))
+            if ep == 2:
+                results[("proximal", rank)] = _two_minibatches_with_a_proximal_loss(path, batch, pp=pp)
+            parallel_state.destroy_model_parallel()
 
 
-def test_expert_and_pipeline_parallel_on_four_ranks(megatron, qwen3_moe):
-    """ep = 2 under pp = 2, rows uneven over the two replicas: the one-process gradients, every expert exported,
-    a logprob stage's logprobs, each rank's forwards in lockstep with its stage's other replica."""
+def test_experts_under_pipeline_parallelism_on_four_ranks(megatron, qwen3_moe):
+    """pp = 2 with ep = 2 (two replicas, rows uneven over them) and with tp = 2 (sequence parallel between the
+    stages): the one-process gradients, every expert exported, a logprob stage's logprobs; with ep the forwards in
+    lockstep with the stage's other replica, the proximal pass's too."""
     shape = hmw.LlamaShape.from_hf_config(json.loads((qwen3_moe / "config.json").read_text()))
     weights, batch = megatron.read_hf_weights(qwen3_moe), make_batch(shape)
     expected = reference_gradients(megatron, shape, weights, batch, LOSS)
     logprobs = reference_logprobs(megatron, shape, weights, batch)
     results = spawn_ranks(_pipelined_worker, str(qwen3_moe), nprocs=4)
-    merged = {name: grad for rank in range(4) for name, grad in results[rank][0].items()}
-    assert merged.keys() == expected.keys()
     scale = max(float(g.abs().max()) for g in expected.values())
-    worst = max(float((merged[n] - expected[n]).abs().max()) for n in expected) / scale
-    assert worst < 1e-5, worst
-    exported = results[0][1]  # the first stage's first rank exports the whole model
-    assert exported.keys() == weights.keys() and all(torch.equal(exported[n], weights[n]) for n in weights)
-    scored = [results[rank][2:] for rank in range(4) if results[rank][3] is not None]  # the last stage's ranks
-    assert len(scored) == 2
-    for first, values in scored:
-        assert torch.allclose(values, logprobs[first:first + len(values)], atol=1e-5)
+    for tp, pp, ep in PIPELINED_LAYOUTS:
+        ranks = [results[(tp, pp, ep, rank)] for rank in range(4)]
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        for tp_rank, grads, *_ in ranks:
+            for name, grad in grads.items():
+                shards.setdefault(name, {})[tp_rank] = grad
+        merged = {n: hmw.merge_tensor_parallel(n, [s[r] for r in sorted(s)]) for n, s in shards.items()}
+        assert merged.keys() == expected.keys(), (tp, pp, ep)
+        worst = max(float((merged[n] - expected[n]).abs().max()) for n in expected) / scale
+        assert worst < 1e-5, (tp, pp, ep, worst)
+        exported = ranks[0][2]  # the first stage's first rank exports the whole model
+        assert exported.keys() == weights.keys() and all(torch.equal(exported[n], weights[n]) for n in weights)
+        scored = [(first, values) for *_, first, values in ranks if values is not None]  # the last stage's ranks
+        assert len(scored) == 2, (tp, pp, ep)
+        for first, values in scored:
+            assert torch.allclose(values, logprobs[first:first + len(values)], atol=1e-5), (tp, pp, ep)
     assert_second_minibatch_gradients(megatron, shape, weights, batch, [results[("proximal", r)] for r in range(4)])
-
-
-def test_the_expert_layouts_not_built_are_refused_before_anything_is_built():
-    from rldsl.runtime.engines.megatron.experts import refuse_unbuilt_expert_layouts
-
-    moe = hmw.LlamaShape.from_hf_config({**QWEN3_MOE, "model_type": "qwen3_moe"})
-    with pytest.raises(NotImplementedError, match="tp > 1 and pp > 1"):
-        refuse_unbuilt_expert_layouts(moe, tp=2, pp=2, ep=1)
-    refuse_unbuilt_expert_layouts(moe, tp=2, pp=1, ep=2)
-    refuse_unbuilt_expert_layouts(moe, tp=1, pp=2, ep=2)
-    refuse_unbuilt_expert_layouts(hmw.LlamaShape.from_hf_config({**QWEN3, "model_type": "qwen3"}), tp=2, pp=2, ep=1)

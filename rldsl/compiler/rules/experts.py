@@ -1,10 +1,8 @@
 """Mixtures of experts on megatron (RLP515): expert parallelism whose
 groups do not tile the stage's ranks, or that the model cannot take; a
 mixture megatron here cannot convert (Qwen3-MoE it can), and the layouts it
-does not run yet (an expert tensor parallelism other than `tp`; experts
-under `tp > 1` with pipeline parallelism, which needs sequence parallelism
-across stages): the memory estimate counts `ep` and `etp`, `rldsl run`
-would refuse the stage."""
+does not run yet (an expert tensor parallelism other than `tp`): the
+memory estimate counts `ep` and `etp`, `rldsl run` would refuse the stage."""
 
 from __future__ import annotations
 
@@ -78,12 +76,9 @@ def _model_finding(ctx: Context, stage: Decl) -> Diagnostic | None:
     if kind not in CONVERTED_MIXTURES:
         return _not_yet(ctx, stage, f"model `{model.name}` is a mixture of {shape.experts} experts of type "
                                     f"{kind!r} (megatron converts {', '.join(CONVERTED_MIXTURES)})")
-    etp, tp, pp = engine.args.get("etp"), engine.args.get("tp", 1), engine.args.get("pp", 1)
+    etp, tp = engine.args.get("etp"), engine.args.get("tp", 1)
     if etp is not None and etp != tp:
         return _not_yet(ctx, stage, f"`etp = {etp}` splits the experts over other ranks than `tp = {tp}`")
-    if tp > 1 and pp > 1:
-        return _not_yet(ctx, stage, f"experts with `tp = {tp}` and `pp = {pp}` need sequence parallelism across "
-                                    "pipeline stages")
     return None
 
 

@@ -1,7 +1,7 @@
 """A mixture of experts on megatron-core: the config, the expert-parallel
 names, the export's gather of every rank's experts, forwards in lockstep
-over expert parallelism (``ExpertLockstep``), the norms sequence
-parallelism needs without Transformer Engine, and the layouts not built.
+over expert parallelism (``ExpertLockstep``) and the norms sequence
+parallelism needs without Transformer Engine.
 
 Expert parallelism (``ep``) gives each of its ranks a contiguous range of
 each layer's experts: rank r holds global experts ``r * n/ep ... (r+1) * n/ep
@@ -121,16 +121,6 @@ class ExpertLockstep:
 def empty_rows(device) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens and positions of an empty round's forward: one token."""
     return (torch.ones(1, 1, dtype=torch.long, device=device), torch.zeros(1, 1, dtype=torch.long, device=device))
-
-
-def refuse_unbuilt_expert_layouts(shape: LlamaShape, tp: int, pp: int, ep: int) -> None:
-    """What running a mixture of experts here does not cover yet, refused before it hangs or errs."""
-    if not shape.num_experts:
-        return
-    if tp > 1 and pp > 1:  # tp > 1 runs under sequence parallelism, whose stage-to-stage shapes are not built
-        raise NotImplementedError("a mixture of experts on megatron with tp > 1 and pp > 1 is not built (sequence "
-                                  "parallelism across pipeline stages)")
-
 
 
 class SequenceParallelNorm:

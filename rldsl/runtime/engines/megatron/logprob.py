@@ -18,7 +18,7 @@ import torch
 
 from rldsl.runtime.engines.megatron import model as mm
 from rldsl.runtime.engines.megatron import rows as mr
-from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows, refuse_unbuilt_expert_layouts
+from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows
 from rldsl.runtime.engines.megatron.hf_weights import HFToMegatronAssembler, LlamaShape
 from rldsl.runtime.engines.torch.offload import on_device_for_call
 from rldsl.runtime.engines.torch.packing import forward_rows, scatter_rows, take_rows, trim_padding
@@ -39,7 +39,6 @@ class MegatronLogprob:
     def __init__(self, shape: LlamaShape, hf_weights: Mapping[str, torch.Tensor] | None = None, *, tp: int = 1,
                  pp: int = 1, ep: int = 1, dtype: str = "bf16", rows_per_forward: int | None = None,
                  tokens_per_forward: int = 0, seed: int = 0, offload: bool = False, temperature: float = 1.0):
-        refuse_unbuilt_expert_layouts(shape, tp, pp, ep)
         mm.ensure_model_parallel(tp, pp, seed, ep)
         self.temperature = temperature  # the generators' sampling temperature: logprobs are taken at it
         self.pipeline_parallel = pp
@@ -107,7 +106,7 @@ class MegatronLogprob:
         for some in ([[chunk] for chunk in chunks] if self.lockstep.needed else [chunks] if chunks else []):
             if self.lockstep.needed:
                 self.lockstep.round(has_rows=True)
-            length = max(mr.packed_length(chunk) for chunk in some)
+            length = mr.pipeline_length(max(mr.packed_length(chunk) for chunk in some), self.model.config)
             rows = max(len(chunk[FIELD_RESPONSE_IDS]) for chunk in some)
             packed = [mr.pack_rows(chunk, self.device, length, rows, self.temperature) for chunk in some]
             outputs += self._forward_only(packed, length, rows, logprob_forward_step)

@@ -39,6 +39,13 @@ def packed_length(batch: Mapping[str, torch.Tensor]) -> int:
     return int(batch[FIELD_PROMPT_MASK].sum(dim=1).max()) + batch[FIELD_RESPONSE_IDS].shape[1]
 
 
+def pipeline_length(length: int, config) -> int:
+    """The sequence length pipeline stages exchange for rows of ``length``
+    tokens: under sequence parallelism a multiple of tp (each rank sends its
+    1/tp of the positions), else ``length``."""
+    return length + (-length % config.tensor_model_parallel_size if config.sequence_parallel else 0)
+
+
 def pack_rows(batch: Mapping[str, torch.Tensor], device, length: int | None = None,
               rows: int | None = None, temperature: float = 1.0) -> PackedRows:
     """Pack rows (optionally padded to ``length`` tokens and ``rows`` rows, so

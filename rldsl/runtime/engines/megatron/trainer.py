@@ -62,7 +62,7 @@ from rldsl.runtime.engines.megatron import components as mc
 from rldsl.runtime.engines.megatron import model as mm
 from rldsl.runtime.engines.megatron import rows as mr
 from rldsl.runtime.engines.megatron import state as ms
-from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows, refuse_unbuilt_expert_layouts
+from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows
 from rldsl.runtime.engines.megatron.hf_weights import LlamaShape
 from rldsl.runtime.engines.megatron.open_step import LOSS_STATS, OpenStep, counted, global_sums, no_sums
 from rldsl.runtime.engines.megatron.proximal import PROXIMAL, ProximalPass
@@ -123,7 +123,6 @@ class MegatronTrainer(ProximalPass):
         temperature: float = 1.0,
     ):
         self.loss = loss if isinstance(loss, PolicyLossConfig) else PolicyLossConfig(**(loss or {}))
-        refuse_unbuilt_expert_layouts(shape, tp, pp, ep)
         mm.ensure_model_parallel(tp, pp, seed, ep)
         self.temperature = temperature  # the generators' sampling temperature: logprobs are taken at it
         self.shape = shape
@@ -288,11 +287,13 @@ class MegatronTrainer(ProximalPass):
     def _pack(self, chunks: list[Batch]) -> tuple[list[mr.PackedRows], int, int]:
         """Packed chunks, the sequence length and rows the schedule is told.
         Pipeline stages exchange activations of one shape, so with pp > 1
-        every chunk is padded to the largest; without, each keeps its own."""
+        every chunk is padded to the largest (``mr.pipeline_length``); without,
+        each keeps its own."""
         length = max(mr.packed_length(chunk) for chunk in chunks)
         rows = max(len(chunk[FIELD_RESPONSE_IDS]) for chunk in chunks)
         if self.pipeline_parallel == 1:
             return [mr.pack_rows(chunk, self.device, temperature=self.temperature) for chunk in chunks], length, rows
+        length = mr.pipeline_length(length, self.config)
         return [mr.pack_rows(chunk, self.device, length, rows, self.temperature) for chunk in chunks], length, rows
 
     def _train_chunks(self, chunks: list[Batch]) -> dict[str, float]:

@@ -35,9 +35,10 @@ class TrainerWorker(StageWorker, WeightGroupMember):
         self._weights_read = threading.RLock()
         group = join_dist_group(dist) if dist and dist["world_size"] > 1 else None
         self.engine = build_trainer(stage, pipe, seed=pipe.run.seed, process_group=group)
-        # An engine whose forwards and checkpoints gather over the group its export gathers over (fsdp) runs
-        # them after an export, not beside it: two threads' collectives on one group would pair up wrongly
-        self._after_export = contextlib.nullcontext if getattr(self.engine, "forwards_beside_exports", True) \
+        # An engine whose checkpoint gathers over the group its export gathers over (fsdp) saves after an
+        # export, not beside it (a stop's checkpoint may come while one streams): two threads' collectives on
+        # one group would pair up wrongly
+        self._after_export = contextlib.nullcontext if getattr(self.engine, "checkpoints_beside_exports", True) \
             else lambda: self._weights_read
         self._collectives = named_collectives(dist if group is not None else None)
         self.needs = [p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK,
@@ -71,9 +72,7 @@ class TrainerWorker(StageWorker, WeightGroupMember):
         trainer's calls, as this actor takes one at a time."""
         with self.tracer.span("reference logprob", groups=prompt_groups(keys)):
             fields = self._get(keys, GENERATED_FIELDS)
-            with self._after_export():
-                logprobs = self.engine.reference_logprobs(fields)
-            self._put(keys, {p.FIELD_REF_LOGPROBS: logprobs})
+            self._put(keys, {p.FIELD_REF_LOGPROBS: self.engine.reference_logprobs(fields)})
 
     def optimizer_step(self, step: int) -> dict:
         """A mini-batch's optimizer step inside the open step (a collective)."""

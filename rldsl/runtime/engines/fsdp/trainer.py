@@ -59,11 +59,10 @@ from rldsl.runtime.protocols import Batch, trained_tokens
 
 class FsdpTrainer(TorchTrainer):
     # An export may run beside the next step's microbatches: they only keep rows, and the forwards run at
-    # the mini-batch boundaries, which wait for it (runtime/control/exports.py). Nothing else that gathers
-    # over the trainer's group, or swaps a layer's shards for gathered parameters, may run beside it: a
-    # reference scored on the trainer and a checkpoint wait for the export (TrainerWorker).
+    # the mini-batch boundaries, which wait for it (runtime/control/exports.py). A checkpoint, which gathers
+    # over the same group, waits for the export instead (TrainerWorker).
     exports_beside_steps = True
-    forwards_beside_exports = False
+    checkpoints_beside_exports = False
 
     def __init__(self, model, shard: int = 0, dtype: str = "fp32", offload: bool = True, process_group=None,
                  **options):

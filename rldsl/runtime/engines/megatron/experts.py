@@ -118,11 +118,6 @@ class ExpertLockstep:
         return bool(flag.item())
 
 
-def empty_rows(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens and positions of an empty round's forward: one token."""
-    return (torch.ones(1, 1, dtype=torch.long, device=device), torch.zeros(1, 1, dtype=torch.long, device=device))
-
-
 class SequenceParallelNorm:
     """megatron-core's local-spec norm (``WrappedTorchNorm``: torch's
     RMSNorm) for sequence parallelism, which that wrapper refuses: the same

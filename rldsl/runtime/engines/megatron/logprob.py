@@ -18,7 +18,7 @@ import torch
 
 from rldsl.runtime.engines.megatron import model as mm
 from rldsl.runtime.engines.megatron import rows as mr
-from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows
+from rldsl.runtime.engines.megatron.experts import ExpertLockstep
 from rldsl.runtime.engines.megatron.hf_weights import HFToMegatronAssembler, LlamaShape
 from rldsl.runtime.engines.torch.offload import on_device_for_call
 from rldsl.runtime.engines.torch.packing import forward_rows, scatter_rows, take_rows, trim_padding
@@ -80,7 +80,7 @@ class MegatronLogprob:
             results = zip(groups, map(self._chunk_logprobs, chunks))
             if self.lockstep.needed:  # every chunk's forward a round of its own, then the others' rounds joined
                 results = list(results)
-                empty = mr.PackedRows(*empty_rows(self.device), None, None, {})
+                empty = mr.empty_round(self.device)
                 self.lockstep.join_rounds(lambda: mr.forward_logits(self.model, empty))
         else:
             results = self._pipelined_logprobs(groups, chunks)
@@ -109,19 +109,12 @@ class MegatronLogprob:
             length = mr.pipeline_length(max(mr.packed_length(chunk) for chunk in some), self.model.config)
             rows = max(len(chunk[FIELD_RESPONSE_IDS]) for chunk in some)
             packed = [mr.pack_rows(chunk, self.device, length, rows, self.temperature) for chunk in some]
-            outputs += self._forward_only(packed, length, rows, logprob_forward_step)
-        empty = [mr.PackedRows(*empty_rows(self.device), None, None, {})]
-        self.lockstep.join_rounds(lambda: self._forward_only(empty, 1, 1, mr.empty_forward_step))
+            outputs += mr.forward_only(self.model, packed, length, rows, logprob_forward_step)
+        empty = [mr.empty_round(self.device)]
+        self.lockstep.join_rounds(lambda: mr.forward_only(self.model, empty, 1, 1, mr.empty_forward_step))
         if not parallel_state.is_pipeline_last_stage():
             return None
         return list(zip(groups, (out["logprobs"] for out in outputs)))
-
-    def _forward_only(self, packed: list, length: int, rows: int, forward_step) -> list:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(packed),
-                                           model=[self.model], num_microbatches=len(packed), seq_length=length,
-                                           micro_batch_size=rows, forward_only=True)
 
     def update_weights(self, bucket: Mapping[str, torch.Tensor], version: int, last: bool) -> None:
         from megatron.core import parallel_state

@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 
 from rldsl.runtime.engines.megatron import rows as mr
-from rldsl.runtime.engines.megatron.experts import empty_rows
 from rldsl.runtime.engines.megatron.logprob import logprob_forward_step
 from rldsl.runtime.engines.megatron.open_step import HeldSteps
 from rldsl.runtime.protocols import Batch
@@ -81,22 +80,17 @@ class ProximalPass:
         for some in ([[chunk] for chunk in packed] if self.lockstep.needed else [packed]):
             if self.lockstep.needed:
                 self.lockstep.round(has_rows=True)
-            outputs += self._forward_only(some, length, rows, logprob_forward_step)
+            outputs += mr.forward_only(self.model, some, length, rows, logprob_forward_step)
         if not parallel_state.is_pipeline_last_stage():
             return None
         return [output["logprobs"] for output in outputs]
-
-    def _forward_only(self, packed: list, length: int, rows: int, forward_step) -> list:
-        return self._forward_backward()(
-            forward_step_func=forward_step, data_iterator=iter(packed), model=[self.model],
-            num_microbatches=len(packed), seq_length=length, micro_batch_size=rows, forward_only=True)
 
     @torch.no_grad()
     def _join_proximal_rounds(self) -> None:
         """Empty forward-only rounds until no rank of the expert-parallel group has proximal rows."""
         if self.lockstep.needed:
-            empty = [mr.PackedRows(*empty_rows(self.device), None, None, {})]
-            self.lockstep.join_rounds(lambda: self._forward_only(empty, 1, 1, mr.empty_forward_step))
+            empty = [mr.empty_round(self.device)]
+            self.lockstep.join_rounds(lambda: mr.forward_only(self.model, empty, 1, 1, mr.empty_forward_step))
 
     def _take_held_optimizer_steps(self) -> dict[str, float] | None:
         """The first mini-batch's optimizer step, then each later mini-batch

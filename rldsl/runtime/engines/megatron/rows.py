@@ -114,8 +114,25 @@ def response_logprobs_from_logits(logits: torch.Tensor, packed: PackedRows) -> t
     return (picked * packed.response_mask.to(picked.dtype))[:real_rows]
 
 
+def empty_round(device) -> PackedRows:
+    """An empty expert round's forward (experts.ExpertLockstep): one token, no rows to score."""
+    return PackedRows(torch.ones(1, 1, dtype=torch.long, device=device),
+                      torch.zeros(1, 1, dtype=torch.long, device=device), None, None, {})
+
+
 def empty_forward_step(data_iterator, model):
     """A schedule's forward step of an empty expert round (experts.ExpertLockstep): a zero loss over no tokens."""
     logits = forward_logits(model, next(data_iterator))
     nothing = torch.zeros((), dtype=torch.int, device=logits.device)
     return logits, lambda out: (out.sum() * 0.0, nothing, {})
+
+
+def forward_only(model, packed: list, length: int, rows: int, forward_step) -> list:
+    """Megatron's schedule over ``packed`` (pipeline microbatches of ``rows``
+    rows, ``length`` tokens), forward only: on the last pipeline stage each
+    microbatch's reported values, elsewhere nothing."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(packed), model=[model],
+                                       num_microbatches=len(packed), seq_length=length, micro_batch_size=rows,
+                                       forward_only=True)

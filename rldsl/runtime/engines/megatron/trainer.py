@@ -62,7 +62,7 @@ from rldsl.runtime.engines.megatron import components as mc
 from rldsl.runtime.engines.megatron import model as mm
 from rldsl.runtime.engines.megatron import rows as mr
 from rldsl.runtime.engines.megatron import state as ms
-from rldsl.runtime.engines.megatron.experts import ExpertLockstep, empty_rows
+from rldsl.runtime.engines.megatron.experts import ExpertLockstep
 from rldsl.runtime.engines.megatron.hf_weights import LlamaShape
 from rldsl.runtime.engines.megatron.open_step import LOSS_STATS, OpenStep, counted, global_sums, no_sums
 from rldsl.runtime.engines.megatron.proximal import PROXIMAL, ProximalPass
@@ -320,7 +320,7 @@ class MegatronTrainer(ProximalPass):
         """Empty forwards and backwards until no rank of the expert-parallel group has rows (ExpertLockstep)."""
         if not self.lockstep.needed:
             return  # every optimizer step comes here: nothing to build without expert parallelism
-        empty = [mr.PackedRows(*empty_rows(self.device), None, None, {})]
+        empty = [mr.empty_round(self.device)]
         self.lockstep.join_rounds(lambda: self._run_schedule(empty, 1, 1, mr.empty_forward_step))
 
     def _forward_step(self, data_iterator, model, sums: dict[str, float]):

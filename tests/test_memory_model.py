@@ -125,11 +125,13 @@ def test_the_weight_sync_phase_holds_two_buckets():
     assert mm.bucket_bytes(GIB, 1000, 2) == 4000  # never more than the model
 
 
-def test_a_megatron_weight_sync_holds_one_weight_gathered_whole_not_buckets():
+def test_a_megatron_weight_sync_holds_one_weight_gathered_whole_and_its_buckets():
     shape = mm.REFERENCE_SHAPES[70.6e9]  # Llama-3.1-70B: the 128256 x 8192 embedding is its largest weight
     assert mm.largest_tensor(shape) == 128256 * 8192
     syncing = mm.megatron_trainer(70.6e9, shape, 2, 8, 1, 1, True, None, sleeps=True)  # no activations counted
-    assert syncing.phase == "weight sync" and "buckets" not in dict(syncing.parts)
+    assert syncing.phase == "weight sync" and "buckets" not in dict(syncing.parts)  # no sync from it
+    pushing = mm.megatron_trainer(70.6e9, shape, 2, 8, 1, 1, True, None, sleeps=True, bucket=GIB)
+    assert dict(pushing.parts)["buckets"] == 2 * GIB  # a push's two buckets in flight, on the GPU
     assert dict(syncing.parts)["gathered weight"] == mm.megatron_sync_bytes(shape, 2, tp=8, pp=1)
     assert mm.megatron_sync_bytes(shape, 2, tp=8, pp=1) == 2 * 128256 * 8192 * 2  # shards + merged: 4.2 GB
     assert mm.megatron_sync_bytes(shape, 2, tp=1, pp=1) == 0  # its own weights, copied to host one by one

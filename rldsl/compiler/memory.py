@@ -166,7 +166,7 @@ def _stage_memory(pipe: Pipeline, stage: Decl, sp: StagePlacement, model: Decl, 
     if engine.name == "megatron":
         return mm.megatron_trainer(params, shape, c, sp.tp, sp.pp, sp.dp,
                                    bool(engine.args.get("distributed_optimizer")), tokens, sleeps,
-                                   engine.args.get("ep", 1), engine.args.get("etp"))
+                                   engine.args.get("ep", 1), engine.args.get("etp"), bucket)
     return mm.torch_trainer(params, shape, c, tokens, bucket, sleeps, _lora_trained(model, shape))
 
 

@@ -210,9 +210,9 @@ def largest_tensor(shape: ModelShape) -> int:
 
 
 def megatron_sync_bytes(shape: ModelShape, c: int, tp: int, pp: int) -> float:
-    """What a megatron weight sync adds on the GPU: one weight at a time, gathered whole over tensor
-    parallelism (its tp shards and the merged copy: two of the largest), relayed to the first pipeline stage
-    (one more); the buckets themselves are assembled in host memory."""
+    """What a megatron weight sync adds on the GPU besides its buckets: one weight at a time, gathered whole
+    over tensor parallelism (its tp shards and the merged copy: two of the largest), relayed to the first
+    pipeline stage (one more)."""
     copies = (2 if tp > 1 else 0) + (1 if pp > 1 else 0)
     return copies * largest_tensor(shape) * c
 
@@ -231,11 +231,15 @@ def megatron_rank_params(params: float, shape: ModelShape, tp: int, pp: int, dp:
 
 
 def megatron_trainer(params: float, shape: ModelShape, c: int, tp: int, pp: int, dp: int, distributed: bool,
-                     tokens: int | None, sleeps: bool, ep: int = 1, etp: int | None = None) -> StageMemory:
+                     tokens: int | None, sleeps: bool, ep: int = 1, etp: int | None = None,
+                     bucket: float = 0.0) -> StageMemory:
     """Weights and fp32 gradient buffers / (tp x pp); AdamW state (with the
     fp32 master copy unless the weights are fp32) also / dp with the
     distributed optimizer. The gradient buffer stays allocated between steps.
-    A weight sync streams one weight at a time (``megatron_sync_bytes``).
+    A weight sync gathers one weight at a time (``megatron_sync_bytes``) into
+    buckets of ``bucket`` bytes, two in flight, on the GPU when a push
+    streams rank to rank (counted always: in host memory where the object
+    store keeps a copy).
     A mixture of experts' experts are split by expert parallelism instead
     (``megatron_rank_params``)."""
     held = megatron_rank_params(params, shape, tp, pp, dp, ep, etp)
@@ -244,7 +248,8 @@ def megatron_trainer(params: float, shape: ModelShape, c: int, tp: int, pp: int,
     acts = activation_bytes(shape, tokens, c, CHECKPOINTS_ACTIVATIONS["megatron"], split=max(1, tp)) if tokens else 0.0
     state = [("params", weights), ("grads", grads), ("optimizer", optimizer)]
     return _peak([("train step", state + [("activations", acts)]),
-                  ("weight sync", state + [("gathered weight", megatron_sync_bytes(shape, c, tp, pp))])], sleeps)
+                  ("weight sync", state + [("gathered weight", megatron_sync_bytes(shape, c, tp, pp))]
+                   + ([("buckets", bucket_bytes(bucket, params, c))] if bucket else []))], sleeps)
 
 
 def torch_trainer(params: float, shape: ModelShape, c: int, tokens: int | None, bucket: float,

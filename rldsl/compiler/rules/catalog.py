@@ -440,7 +440,7 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "the compute dtype, and a microbatch's checkpointed activations and fp32 logits, or during a weight "
        "sync two of its buckets; `megatron` holds weights and fp32 gradients / (tp x pp) and AdamW state also "
        "/ dp with the distributed optimizer, activations / tp, or during a weight sync its largest weight "
-       "gathered whole; `torch` holds all of it unsharded with every "
+       "gathered whole and two of its buckets; `torch` holds all of it unsharded with every "
        "layer's activations; vLLM and SGLang reserve their share; sim engines count nothing; a logprob "
        "stage's forward holds its logits in the compute dtype and one fp32 slice of them (`megatron`: all in "
        "fp32). A GPU counts the largest peak of its stages that sleep plus every stage that cannot, and every "

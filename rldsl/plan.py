@@ -122,6 +122,13 @@ def lora_default_targets(source: str) -> list[str]:
     return list(LORA_DEFAULT_TARGETS.get(source, LORA_HF_DEFAULT_TARGETS))
 
 
+def hf_expert_count(config: Mapping) -> int:
+    """The routed experts a Hugging Face config declares (Qwen-MoE's
+    ``num_experts``, Mixtral's ``num_local_experts``, DeepSeek's
+    ``n_routed_experts``); 0 for a dense model."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
+
+
 @dataclass(frozen=True)
 class ModelPlan:
     name: str

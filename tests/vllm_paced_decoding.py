@@ -1,8 +1,7 @@
 """A floor under vLLM's decoding pace, for run tests that must be generation-bound.
 
 Imported by vLLM's worker (a ``logits_processors`` entry): each sampling
-step first sleeps ``RLDSL_TEST_VLLM_STEP_SECONDS``, then passes the logits
-on unchanged, so the sampled tokens and their logprobs are vLLM's own. A
+step first sleeps ``STEP_SECONDS``, then passes the logits on unchanged, so the sampled tokens and their logprobs are vLLM's own. A
 sleep takes no CPU: the floor holds however busy the machine is, where a
 pace that rests on compute (the tiny model decodes faster than the trainer
 trains on it) flips with the load beside the run.
@@ -10,17 +9,16 @@ trains on it) flips with the load beside the run.
 
 from __future__ import annotations
 
-import os
 import time
 
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
-STEP_SECONDS_ENV = "RLDSL_TEST_VLLM_STEP_SECONDS"
+STEP_SECONDS = 0.05  # a constant: the worker runs in a Ray actor, whose environment the test does not set
 
 
 class PacedDecoding(LogitsProcessor):
     def __init__(self, vllm_config, device, is_pin_memory) -> None:
-        self.seconds = float(os.environ.get(STEP_SECONDS_ENV, "0.02"))
+        pass
 
     def is_argmax_invariant(self) -> bool:
         return False  # so vLLM applies it to every batch, greedy or sampled
@@ -29,5 +27,5 @@ class PacedDecoding(LogitsProcessor):
         pass
 
     def apply(self, logits):
-        time.sleep(self.seconds)
+        time.sleep(STEP_SECONDS)
         return logits

@@ -47,6 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import log
 
+from rldsl.plan import hf_expert_count
+
 # Engines whose trainers checkpoint every layer's activations (the design
 # both follow at scale); the torch engine keeps them all.
 CHECKPOINTS_ACTIVATIONS = {"fsdp": True, "megatron": True, "torch": False}
@@ -115,7 +117,7 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
     hidden, heads = int(cfg["hidden_size"]), int(cfg.get("num_attention_heads", 1))
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     ffn = int(cfg.get("intermediate_size", 4 * hidden))
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # Qwen-MoE, Mixtral
+    experts = hf_expert_count(cfg)
     expert_ffn = int(cfg.get("moe_intermediate_size") or ffn) if experts else 0
     if experts and cfg.get("num_experts_per_tok"):  # the experts a token runs
         ffn = expert_ffn * int(cfg["num_experts_per_tok"])

@@ -43,6 +43,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from rldsl.plan import hf_expert_count
 from rldsl.runtime.engines.serving import EventLoopThread
 from rldsl.runtime.engines.vllm_worker import LOAD_BUCKET_RPC
 
@@ -260,7 +261,7 @@ def moe_reload_refused(model_path: str) -> str | None:
             config = json.load(file)
     except (OSError, ValueError):
         return None
-    if not (config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")):
+    if not hf_expert_count(config):
         return None
     return (f"vLLM's CPU build reloads a mixture of experts' weights wrongly (the model at {model_path}: its "
             "log-probabilities then differ from the same weights' in transformers by up to 0.5, with vLLM's own "

@@ -35,11 +35,6 @@ class TrainerWorker(StageWorker, WeightGroupMember):
         self._weights_read = threading.RLock()
         group = join_dist_group(dist) if dist and dist["world_size"] > 1 else None
         self.engine = build_trainer(stage, pipe, seed=pipe.run.seed, process_group=group)
-        # An engine whose checkpoint gathers over the group its export gathers over (fsdp) saves after an
-        # export, not beside it (a stop's checkpoint may come while one streams): two threads' collectives on
-        # one group would pair up wrongly
-        self._after_export = contextlib.nullcontext if getattr(self.engine, "checkpoints_beside_exports", True) \
-            else lambda: self._weights_read
         self._collectives = named_collectives(dist if group is not None else None)
         self.needs = [p.FIELD_RESPONSE_IDS, p.FIELD_RESPONSE_MASK, p.FIELD_PROMPT_IDS, p.FIELD_PROMPT_MASK,
                       p.FIELD_ADVANTAGE, p.FIELD_VERSION]
@@ -194,7 +189,12 @@ class TrainerWorker(StageWorker, WeightGroupMember):
 
         version = self.engine.version
         directory = checkpoint_dir(self.checkpoint["run_dir"], version)
-        with self._after_export(), self.tracer.span("checkpoint save", version=version), self._awake():
+        # An engine whose checkpoint gathers over the group its export gathers over (fsdp) saves after an
+        # export, not beside it (a stop's may come while one streams): two threads' collectives on one group
+        # would pair up wrongly
+        after_export = contextlib.nullcontext() if getattr(self.engine, "checkpoints_beside_exports", True) \
+            else self._weights_read
+        with after_export, self.tracer.span("checkpoint save", version=version), self._awake():
             self.engine.save_checkpoint(directory / TRAINER_DIR)
         if self.rank == 0:  # the engine returns once every rank's files are written
             write_json_atomically(directory / TRAINER_MARKER, {"version": version, "engine": self.stage.engine.name,

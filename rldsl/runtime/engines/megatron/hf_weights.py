@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rldsl.models.hf_checkpoint import HFTensors
+from rldsl.plan import hf_expert_count
 
 COPY, QKV, GATED = "copy", "qkv", "gated"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -121,7 +122,7 @@ _DERIVED = re.compile(r"\.rotary_emb\.inv_freq$")
 def _experts(config: Mapping) -> dict:
     """A Qwen3-MoE config's experts; other mixtures refused (their dense
     ``intermediate_size`` would otherwise build the wrong model)."""
-    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    experts = hf_expert_count(config)
     if not experts:
         return {}
     kind = config.get("model_type")

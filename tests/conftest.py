@@ -32,10 +32,9 @@ def one_process_group():
     import torch
     import torch.distributed as dist
 
-    from tests.ports import free_port
+    from rldsl.runtime.engines.torch.common import init_one_process_group
 
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    init_one_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     yield
     dist.destroy_process_group()
 

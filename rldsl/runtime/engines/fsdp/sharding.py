@@ -13,7 +13,6 @@ before differentiating it.
 from __future__ import annotations
 
 import os
-import socket
 import types
 
 import torch
@@ -23,6 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+
+from rldsl.runtime.engines.torch.common import init_one_process_group
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MESH_DIMS = ("replicate", "shard")
@@ -43,13 +44,7 @@ def ensure_process_group(device: torch.device) -> None:
     if dist.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    init_one_process_group(backend)
 
 
 def build_mesh(process_group, shard: int, device_type: str) -> DeviceMesh:

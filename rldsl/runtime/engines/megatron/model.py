@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from typing import Iterable, Iterator, Mapping
 
 import torch
@@ -34,6 +33,7 @@ from rldsl.runtime.engines.megatron.experts import (
     moe_config_fields,
     with_sequence_parallel_norms,
 )
+from rldsl.runtime.engines.torch.common import init_one_process_group
 
 log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,7 +53,7 @@ def ensure_model_parallel(tp: int, pp: int, seed: int, ep: int = 1) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        init_one_process_group(backend)
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_pipeline_model_parallel_world_size(),
@@ -99,12 +99,6 @@ def export_group(group):
     if dist.get_world_size(group) == 1:
         return group
     return _EXPORT_GROUPS[tuple(dist.get_process_group_ranks(group))]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def compute_device() -> torch.device:

@@ -243,3 +243,13 @@ class WeightReceiver:
         if self._home_device is not None:
             self.model.to(self._home_device)
             self._home_device = None
+
+
+def init_one_process_group(backend: str) -> None:
+    """torch.distributed's default group of this process alone, for engines
+    that need one on a single rank (FSDP, megatron). Its store is in memory:
+    a TCP store on a free port could lose the port to another process
+    between the probe and the bind."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

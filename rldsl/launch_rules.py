@@ -19,6 +19,10 @@ BUILTIN_CONTEXT = 64  # rldsl.models.tiny.TinyLMConfig.max_positions (a test kee
 # rldsl.models.tiny_gpt2.TINY_GPT2: the builtin model (one 64-wide head) written as a Hugging Face GPT-2,
 # which every engine loads; its context is tiny-lm's
 TINY_GPT2 = "builtin:tiny-gpt2"
+# rldsl.models.base.BUILTIN_AGENT: tiny-lm spelling tool calls, with the context of a call, its result and an
+# answer (rldsl.models.AGENT_SHAPE; a test keeps them equal)
+BUILTIN_AGENT = "builtin:tiny-agent"
+BUILTIN_CONTEXTS = {BUILTIN_TINY: BUILTIN_CONTEXT, TINY_GPT2: BUILTIN_CONTEXT, BUILTIN_AGENT: 128}
 # the longest prompt of each builtin task in builtin:tiny-lm tokens: one per character, and BOS (a test checks)
 BUILTIN_PROMPT_TOKENS = {"builtin:arith": 7, "builtin:reverse": 15}
 UNKNOWN_PROMPT_TOKENS = 1  # a prompt of a file whose length `check` cannot know: at least its BOS
@@ -137,7 +141,7 @@ def longest_prompt(sources, max_prompt_tokens: int = 0) -> int:
 def response_limit(source: str, engine: str | None, prompt_tokens: int) -> int | None:
     """The longest response the model's context holds after a prompt of ``prompt_tokens`` (None: no
     limit the file shows). The builtin model has 64 positions; a longer sequence fails its forward."""
-    context = BUILTIN_CONTEXT if source in (BUILTIN_TINY, TINY_GPT2) else None
+    context = BUILTIN_CONTEXTS.get(source)
     if context is None or engine in TEXTLESS_ENGINES:
         return None
     return context - prompt_tokens

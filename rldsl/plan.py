@@ -114,7 +114,8 @@ class LoraPlan:
 
 # The linear layers a model's adapters go on when `lora_targets` is left out: the attention's, as PEFT's
 # examples do (the builtin model's fused qkv and output projections; GPT-2's fused c_attn; q and v elsewhere).
-LORA_DEFAULT_TARGETS = {"builtin:tiny-lm": ["qkv", "out"], "builtin:tiny-gpt2": ["c_attn"]}
+LORA_DEFAULT_TARGETS = {"builtin:tiny-lm": ["qkv", "out"], "builtin:tiny-gpt2": ["c_attn"],
+                        "builtin:tiny-agent": ["qkv", "out"]}
 LORA_HF_DEFAULT_TARGETS = ["q_proj", "v_proj"]
 
 

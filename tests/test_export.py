@@ -190,6 +190,22 @@ def test_torch_builtin_tiny_exports_as_an_equivalent_gpt2(tiny_run, tmp_path, ca
     assert_same_logits(tmp_path / "sharded", ids, rldsl_logits(model, ids))
 
 
+def test_torch_builtin_agent_exports_with_its_vocabulary_and_context(tmp_path):
+    """builtin:tiny-agent: the same mapping, with the characters of its tool calls and its 128 positions."""
+    from rldsl.models import BUILTIN_AGENT, load_model
+
+    model = with_trained_scale(load_model(BUILTIN_AGENT))
+    run_dir = trained_run(tmp_path / "run", pipeline_text(BUILTIN_AGENT), model)
+    assert export(run_dir, tmp_path / "hf") == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["vocab_size"], config["n_positions"]) == (model.config["vocab_size"], 128)
+    ids = torch.tensor([model.tokenizer.encode("12+19=[calculate(expression='12+19')]", add_bos=True)])
+    assert_same_logits(tmp_path / "hf", ids, rldsl_logits(model, ids))
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    call = "[calculate(expression='12+19')]{}<>\""
+    assert exported(call, add_special_tokens=False)["input_ids"] == model.tokenizer.encode(call)
+
+
 def test_torch_hf_llama_keeps_its_config_and_tokenizer(tmp_path):
     from rldsl.models import load_model
 

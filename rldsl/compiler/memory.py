@@ -26,9 +26,10 @@ from rldsl.compiler.units import format_bytes
 from rldsl.plan import lora_default_targets
 
 # Builtin models' parameter counts (kept in sync by a test against the model) and shapes.
-BUILTIN_PARAMS = {"tiny-lm": 107_712, "tiny-gpt2": 280_448}  # the built models' counts (a test checks)
+BUILTIN_PARAMS = {"tiny-lm": 107_712, "tiny-gpt2": 280_448, "tiny-agent": 112_256}  # the built models' (a test checks)
 BUILTIN_SHAPES = {"tiny-lm": mm.ModelShape(hidden=64, layers=2, ffn=256, vocab=55, kv=64, tied=True, context=64),
-                  "tiny-gpt2": mm.ModelShape(hidden=128, layers=2, ffn=256, vocab=55, kv=128, tied=True, context=64)}
+                  "tiny-gpt2": mm.ModelShape(hidden=128, layers=2, ffn=256, vocab=55, kv=128, tied=True, context=64),
+                  "tiny-agent": mm.ModelShape(hidden=64, layers=2, ffn=256, vocab=62, kv=64, tied=True, context=128)}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Prompt tokens assumed in a row when no generator's `max_model_len` bounds
 # prompt + response (the language has no prompt length).

@@ -9,12 +9,12 @@ in it. No torch here: `rldsl check` looks these classes up.
 
 from __future__ import annotations
 
-from rldsl.environments.arith import ArithRetry
+from rldsl.environments.arith import ArithAnswer, ArithRetry
 from rldsl.environments.tools import calculate
 
-ENVIRONMENTS = ("ArithRetry",)
+ENVIRONMENTS = ("ArithRetry", "ArithAnswer")
 TOOLS = ("calculate",)
-__all__ = ["ENVIRONMENTS", "TOOLS", "ArithRetry", "calculate", "episode_reward"]
+__all__ = ["ENVIRONMENTS", "TOOLS", "ArithAnswer", "ArithRetry", "calculate", "episode_reward"]
 
 
 def episode_reward(response: str, answer: str, prompt: str = "") -> float:

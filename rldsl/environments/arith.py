@@ -1,4 +1,5 @@
-"""``ArithRetry``: arithmetic with a second chance and a hint.
+"""Arithmetic environments: ``ArithRetry`` (a second chance and a hint) and
+``ArithAnswer`` (one answer, tools before it).
 
 The model answers a prompt such as ``12+19=``; a wrong answer is told
 `` up `` or `` down `` (or `` no `` for something that is not a number) and
@@ -23,3 +24,18 @@ class ArithRetry:
             return "", 0.5 ** (self.turn - 1), True
         hint = ("up" if int(guess) < int(self.answer) else "down") if guess.isdigit() else "no"
         return f" {hint} {self.prompt}", 0.0, False
+
+
+class ArithAnswer:
+    """One answer to a prompt such as ``12+19=``: reward 1 when it is right,
+    else 0, and the episode ends. Tool turns before it (the calculator,
+    offered by the pipeline's `tools`) cost nothing:
+    ``12+19=[calculate(expression='12+19')]`` then the tool's ``31``, then
+    the answer ``31``."""
+
+    def reset(self, prompt: str, answer: str) -> list[dict]:
+        self.answer = answer.strip()
+        return [{"role": "user", "content": prompt}]
+
+    def step(self, messages: list[dict], completion: str) -> tuple[str, float, bool]:
+        return "", float(completion.strip() == self.answer), True

@@ -8,16 +8,18 @@ engines.
 
 import functools
 
-from rldsl.models.base import BUILTIN_TINY
-from rldsl.models.tokenizer import CharTokenizer
+from rldsl.models.base import BUILTIN_AGENT, BUILTIN_TINY
+from rldsl.models.tokenizer import AGENT_CHARACTERS, CharTokenizer
 
 TINY_GPT2 = "builtin:tiny-gpt2"  # rldsl.models.tiny_gpt2: the builtin model with one 64-wide head, as GPT-2
-BUILTIN_MODELS = (BUILTIN_TINY, TINY_GPT2)
+BUILTIN_MODELS = (BUILTIN_TINY, TINY_GPT2, BUILTIN_AGENT)
+AGENT_SHAPE = {"max_positions": 128}  # TinyLMConfig overrides: room for a call, its result and an answer
 
 
 def load_model(source: str, device="cpu", *, seed: int = 0, **options):
     """Load ``builtin:tiny-lm`` (freshly initialised from ``seed``; with
-    ``builtin:tiny-gpt2``'s one head for it) or ``hf:<local path>``
+    ``builtin:tiny-gpt2``'s one head for it, ``builtin:tiny-agent``'s
+    vocabulary for it) or ``hf:<local path>``
     (pretrained; ``seed`` ignored) onto ``device``. ``options`` override
     ``TinyLMConfig`` fields, or reach ``rldsl.models.hf.load_hf_model``
     (e.g. ``dtype``). The engines load ``builtin:tiny-gpt2`` in its GPT-2
@@ -26,8 +28,9 @@ def load_model(source: str, device="cpu", *, seed: int = 0, **options):
         from rldsl.models.tiny import build_tiny_lm
         from rldsl.models.tiny_gpt2 import TINY_GPT2_SHAPE
 
-        shape = TINY_GPT2_SHAPE if source == TINY_GPT2 else {}
-        return build_tiny_lm(seed, **{**shape, **options}).to(device)
+        shape = {TINY_GPT2: TINY_GPT2_SHAPE, BUILTIN_AGENT: AGENT_SHAPE}.get(source, {})
+        return build_tiny_lm(seed, builtin_tokenizer(source), source if source == BUILTIN_AGENT else BUILTIN_TINY,
+                             **{**shape, **options}).to(device)
     if source.startswith("hf:"):
         from rldsl.models.hf import load_hf_model
 
@@ -44,7 +47,12 @@ def load_tokenizer(source: str):
         from rldsl.models.hf import HFTokenizer
 
         return HFTokenizer(AutoTokenizer.from_pretrained(source[len("hf:"):], local_files_only=True))
-    return CharTokenizer()
+    return builtin_tokenizer(source)
+
+
+def builtin_tokenizer(source: str) -> CharTokenizer:
+    """A builtin model's character tokenizer: tiny-agent's spells tool calls."""
+    return CharTokenizer(AGENT_CHARACTERS) if source == BUILTIN_AGENT else CharTokenizer()
 
 
 @functools.lru_cache(maxsize=8)
@@ -71,5 +79,5 @@ def chat_formatter(source: str):
     return formatted
 
 
-__all__ = ["BUILTIN_MODELS", "BUILTIN_TINY", "TINY_GPT2", "CharTokenizer", "chat_formatter", "load_model",
-           "load_tokenizer"]
+__all__ = ["BUILTIN_AGENT", "BUILTIN_MODELS", "BUILTIN_TINY", "TINY_GPT2", "CharTokenizer", "builtin_tokenizer",
+           "chat_formatter", "load_model", "load_tokenizer"]

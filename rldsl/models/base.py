@@ -10,6 +10,8 @@ new tokens.
 from __future__ import annotations
 
 BUILTIN_TINY = "builtin:tiny-lm"
+# the same model with a vocabulary that spells tool calls, warm-started to call the builtin calculator
+BUILTIN_AGENT = "builtin:tiny-agent"
 
 
 class CausalLM:

@@ -139,11 +139,13 @@ def _packed_score_bias(position_ids, dtype):
     return bias.masked_fill_(~allowed, MASKED_SCORE)[:, None]
 
 
-def build_tiny_lm(seed: int = 0, tokenizer: CharTokenizer | None = None, **overrides) -> CausalLM:
-    """A freshly initialised tiny-lm; the same seed gives the same weights."""
+def build_tiny_lm(seed: int = 0, tokenizer: CharTokenizer | None = None, source: str = BUILTIN_TINY,
+                  **overrides) -> CausalLM:
+    """A freshly initialised tiny-lm (``source``: the builtin model it is,
+    whose vocabulary ``tokenizer`` holds); the same seed gives the same weights."""
     tokenizer = tokenizer or CharTokenizer()
     config = TinyLMConfig(vocab_size=tokenizer.vocab_size, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = TinyLM(config)
-    return CausalLM(module, tokenizer, BUILTIN_TINY, config.to_dict())
+    return CausalLM(module, tokenizer, source, config.to_dict())

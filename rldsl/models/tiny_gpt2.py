@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from rldsl.models.base import BUILTIN_AGENT, BUILTIN_TINY
 from rldsl.models.tiny import TinyLMConfig
 from rldsl.models.tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS, UNK, CharTokenizer
 
@@ -45,10 +46,14 @@ TINY_GPT2 = "builtin:tiny-gpt2"
 TINY_GPT2_SHAPE = {"d_model": 128, "n_heads": 2}  # TinyLMConfig overrides: heads 64 wide
 
 
-def tiny_config_of(state: dict[str, torch.Tensor]) -> TinyLMConfig:
-    """The config the plan's tiny-lm was built with (the language has no
-    setting to change it), checked against the saved tensors."""
-    config = TinyLMConfig(vocab_size=CharTokenizer().vocab_size)
+def tiny_config_of(state: dict[str, torch.Tensor], source: str = BUILTIN_TINY) -> TinyLMConfig:
+    """The config the plan's builtin model ``source`` (tiny-lm or tiny-agent)
+    was built with (the language has no setting to change it), checked
+    against the saved tensors."""
+    from rldsl.models import AGENT_SHAPE, builtin_tokenizer
+
+    shape = AGENT_SHAPE if source == BUILTIN_AGENT else {}
+    config = TinyLMConfig(vocab_size=builtin_tokenizer(source).vocab_size, **shape)
     layers = {name.split(".")[1] for name in state if name.startswith("blocks.")}
     found = {"vocab_size": tuple(state["token_embedding.weight"].shape), "layers": len(layers),
              "max_positions": tuple(state["position_embedding.weight"].shape),
@@ -56,7 +61,7 @@ def tiny_config_of(state: dict[str, torch.Tensor]) -> TinyLMConfig:
     expected = {"vocab_size": (config.vocab_size, config.d_model), "layers": config.n_layers,
                 "max_positions": (config.max_positions, config.d_model), "d_ff": (config.d_ff, config.d_model)}
     if found != expected:
-        raise ValueError(f"the checkpoint's tiny-lm has shapes {found}, the builtin model {expected}")
+        raise ValueError(f"the checkpoint's model has shapes {found}, {source} {expected}")
     return config
 
 
@@ -100,12 +105,13 @@ def _block(state: dict[str, torch.Tensor], tiny: str, gpt2: str) -> dict[str, to
     return out
 
 
-def save_char_tokenizer(out: Path) -> None:
-    """The builtin character tokenizer as ``tokenizer.json`` + a fast tokenizer's config files."""
+def save_char_tokenizer(out: Path, char: CharTokenizer | None = None) -> None:
+    """A builtin character tokenizer (default: tiny-lm's) as ``tokenizer.json`` +
+    a fast tokenizer's config files."""
     import tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    char = CharTokenizer()
+    char = char or CharTokenizer()
     vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *char.characters])}
     model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=UNK))
     model.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")  # one token per character

@@ -13,6 +13,10 @@ from pathlib import Path
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 DEFAULT_CHARACTERS = string.digits + string.ascii_lowercase + " +-*=?:.,!'()/_"
+# builtin:tiny-agent's: the default ones and those a native tool call is written with
+# (pythonic `[f(x='1')]`, Hermes `<tool_call>{"name": ...}</tool_call>`), appended so every
+# default character keeps its id
+AGENT_CHARACTERS = DEFAULT_CHARACTERS + '[]{}<>"'
 
 
 class CharTokenizer:

@@ -595,11 +595,11 @@ RULES: dict[str, Rule] = {r.code: r for r in [
     _r("RLP605", ERROR, "environment samples scored by something other than their episode's reward",
        "A sample of a generate stage with an environment is an episode: its reward is the sum of the rewards "
        "its environment gave, read by a reward stage with `fn = \"rldsl.environments:episode_reward\"`, which "
-       "also drops the samples whose episode failed (the environment raised, hung or died). Any other reward function would score a transcript. Held-out evaluation "
-       "decodes a single turn, so it needs an `eval_metric` function rather than the pipeline's reward.",
+       "also drops the samples whose episode failed (the environment raised, hung or died). Any other reward function "
+       "would score a transcript.",
        "stage reward score { fn = \"rldsl.rewards:exact_match\" }   # after a generate stage with an environment",
        "the generate stages' `environment`, the flows (which reward stages follow them), each reward stage's "
-       "`fn`, and the datasets' `eval_metric` and `eval_size`."),
+       "`fn`."),
     _r("RLP606", ERROR, "`truncated = mask` on a generate stage with an environment",
        "`truncated = mask` leaves a single response cut at `max_new_tokens` out of the loss (overlong "
        "filtering). The samples of a stage with an environment are episodes: which tokens are trained is the "
@@ -621,7 +621,16 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "toward short episodes and quick rewards. 8 keeps a hang's cost near the usual time "
        "(bench/hang_cost.py) and drops no healthy call there.",
        "environment retry { fn = \"rldsl.environments:ArithRetry\"  max_turns = 3  max_tokens = 36  straggler = 2 }",
-       "each environment's and reward stage's `straggler`."),]}
+       "each environment's and reward stage's `straggler`."),
+    _r("RLP609", ERROR, "episodes evaluated on the generators",
+       "When the evaluation metric is the episode's reward (`eval_metric = \"rldsl.environments:episode_reward\"`, "
+       "or the default `reward` when the reward stage reads the episode's), held-out evaluation plays each prompt "
+       "as an episode in the environment, its tools and budgets included, on the evaluator's copy of the policy. "
+       "The generators' evaluation (`eval_on = generators`) decodes one turn between two batches and cannot play "
+       "episodes.",
+       "dataset prompts { source = \"builtin:arith\"  eval_on = generators }   # samples are episodes",
+       "the generate stages' `environment`, the reward stages' `fn`, and the datasets' `eval_metric`, `eval_size` "
+       "and `eval_on`."),]}
 
 
 DEPENDENCIES = """\
@@ -665,7 +674,7 @@ So the rule families depend on each other only through these inputs:
 | placement | RLP501-RLP503, RLP507, RLP508, RLP512, RLP515, RLP521 | cluster, `gpus`, `colocate`, placement groups, engines; RLP515 the model's config.json |
 | sharing | RLP401, RLP504, RLP505, RLP509, RLP513, RLP514 | placed stages (RLP504 for a resident trainer also the memory estimate) |
 | memory | RLP506, RLP520 | placed stages and their models; RLP520 the logprob stages' forwards |
-| environments | RLP601-RLP608 | generate stages' environments, their budgets, tools and straggler cuts, reward stages, `eval_metric` |
+| environments | RLP601-RLP609 | generate stages' environments, their budgets, tools and straggler cuts, reward stages, `eval_metric` |
 
 Each rule's entry below says what it reads.
 """

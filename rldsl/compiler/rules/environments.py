@@ -12,7 +12,7 @@ from pathlib import Path
 from rldsl.compiler.context import Context
 from rldsl.compiler.decls import Decl
 from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
-from rldsl.launch_rules import BUILTIN_CONTEXT, BUILTIN_TINY
+from rldsl.launch_rules import BUILTIN_CONTEXT, BUILTIN_CONTEXTS
 from rldsl.plan import EPISODE_REWARD_FN
 
 TINY_CONTEXT = BUILTIN_CONTEXT  # rldsl.models.tiny.TinyLMConfig.max_positions (a test keeps them equal)
@@ -70,8 +70,8 @@ def _context(ctx: Context, gen: Decl) -> tuple[int, str] | None:
     if engine is not None and engine.name in LIMITED_ENGINES and engine.args.get("max_model_len"):
         return int(engine.args["max_model_len"]), f"`max_model_len` of {ctx.label(gen.name)}"
     model = ctx.pipe.models.get(gen["model"].name) if gen.valid("model") and gen.get("model") else None
-    if model is not None and model.valid("source") and model["source"] == BUILTIN_TINY:
-        return TINY_CONTEXT, f"the context of {BUILTIN_TINY}"
+    if model is not None and model.valid("source") and model["source"] in BUILTIN_CONTEXTS:
+        return BUILTIN_CONTEXTS[model["source"]], f"the context of {model['source']}"
     return None
 
 
@@ -144,17 +144,33 @@ def check_reward(ctx: Context) -> list[Diagnostic]:
                     notes=("an episode's reward is the sum its environment gave; a sample whose episode failed "
                            "(its environment raised, hung or died) has none and must be dropped, not scored",),
                     help=f'use `fn = "{EPISODE_REWARD_FN}"`', edit=(reward.span_of("fn"), f'"{EPISODE_REWARD_FN}"')))
-        for dataset in ctx.pipe.datasets.values():
-            if dataset.valid("eval_metric") and dataset["eval_metric"] == "reward" and dataset.valid("eval_size") \
-                    and dataset["eval_size"] > 0:
-                out.append(Diagnostic(
-                    "RLP605", ERROR, f"dataset `{dataset.name}` evaluates with the pipeline's reward, but the "
-                    f"reward of {ctx.label(gen.name)} comes from episodes of `{env.name}`",
-                    dataset.span_of("eval_metric"),
-                    notes=("held-out evaluation decodes one turn per prompt and scores its text",),
-                    help='set `eval_metric = "module:function"` (such as "rldsl.rewards:exact_match": the first '
-                         "turn's success), or `eval_size = 0`"))
     return out
+
+
+def check_episode_evaluation(ctx: Context) -> list[Diagnostic]:
+    """RLP609: episodes evaluated on the generators (they are played on the evaluator)."""
+    if not list(_users(ctx)):
+        return []
+    out = []
+    for dataset in ctx.pipe.datasets.values():
+        if not (dataset.valid("eval_metric", "eval_size", "eval_on") and dataset["eval_size"] > 0
+                and dataset["eval_on"] == "generators"):
+            continue
+        metric = dataset["eval_metric"]
+        if metric == EPISODE_REWARD_FN or (metric == "reward" and _rewards_are_episodes(ctx)):
+            out.append(Diagnostic(
+                "RLP609", ERROR, f"dataset `{dataset.name}` evaluates episodes (its metric is their reward) on "
+                "the generators", dataset.span_of("eval_on"),
+                notes=("an episode's evaluation plays each held-out prompt in the environment on the evaluator's "
+                       "copy of the policy",),
+                help='remove `eval_on = generators`, or score first turns with `eval_metric = "module:function"`',
+                edit=(dataset.span_of("eval_on"), "evaluator")))
+    return out
+
+
+def _rewards_are_episodes(ctx: Context) -> bool:
+    rewards = [r for r in ctx.pipe.stages_of("reward") if r.valid("fn")]
+    return bool(rewards) and all(r["fn"] == EPISODE_REWARD_FN for r in rewards)
 
 
 def check_truncation(ctx: Context) -> list[Diagnostic]:
@@ -188,4 +204,4 @@ def check_straggler(ctx: Context) -> list[Diagnostic]:
     return out
 
 
-PASSES = (check_budgets, check_use, check_reward, check_truncation, check_straggler)
+PASSES = (check_budgets, check_use, check_reward, check_episode_evaluation, check_truncation, check_straggler)

@@ -17,8 +17,8 @@ from rldsl.compiler.diagnostics import ERROR, WARNING, Diagnostic
 from rldsl.compiler.schema import ENGINES
 from rldsl.compiler.types import arg_span
 from rldsl.launch_rules import (
-    BUILTIN_CONTEXT, BUILTIN_TINY, UNKNOWN_PROMPT_TOKENS, chat_template_refusal, checkpoint_refusal, clip_refusal,
-    context_refusal, longest_prompt, min_tokens_refusal, response_limit, shared_logprob_refusal, temperature_refusal,
+    BUILTIN_CONTEXT, BUILTIN_CONTEXTS, BUILTIN_TINY, UNKNOWN_PROMPT_TOKENS, chat_template_refusal,
+    checkpoint_refusal, clip_refusal, context_refusal, longest_prompt, min_tokens_refusal, response_limit, shared_logprob_refusal, temperature_refusal,
     textless_refusal, top_p_refusal,
 )
 from rldsl.plan import evaluates_held_out
@@ -166,10 +166,11 @@ def _no_room(ctx: Context, gen: Decl) -> Diagnostic:
     """RLP106 on the `max_prompt_tokens` whose prompts fill the model's whole context."""
     dataset = max((d for d in ctx.pipe.datasets.values() if d.get("max_prompt_tokens")),
                   key=lambda d: d["max_prompt_tokens"])
+    context = BUILTIN_CONTEXTS.get(_source(ctx, gen), BUILTIN_CONTEXT)
     return Diagnostic("RLP106", ERROR, f"`max_prompt_tokens = {dataset['max_prompt_tokens']}` leaves no room for a "
-                      f"response of {ctx.label(gen.name)}: {_source(ctx, gen)} has {BUILTIN_CONTEXT} positions, "
+                      f"response of {ctx.label(gen.name)}: {_source(ctx, gen)} has {context} positions, "
                       "prompt and response together", dataset.span_of("max_prompt_tokens"),
-                      help=f"keep `max_prompt_tokens` below {BUILTIN_CONTEXT}, with room for the answers")
+                      help=f"keep `max_prompt_tokens` below {context}, with room for the answers")
 
 
 def response_cap(ctx: Context, gen: Decl) -> int | None:

@@ -13,7 +13,8 @@ from rldsl.plan import GROUP_SCALED
 from rldsl.tasks import ANSWER_CHARACTERS
 
 EXACT_MATCH = "rldsl.rewards:exact_match"
-CHARACTER_TOKENIZER = "builtin:tiny-lm"  # one token per character, so answer lengths are token counts
+# one token per character, so answer lengths are token counts
+CHARACTER_TOKENIZERS = ("builtin:tiny-lm", "builtin:tiny-agent")
 
 
 def check_zero_advantages(ctx: Context) -> list[Diagnostic]:
@@ -133,7 +134,7 @@ def _exact_match_on_builtin(ctx: Context) -> tuple[Decl, str] | None:
     model = ctx.pipe.models.get(gen["model"].name) if gen.get("model") else None
     datasets = list(ctx.pipe.datasets.values())
     if rewards[0]["fn"] != EXACT_MATCH or model is None or not model.valid("source") \
-            or model["source"] != CHARACTER_TOKENIZER:
+            or model["source"] not in CHARACTER_TOKENIZERS:
         return None
     if len(datasets) != 1 or not datasets[0].valid("source", "sources"):
         return None

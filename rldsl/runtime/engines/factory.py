@@ -33,15 +33,19 @@ def load_policy(model: ModelPlan, pipe: PipelinePlan, seed: int, adapters: bool 
 
 
 def _load_base(model: ModelPlan, pipe: PipelinePlan, seed: int):
-    from rldsl.models import BUILTIN_TINY, TINY_GPT2, load_model
+    from rldsl.models import BUILTIN_AGENT, BUILTIN_TINY, TINY_GPT2, load_model
 
     if model.source == TINY_GPT2:  # in its GPT-2 form, as the other engines load it
         loaded = load_model(f"hf:{builtin_model_dir(model, pipe, seed)}")
         loaded.source = TINY_GPT2
         return loaded
-    task = _task_of(pipe) if model.source == BUILTIN_TINY else None
+    task = _task_of(pipe) if model.source in (BUILTIN_TINY, BUILTIN_AGENT) else None
     if task is None:
         return load_model(model.source, seed=seed)
+    if model.source == BUILTIN_AGENT:
+        from rldsl.runtime.engines.torch.agent_warmstart import load_warm_started_agent
+
+        return load_warm_started_agent(task, seed=seed)
     from rldsl.runtime.engines.torch.warmstart import load_warm_started
 
     return load_warm_started(task, seed=seed)

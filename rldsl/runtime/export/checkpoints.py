@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from rldsl.models.base import BUILTIN_TINY
+from rldsl.models import builtin_tokenizer
+from rldsl.models.base import BUILTIN_AGENT, BUILTIN_TINY
 import rldsl.models.tiny_gpt2 as tiny_gpt2
 from rldsl.runtime.export.writer import copy_generation_config, copy_tokenizer, transformers_offline
 
@@ -52,24 +53,27 @@ def read_checkpoint(engine: str, trainer_dir: Path, source: str, state: dict | N
     if engine not in (*MODULE_STATE_ENGINES, "megatron"):
         raise ExportError(f"a {engine} trainer keeps no model weights, so there is nothing to export",
                           "export runs whose train stage uses engine torch, fsdp or megatron")
-    if source == BUILTIN_TINY:
-        return _builtin_tiny(engine, trainer_dir, state)
+    if source in (BUILTIN_TINY, BUILTIN_AGENT):
+        return _builtin_tiny(engine, trainer_dir, state, source)
     if source.startswith("hf:"):
         return _hf_model(engine, trainer_dir, Path(source[len("hf:"):]), state)
-    raise ExportError(f"model source {source!r} cannot be exported", "sources: builtin:tiny-lm, builtin:tiny-gpt2, hf:<path>")
+    raise ExportError(f"model source {source!r} cannot be exported",
+                      "sources: builtin:tiny-lm, builtin:tiny-gpt2, builtin:tiny-agent, hf:<path>")
 
 
-def _builtin_tiny(engine: str, trainer_dir: Path, state: dict | None) -> ExportableModel:
+def _builtin_tiny(engine: str, trainer_dir: Path, state: dict | None, source: str) -> ExportableModel:
+    """tiny-lm (or tiny-agent, its vocabulary and context) as a Hugging Face GPT-2."""
     if engine not in MODULE_STATE_ENGINES:
-        raise ExportError(f"trainer.json names the {engine} engine, which does not train {BUILTIN_TINY}")
+        raise ExportError(f"trainer.json names the {engine} engine, which does not train {source}")
     state = module_state(engine, trainer_dir) if state is None else state
     try:
-        config = tiny_gpt2.tiny_config_of(state)
+        config = tiny_gpt2.tiny_config_of(state, source)
     except (KeyError, ValueError) as err:
-        raise ExportError(f"{trainer_dir} does not hold a {BUILTIN_TINY}: {err}") from err
+        raise ExportError(f"{trainer_dir} does not hold a {source}: {err}") from err
     transformers_offline()
+    tokenizer = builtin_tokenizer(source)
     return ExportableModel(tiny_gpt2.gpt2_config(config), tiny_gpt2.tiny_to_gpt2(state, config),
-                           tiny_gpt2.save_char_tokenizer, BUILTIN_TINY)
+                           lambda out: tiny_gpt2.save_char_tokenizer(out, tokenizer), source)
 
 
 def _hf_model(engine: str, trainer_dir: Path, path: Path, state: dict | None) -> ExportableModel:

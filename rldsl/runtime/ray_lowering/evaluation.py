@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from rldsl.plan import PipelinePlan
+from rldsl.runtime.ray_lowering.episode_evaluation import EpisodeEvaluation
 
 _NICENESS = 10
 
@@ -69,6 +70,11 @@ def score(responses: list[list[str]], prompts: list, metric: "EvalMetric | None"
         scored = metric.score_groups(responses, prompts)
     else:
         scored = [[(exact_match(r, p.answer, p.text), None) for r in group] for group, p in zip(responses, prompts)]
+    return summarize(scored)
+
+
+def summarize(scored: list[list[tuple[float | None, str | None]]]) -> dict:
+    """``score``'s figures from each prompt's ``(value, None)`` or ``(None, why)``."""
     rewards = [[value or 0.0 for value, _ in group] for group in scored]
     total = sum(len(group) for group in rewards)
     out = {"accuracy": sum(map(sum, rewards)) / max(total, 1),
@@ -91,11 +97,16 @@ class EvalMetric:
     def __init__(self, pipe: PipelinePlan):
         from rldsl.runtime.reward_pool import RewardPool
 
+        from rldsl.runtime.ray_lowering.episode_evaluation import evaluates_episodes
+
         named = pipe.datasets[0].options.get("eval_metric") or "reward"
         rewards = [s for s in pipe.stages if s.kind == "reward"]
         self.specs = [s.settings["fn"] for s in rewards] if named == "reward" else [named]
         self.specs = self.specs or ["rldsl.rewards:exact_match"]
         self.name = "reward" if named == "reward" else named.partition("@")[0]
+        self.episodes = evaluates_episodes(pipe)  # scored by playing episodes, not by a function (no pools)
+        if self.episodes:
+            self.name, self.specs = "episode_reward", []
         self.timeout_s = float(rewards[0].settings.get("timeout", 10.0)) if rewards else 10.0
         straggler = float(rewards[0].settings.get("straggler", 0.0)) if rewards else 0.0
         self.pools = [RewardPool(spec, self.PROCESSES, self.timeout_s, straggler) for spec in self.specs]
@@ -150,6 +161,7 @@ class Evaluator:
                                       stop_token_ids=tuple(generate.settings.get("stop_token_ids", ())))
         self.prompts = held_out_prompts(pipe)
         self.metric = EvalMetric(pipe)
+        self.episodes = EpisodeEvaluation(pipe, self.decoder) if self.metric.episodes else None
         self._lock = threading.Lock()  # guards the two fields below
         self._incoming: tuple[int, dict] | None = None  # a push in progress
         self._latest: tuple[int, dict] | None = None  # the newest complete push
@@ -184,7 +196,7 @@ class Evaluator:
                 latest, self._latest = self._latest, None
             if latest is not None:
                 self.decoder.update_weights(latest[1], latest[0], last=True)
-            scores = score(self.responses(), self.prompts, self.metric)
+            scores = self.episode_scores() if self.episodes else score(self.responses(), self.prompts, self.metric)
             args.update(version=self.decoder.version, **scores)
         return {**scores, "metric": self.metric.name, "version": self.decoder.version, "prompts": len(self.prompts),
                 "samples": 1 if self.sampling.greedy else self.sampling.samples}
@@ -203,6 +215,12 @@ class Evaluator:
             texts = self.decoder.decode(batch)
             responses += [texts[i * samples:(i + 1) * samples] for i in range(len(prompts))]
         return responses
+
+    def episode_scores(self) -> dict:
+        """The figures of ``score`` over episodes, with their mean statistics."""
+        samples = 1 if self.sampling.greedy else self.sampling.samples
+        scored, stats = self.episodes.play(self.prompts, samples, self._chunk_seed)
+        return {**summarize(scored), **stats}
 
     def _chunk_seed(self, start: int) -> int:
         return eval_seed(self.seed, self.decoder.version, start)

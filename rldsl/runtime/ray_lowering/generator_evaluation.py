@@ -42,6 +42,9 @@ class ReplicaEvaluation:
         self.prompts = held_out_prompts(pipe)
         self.sampling = EvalSampling.of(pipe)
         self.metric = EvalMetric(pipe)
+        if self.metric.episodes:  # `check` refuses it (RLP609): only a hand-made plan gets here
+            raise ValueError("episodes are evaluated on the evaluator, not on the generators: remove "
+                             "`eval_on = generators` from the dataset")
         self.seed, self.replica = pipe.run.seed, replica
         self._one_at_a_time = threading.Lock()
 

@@ -23,7 +23,8 @@ by a hash of all of them; a file lock makes concurrent engines on one machine
 train it once. ``builtin:tiny-lm`` is cached as its state dict;
 ``builtin:tiny-gpt2`` (the same model with one 64-wide head) also as a
 Hugging Face GPT-2 directory, which every engine (vLLM on a CPU too) loads by
-path (``warm_started_dir``).
+path (``warm_started_dir``). ``builtin:tiny-agent`` learns the task through
+the builtin calculator instead (``agent_warmstart``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from rldsl.models.base import CausalLM
+from rldsl.models.base import BUILTIN_TINY, CausalLM
 from rldsl.models.tiny import build_tiny_lm
 from rldsl.rewards import exact_match
 from rldsl.runtime.protocols import Prompt
@@ -82,15 +83,20 @@ def cache_key(task: str, seed: int, model_config: dict, settings: WarmStartSetti
 
 
 def load_warm_started(
-    task: str, seed: int = 0, model_overrides: dict | None = None, settings: WarmStartSettings | None = None
+    task: str, seed: int = 0, model_overrides: dict | None = None, settings: WarmStartSettings | None = None,
+    source: str = BUILTIN_TINY, train=None,
 ) -> CausalLM:
-    """The warm-started ``builtin:tiny-lm``, trained now if the cache has none."""
+    """The warm-started builtin model ``source``, trained now by ``train``
+    (default: ``supervised_warm_start``) if the cache has none."""
+    from rldsl.models import builtin_tokenizer
+
     settings = settings or WarmStartSettings()
-    model = build_tiny_lm(seed, **(model_overrides or {}))
-    path = cache_dir() / f"{task.replace(':', '-')}-{cache_key(task, seed, model.config, settings)}.pt"
+    model = build_tiny_lm(seed, builtin_tokenizer(source), source, **(model_overrides or {}))
+    name = task.replace(":", "-") + ("" if source == BUILTIN_TINY else "-" + source.removeprefix("builtin:"))
+    path = cache_dir() / f"{name}-{cache_key(task, seed, model.config, settings)}.pt"
     with _trained_once(path):
         if not path.exists():
-            report = supervised_warm_start(model, task, seed, settings)
+            report = (train or supervised_warm_start)(model, task, seed, settings)
             tmp = path.with_suffix(".tmp")
             torch.save({"state_dict": model.module.state_dict(), "report": report}, tmp)
             os.replace(tmp, path)
@@ -134,58 +140,71 @@ def _trained_once(path: Path):
 
 def supervised_warm_start(model: CausalLM, task: str, seed: int, settings: WarmStartSettings) -> dict:
     """The two imitation phases; returns how many steps each took."""
+    mistake = CARELESS_TEACHERS.get(task)
+    if mistake is None:
+        return imitation(model, task, seed, settings, [learn_phase(settings, settings.habit_accuracy)])
+    return imitation(model, task, seed, settings, [
+        learn_phase(settings, settings.learn_accuracy),
+        ("habit", lambda p, rng: mistake(p) if rng.random() < settings.mistake_rate else p.answer, greedy_accuracy,
+         lambda acc: acc <= settings.habit_accuracy, settings.max_habit_steps),
+    ])
+
+
+def learn_phase(settings: WarmStartSettings, accuracy: float) -> tuple:
+    """Imitate the correct answers until greedy accuracy reaches ``accuracy``."""
+    return ("learn", _correct, greedy_accuracy, lambda acc: acc >= accuracy, settings.max_learn_steps)
+
+
+def imitation(model: CausalLM, task: str, seed: int, settings: WarmStartSettings, phases) -> dict:
+    """Each phase ``(name, teacher, measure, done, max_steps)`` in turn: cross-entropy
+    on the teacher's responses until ``done(measure(model, check prompts))``
+    (``done`` None: for ``max_steps``).
+    A teacher maps ``(prompt, rng)`` to an answer, or to a transcript: a list
+    of ``(text, trained)`` pieces, ``None`` for the text of an end-of-turn
+    token (an environment's pieces are context, not imitated)."""
     options = {"seed": seed} if task in CARELESS_TEACHERS else {}
     train = load_dataset(task, "train", **options)
     check, pool = train[: settings.check_prompts], train[settings.check_prompts :]
     if not pool:
         raise ValueError(f"{task}: needs more than {settings.check_prompts} train prompts for a warm start")
     rng = random.Random(f"warmstart-{seed}")
-    mistake = CARELESS_TEACHERS.get(task)
-
-    def careless(prompt: Prompt) -> str:
-        return mistake(prompt) if rng.random() < settings.mistake_rate else prompt.answer
-
-    if mistake is None:
-        phases = [("learn", _correct, lambda acc: acc >= settings.habit_accuracy, settings.max_learn_steps)]
-    else:
-        phases = [
-            ("learn", _correct, lambda acc: acc >= settings.learn_accuracy, settings.max_learn_steps),
-            ("habit", careless, lambda acc: acc <= settings.habit_accuracy, settings.max_habit_steps),
-        ]
     report = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         optimizer = torch.optim.AdamW(model.module.parameters(), lr=settings.learning_rate(task))
-        for name, teacher, done, max_steps in phases:
-            steps, accuracy = _imitate(model, pool, check, teacher, done, max_steps, optimizer, rng, settings)
+        for name, teacher, measure, done, max_steps in phases:
+            steps, accuracy = _imitate(model, pool, check, teacher, done, max_steps, optimizer, rng, settings,
+                                       measure)
             report[name] = {"steps": steps, "train_accuracy": accuracy}
     model.module.eval()
     return report
 
 
-def _correct(prompt: Prompt) -> str:
+def _correct(prompt: Prompt, rng=None) -> str:
     return prompt.answer
 
 
-def _imitate(model, pool, check, teacher, done, max_steps, optimizer, rng, settings) -> tuple[int, float]:
-    """Cross-entropy on teacher answers until ``done(greedy accuracy)`` or max_steps."""
+def _imitate(model, pool, check, teacher, done, max_steps, optimizer, rng, settings, measure) -> tuple[int, float]:
+    """Cross-entropy on teacher responses until ``done(measure(...))`` or max_steps."""
     from rldsl.runtime.engines.torch.common import response_logprobs
 
     accuracy, step = 0.0, 0
     for step in range(1, max_steps + 1):
-        prompts = [Prompt(p.index, p.text, teacher(p)) for p in rng.sample(pool, settings.batch_size)]
-        batch = answer_batch(model.tokenizer, prompts)
+        prompts = rng.sample(pool, settings.batch_size)
+        batch = transcript_batch(model.tokenizer, prompts, [teacher(p, rng) for p in prompts])
         model.module.train()
-        logprobs = response_logprobs(model, batch)
-        loss = -logprobs.sum() / batch["response_mask"].sum()
+        logprobs = response_logprobs(model, batch) * batch["loss_mask"]
+        loss = -logprobs.sum() / batch["loss_mask"].sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if done is None:  # a phase of fixed length: measured once, at its end
+            continue
         if step % settings.check_every == 0:
-            accuracy = greedy_accuracy(model, check)
+            accuracy = measure(model, check)
             if done(accuracy):
                 break
-    return step, accuracy
+    return step, measure(model, check) if done is None else accuracy
 
 
 def arith_without_carry(prompt: Prompt) -> str:
@@ -207,22 +226,39 @@ CARELESS_TEACHERS = {"builtin:arith": arith_without_carry, "builtin:reverse": re
 
 def answer_batch(tokenizer, prompts) -> dict:
     """A batch whose responses are the reference answers followed by EOS."""
+    return transcript_batch(tokenizer, prompts, [p.answer for p in prompts])
+
+
+def transcript_batch(tokenizer, prompts, responses) -> dict:
+    """The prompts and their responses (an answer, followed by EOS, or a
+    transcript, ``imitation``), with ``loss_mask`` 1 on what is imitated."""
     from rldsl.runtime.engines.torch.common import encode_prompts
 
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts)
-    answers = [tokenizer.encode(p.answer, add_eos=True) for p in prompts]
-    width = max(len(ids) for ids in answers)
+    rows = [_transcript_ids(tokenizer, [(r, True), (None, True)] if isinstance(r, str) else r) for r in responses]
+    width = max(len(ids) for ids, _ in rows)
     response_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    response_mask = torch.zeros_like(response_ids)
-    for row, ids in enumerate(answers):
+    response_mask, loss_mask = torch.zeros_like(response_ids), torch.zeros(len(prompts), width)
+    for row, (ids, trained) in enumerate(rows):
         response_ids[row, : len(ids)] = torch.tensor(ids)
         response_mask[row, : len(ids)] = 1
+        loss_mask[row, : len(ids)] = torch.tensor(trained, dtype=torch.float32)
     return {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
         "response_ids": response_ids,
         "response_mask": response_mask,
+        "loss_mask": loss_mask,
     }
+
+
+def _transcript_ids(tokenizer, pieces) -> tuple[list[int], list[int]]:
+    ids, trained = [], []
+    for text, imitated in pieces:
+        piece = [tokenizer.eos_id] if text is None else tokenizer.encode(text)
+        ids += piece
+        trained += [int(imitated)] * len(piece)
+    return ids, trained
 
 
 def greedy_accuracy(model: CausalLM, prompts, max_new_tokens: int = 8) -> float:
@@ -230,3 +266,4 @@ def greedy_accuracy(model: CausalLM, prompts, max_new_tokens: int = 8) -> float:
 
     responses = TorchGenerator(model, max_new_tokens=max_new_tokens).generate_greedy(prompts)
     return sum(exact_match(r, p.answer) for r, p in zip(responses, prompts)) / max(len(prompts), 1)
+

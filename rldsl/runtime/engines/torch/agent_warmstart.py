@@ -1,0 +1,130 @@
+"""``builtin:tiny-agent``'s warm start: a builtin task through the calculator.
+
+The agent writes the task's question as a native tool call in the
+``pythonic`` format, reads the builtin calculator's answer
+(``rldsl.environments:calculate``) and gives it: the episode, as the
+episode loop joins it for a model without a chat template, is
+
+    12+19=  [calculate(expression='12+19')]<eos>  31  31<eos>
+
+(the prompt, the model's call and its end of turn, the tool's result,
+which is context and not imitated, then the model's answer). Two phases, as
+the builtin model's (``warmstart``), with one between them:
+
+1. learn: imitate the correct answers, as tiny-lm does;
+2. tools: imitate those episodes until the greedy call, once begun, is
+   right and followed by the right answer on ``TOOL_ACCURACY`` of
+   held-back train prompts;
+3. habit: imitate a teacher that mostly answers at once, carelessly (the
+   task's systematic mistake, ``CARELESS_TEACHERS``), and calls the
+   calculator otherwise (``mistake_rate``), for ``HABIT_STEPS``: the
+   mixture settles there (measured: a call begun is right 0.9 of the time,
+   the first token opens one with probability 0.2-0.3, greedy episodes are
+   right 0.2-0.3 of the time; a stop at a threshold instead came while the
+   calls were still broken, before the mixture had settled).
+
+The result calls the calculator on some prompts and answers the others
+itself, often wrongly: a policy that RL with a verifiable reward measurably
+improves by calling the tool more (``pipelines/multiturn_tools.rlp``).
+"""
+
+from __future__ import annotations
+
+from rldsl.environments.tools import calculate
+from rldsl.models import AGENT_SHAPE
+from rldsl.models.base import BUILTIN_AGENT, CausalLM
+from rldsl.runtime.engines.torch.warmstart import CARELESS_TEACHERS, WarmStartSettings, imitation, learn_phase, \
+    load_warm_started
+from rldsl.runtime.protocols import Prompt
+
+TOOL_TASKS = ("builtin:arith",)  # the tasks whose questions are the calculator's expressions
+CALL_TOKENS = 40  # a greedy first turn read by the check: the longest call and its end of turn fit
+ANSWER_TOKENS = 8  # and the answer after the calculator's result
+HABIT_STEPS = 200
+TOOL_ACCURACY = 0.95  # the tools phase's goal: the habit that follows wears the copying of results down
+# its checks play episodes, which take longer than 10 steps of training
+AGENT_SETTINGS = WarmStartSettings(check_every=50)
+
+
+def load_warm_started_agent(task: str, seed: int = 0, settings: WarmStartSettings | None = None) -> CausalLM:
+    """The warm-started ``builtin:tiny-agent``, trained now if the cache has none."""
+    return load_warm_started(task, seed, AGENT_SHAPE, settings or AGENT_SETTINGS, BUILTIN_AGENT, agent_warm_start)
+
+
+def calculator_call(prompt: Prompt) -> str:
+    """``"12+19="`` -> ``"[calculate(expression='12+19')]"``."""
+    return f"[calculate(expression='{prompt.text.rstrip('=')}')]"
+
+
+def tool_episode(prompt: Prompt) -> list[tuple[str | None, bool]]:
+    """The call, the calculator's result (not imitated), the answer."""
+    result = calculate(prompt.text.rstrip("="))
+    return [(calculator_call(prompt), True), (None, True), (result, False), (result, True), (None, True)]
+
+
+def agent_warm_start(model: CausalLM, task: str, seed: int, settings: WarmStartSettings) -> dict:
+    if task not in TOOL_TASKS:
+        raise ValueError(f"builtin:tiny-agent warm-starts on {', '.join(TOOL_TASKS)} (through the calculator), "
+                         f"not {task}: use builtin:tiny-lm for it")
+    mistake = CARELESS_TEACHERS[task]
+
+    def careless(prompt: Prompt, rng):
+        return mistake(prompt) if rng.random() < settings.mistake_rate else tool_episode(prompt)
+
+    return imitation(model, task, seed, settings, [
+        learn_phase(settings, settings.learn_accuracy),
+        ("tools", lambda prompt, rng: tool_episode(prompt), tool_accuracy, lambda acc: acc >= TOOL_ACCURACY,
+         settings.max_learn_steps),
+        ("habit", careless, episode_accuracy, None, HABIT_STEPS),
+    ])
+
+
+def tool_accuracy(model: CausalLM, prompts: list[Prompt]) -> float:
+    """The share of ``prompts`` whose greedy call, once begun (``[``), is right
+    and followed by the right answer: whether the model can use the tool,
+    whichever it would rather do."""
+    from rldsl.runtime.engines.torch.generate import TorchGenerator
+
+    opened = [_continued(model, p, "[") for p in prompts]
+    calls = TorchGenerator(model, max_new_tokens=CALL_TOKENS).generate_greedy(opened)
+    right = [p for call, p in zip(calls, prompts) if "[" + call == calculator_call(p)]
+    answered = [_continued(model, p, calculator_call(p), p.answer) for p in right]
+    answers = TorchGenerator(model, max_new_tokens=ANSWER_TOKENS).generate_greedy(answered) if right else []
+    return sum(a == p.answer for a, p in zip(answers, right)) / max(len(prompts), 1)
+
+
+def episode_accuracy(model: CausalLM, prompts: list[Prompt]) -> float:
+    """Greedy episodes' accuracy: a first turn that calls the calculator gets
+    its result and answers in a second turn."""
+    from rldsl.rewards import exact_match
+    from rldsl.runtime.engines.torch.generate import TorchGenerator
+    from rldsl.runtime.environments.tool_calls import parse_tool_calls
+
+    first = TorchGenerator(model, max_new_tokens=CALL_TOKENS).generate_greedy(prompts)
+    followed = {}
+    for index, (turn, prompt) in enumerate(zip(first, prompts)):
+        calls = parse_tool_calls(turn, "pythonic").calls
+        if len(calls) == 1 and calls[0].name == "calculate":
+            continued = _continued(model, prompt, turn, _tool_result(calls[0].arguments))
+            if len(continued.ids) + ANSWER_TOKENS <= model.config["max_positions"]:  # else no room to answer
+                followed[index] = continued
+    answer = TorchGenerator(model, max_new_tokens=ANSWER_TOKENS).generate_greedy
+    answers = dict(zip(followed, answer(list(followed.values())))) if followed else {}
+    final = [answers.get(index, turn) for index, turn in enumerate(first)]
+    return sum(exact_match(a, p.answer) for a, p in zip(final, prompts)) / max(len(prompts), 1)
+
+
+def _tool_result(arguments: dict) -> str:
+    try:
+        return calculate(**arguments)
+    except (TypeError, ValueError, SyntaxError) as error:
+        return f"error: {error}"
+
+
+def _continued(model: CausalLM, prompt: Prompt, turn: str, result: str | None = None) -> Prompt:
+    """``prompt`` followed by the model's ``turn`` (ended, when a ``result`` follows it)."""
+    tokenizer = model.tokenizer
+    ids = prompt.tokens(tokenizer) + tokenizer.encode(turn)
+    if result is not None:
+        ids += [tokenizer.eos_id] + tokenizer.encode(result)
+    return Prompt(prompt.index, prompt.text, prompt.answer, prompt.meta, ids=tuple(ids))

@@ -18,10 +18,11 @@ the builtin model's (``warmstart``), with one between them:
 3. habit: imitate a teacher that mostly answers at once, carelessly (the
    task's systematic mistake, ``CARELESS_TEACHERS``), and calls the
    calculator otherwise (``mistake_rate``), for ``HABIT_STEPS``: the
-   mixture settles there (measured: a call begun is right 0.9 of the time,
-   the first token opens one with probability 0.2-0.3, greedy episodes are
-   right 0.2-0.3 of the time; a stop at a threshold instead came while the
-   calls were still broken, before the mixture had settled).
+   mixture settles there (measured at seed 0: a call begun is right and
+   answered right on 0.59 of held-out prompts, the first token opens one
+   with probability 0.27, greedy episodes are right on 0.45; a stop at an
+   accuracy threshold instead came 10 steps in, while the calls were still
+   broken, before the mixture had settled).
 
 The result calls the calculator on some prompts and answers the others
 itself, often wrongly: a policy that RL with a verifiable reward measurably

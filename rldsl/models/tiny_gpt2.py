@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from rldsl.models.base import BUILTIN_AGENT, BUILTIN_TINY
+from rldsl.models.base import BUILTIN_TINY
 from rldsl.models.tiny import TinyLMConfig
 from rldsl.models.tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS, UNK, CharTokenizer
 
@@ -46,14 +46,12 @@ TINY_GPT2 = "builtin:tiny-gpt2"
 TINY_GPT2_SHAPE = {"d_model": 128, "n_heads": 2}  # TinyLMConfig overrides: heads 64 wide
 
 
-def tiny_config_of(state: dict[str, torch.Tensor], source: str = BUILTIN_TINY) -> TinyLMConfig:
-    """The config the plan's builtin model ``source`` (tiny-lm or tiny-agent)
-    was built with (the language has no setting to change it), checked
-    against the saved tensors."""
-    from rldsl.models import AGENT_SHAPE, builtin_tokenizer
-
-    shape = AGENT_SHAPE if source == BUILTIN_AGENT else {}
-    config = TinyLMConfig(vocab_size=builtin_tokenizer(source).vocab_size, **shape)
+def tiny_config_of(state: dict[str, torch.Tensor], source: str = BUILTIN_TINY, tokenizer: CharTokenizer | None = None,
+                   shape: dict | None = None) -> TinyLMConfig:
+    """The config the plan's builtin model ``source`` (tiny-lm; or tiny-agent,
+    with its ``tokenizer`` and ``shape``) was built with (the language has no
+    setting to change it), checked against the saved tensors."""
+    config = TinyLMConfig(vocab_size=(tokenizer or CharTokenizer()).vocab_size, **(shape or {}))
     layers = {name.split(".")[1] for name in state if name.startswith("blocks.")}
     found = {"vocab_size": tuple(state["token_embedding.weight"].shape), "layers": len(layers),
              "max_positions": tuple(state["position_embedding.weight"].shape),

@@ -5,8 +5,10 @@ processes its episodes run in; ``episodes``: the turn loop over a
 generator's batcher; ``conversation``: the first turn's text and each
 observation's tokens (token in, token out); ``tool_calls``: the model's
 native tool calls; ``harness`` and ``endpoint``: agent harnesses through an
-OpenAI-compatible endpoint. ``episode_runner`` builds the loop a generate stage with
-an environment uses (None without one).
+OpenAI-compatible endpoint; ``openenv_adapter`` and ``verifiers_adapter``:
+OpenEnv environments and verifiers tasksets, run unchanged.
+``episode_runner`` builds the loop a generate stage with an environment
+uses (None without one).
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ sandbox); each method may be a coroutine function:
   ``done``. The episode's reward is the sum of its steps' rewards;
 - ``close()``, optional: called once when the episode ends.
 
+An OpenEnv environment class (openenv_adapter.py) is wrapped into such a
+class; a verifiers taskset (verifiers_adapter.py) into an agent harness.
+
 No torch here: the environment processes import this module.
 """
 
@@ -98,6 +101,13 @@ def load_environment(spec: str):
             return adapt_openenv(cls)
         except OpenEnvShapeError as error:
             raise EnvironmentLoadError(f"environment {spec!r} (OpenEnv): {error}") from None
+    if is_verifiers_taskset(cls):
+        from rldsl.runtime.environments.verifiers_adapter import adapt_verifiers
+
+        try:
+            return adapt_verifiers(cls)
+        except ValueError as error:
+            raise EnvironmentLoadError(f"environment {spec!r} (verifiers): {error}") from None
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
     if not isinstance(cls, type) or missing:
         lacks = f"lacks {', '.join(missing)}" if isinstance(cls, type) else f"is a {type(cls).__name__}"
@@ -105,6 +115,15 @@ def load_environment(spec: str):
                                    f"step(messages, completion), or an agent harness, a function "
                                    f"harness(client, prompt, answer); {class_name!r} {lacks}")
     return cls
+
+
+VERIFIERS_TASKSET = ("verifiers.v1.taskset", "Taskset")
+
+
+def is_verifiers_taskset(cls) -> bool:
+    """A verifiers taskset class (verifiers_adapter.py), told by its bases: nothing imports verifiers here."""
+    return isinstance(cls, type) and any((base.__module__, base.__qualname__) == VERIFIERS_TASKSET
+                                         for base in cls.__mro__[1:])
 
 
 def is_harness(fn) -> bool:

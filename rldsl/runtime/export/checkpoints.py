@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from rldsl.models import builtin_tokenizer
+from rldsl.models import AGENT_SHAPE, builtin_tokenizer
 from rldsl.models.base import BUILTIN_AGENT, BUILTIN_TINY
 import rldsl.models.tiny_gpt2 as tiny_gpt2
 from rldsl.runtime.export.writer import copy_generation_config, copy_tokenizer, transformers_offline
@@ -66,12 +66,12 @@ def _builtin_tiny(engine: str, trainer_dir: Path, state: dict | None, source: st
     if engine not in MODULE_STATE_ENGINES:
         raise ExportError(f"trainer.json names the {engine} engine, which does not train {source}")
     state = module_state(engine, trainer_dir) if state is None else state
+    tokenizer = builtin_tokenizer(source)
     try:
-        config = tiny_gpt2.tiny_config_of(state, source)
+        config = tiny_gpt2.tiny_config_of(state, source, tokenizer, AGENT_SHAPE if source == BUILTIN_AGENT else {})
     except (KeyError, ValueError) as err:
         raise ExportError(f"{trainer_dir} does not hold a {source}: {err}") from err
     transformers_offline()
-    tokenizer = builtin_tokenizer(source)
     return ExportableModel(tiny_gpt2.gpt2_config(config), tiny_gpt2.tiny_to_gpt2(state, config),
                            lambda out: tiny_gpt2.save_char_tokenizer(out, tokenizer), source)
 

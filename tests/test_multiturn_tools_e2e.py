@@ -10,7 +10,7 @@ from tests.runs import rldsl_here
 
 pytestmark = [pytest.mark.ray]
 
-STEPS = 10  # the first 10 of the file's 30 (measured over 30: held-out 0.49 -> 0.70 at step 10 -> 0.78)
+STEPS = 10  # the first 10 of the file's 30 (measured over 30: held-out 0.16 -> 0.93 at step 10 -> 0.96)
 
 
 def test_multiturn_tools_learns_to_call_the_calculator(tmp_path):
@@ -23,13 +23,13 @@ def test_multiturn_tools_learns_to_call_the_calculator(tmp_path):
     assert ledger["dropped"] == {} and ledger["trained"] == ledger["generated"] == STEPS * 128  # none for tokens
     evals = summary["evals"]
     assert [e["step"] for e in evals] == [0, STEPS] and all(e["metric"] == "episode_reward" for e in evals)
-    assert summary["eval_end"] >= summary["eval_start"] + 0.1, evals  # whole greedy episodes, tools included
+    assert summary["eval_end"] >= summary["eval_start"] + 0.3, evals  # whole greedy episodes, tools included
     assert evals[-1]["tool_calls"] > evals[0]["tool_calls"], evals
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     stats = [s["episode_stats"] for s in steps if "episode_stats" in s]
     assert len(stats) == STEPS
     calls, errors = [s["tool_calls"] for s in stats], [s["tool_errors"] for s in stats]
-    # the policy calls the tool more (0.26 -> 0.66 tool calls per episode by step 10, measured)
-    assert sum(calls[-3:]) / 3 > sum(calls[:3]) / 3 + 0.15, calls
+    # the policy calls the tool more (0.14 -> 0.53 tool calls per episode by step 10, measured)
+    assert sum(calls[-3:]) / 3 > sum(calls[:3]) / 3 + 0.2, calls
     assert sum(errors) / len(errors) < 0.2, errors  # its calls are read: written in the format it knows
     assert " tool_calls " in proc.stderr  # on every step line

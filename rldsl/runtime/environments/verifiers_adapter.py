@@ -202,25 +202,14 @@ def episode_reward(episode: vf.Episode) -> float:
     return float(sum(t.reward for t in episode.traces if t.agent is None or t.agent.trainable))
 
 
-# imported on first use, by the client and the interception server: in the environment server, once, so that no
-# episode's process (a fork of it) imports them again (0.45 s of each episode, measured)
-_FIRST_USE_MODULES = ("openai.types.chat", "httpcore._async.http11", "httpcore._async.connection_pool",
-                      "anyio._backends._asyncio", "verifiers.v1.utils.version")
-
-
-def _import_what_an_episode_imports() -> None:
-    openai.AsyncOpenAI(api_key="-", base_url="http://127.0.0.1:1").chat.completions.create  # noqa: B018 - loads
-    for name in _FIRST_USE_MODULES:
-        importlib.import_module(name)
-
-
 def adapt_verifiers(taskset: type):
     """``async def harness(client, prompt, answer) -> reward`` playing the
     taskset's env; the env and its tasks are built here, once per process
     (the environment server's, before it forks each episode's)."""
     env = load_env(taskset)
     loaded = {task.data.prompt_text: task for task in env.taskset}
-    _import_what_an_episode_imports()
+    importlib.import_module("verifiers.v1.utils.version")  # a rollout's first use; the server imports the
+    # clients' modules too (process.import_client_modules): no episode's process (a fork) imports them again
     one_at_a_time = asyncio.Lock()  # `env.serving()` holds the env's servers: one episode at a time
 
     async def harness(client, prompt, answer):

@@ -8,25 +8,22 @@ episode loop joins it for a model without a chat template, is
     12+19=  [calculate(expression='12+19')]<eos>  31  31<eos>
 
 (the prompt, the model's call and its end of turn, the tool's result,
-which is context and not imitated, then the model's answer). Two phases, as
-the builtin model's (``warmstart``), with one between them:
+which is context and not imitated, then the model's answer).
 
-1. learn: imitate the correct answers, as tiny-lm does;
-2. tools: imitate those episodes until the greedy call, once begun, is
-   right and followed by the right answer on ``TOOL_ACCURACY`` of
-   held-back train prompts;
-3. habit: imitate a teacher that mostly answers at once, carelessly (the
-   task's systematic mistake, ``CARELESS_TEACHERS``), and calls the
-   calculator otherwise (``mistake_rate``), for ``HABIT_STEPS``: the
-   mixture settles there (measured at seed 0: a call begun is right and
-   answered right on 0.59 of held-out prompts, the first token opens one
-   with probability 0.27, greedy episodes are right on 0.45; a stop at an
-   accuracy threshold instead came 10 steps in, while the calls were still
-   broken, before the mixture had settled).
-
-The result calls the calculator on some prompts and answers the others
-itself, often wrongly: a policy that RL with a verifiable reward measurably
-improves by calling the tool more (``pipelines/multiturn_tools.rlp``).
+It starts from tiny-lm's warm start on the task (cached, shared with the
+pipelines that train tiny-lm: its careless habit included), its weights
+copied into the agent's larger embeddings (the tool characters' rows and
+the positions past 64 keep their initialisation), then imitates a teacher
+that answers at once, carelessly, ``mistake_rate`` of the time and plays a
+tool episode otherwise, until the greedy call, once begun, is right and
+followed by the right answer on ``TOOL_ACCURACY`` of held-back train
+prompts. Measured at seed 0 (800 steps, 26 s on 2 cores): calls begun are
+right and answered right on 0.95 of held-out prompts, the first token opens
+one with probability 0.20, and greedy episodes are right on 0.20 (mostly
+answered at once, carelessly): a policy that RL with a verifiable reward
+measurably improves by calling the tool more (``pipelines/multiturn_tools.rlp``).
+(Imitating only tool episodes first, then the habit, wore the direct
+answers down to one repeated number.)
 """
 
 from __future__ import annotations
@@ -34,17 +31,17 @@ from __future__ import annotations
 from rldsl.environments.tools import calculate
 from rldsl.models import AGENT_SHAPE
 from rldsl.models.base import BUILTIN_AGENT, CausalLM
-from rldsl.runtime.engines.torch.warmstart import CARELESS_TEACHERS, WarmStartSettings, imitation, learn_phase, \
+from rldsl.runtime.engines.torch.warmstart import CARELESS_TEACHERS, WarmStartSettings, imitation, \
     load_warm_started
 from rldsl.runtime.protocols import Prompt
 
 TOOL_TASKS = ("builtin:arith",)  # the tasks whose questions are the calculator's expressions
 CALL_TOKENS = 40  # a greedy first turn read by the check: the longest call and its end of turn fit
 ANSWER_TOKENS = 8  # and the answer after the calculator's result
-HABIT_STEPS = 200
-TOOL_ACCURACY = 0.95  # the tools phase's goal: the habit that follows wears the copying of results down
-# its checks play episodes, which take longer than 10 steps of training
-AGENT_SETTINGS = WarmStartSettings(check_every=50)
+TOOL_ACCURACY = 0.9
+# its checks play episodes, which take longer than 10 steps of training; 5e-3 reached TOOL_ACCURACY in 800
+# steps, 3e-3 in 1100 (measured)
+AGENT_SETTINGS = WarmStartSettings(check_every=100, lr=5e-3)
 
 
 def load_warm_started_agent(task: str, seed: int = 0, settings: WarmStartSettings | None = None) -> CausalLM:
@@ -67,17 +64,26 @@ def agent_warm_start(model: CausalLM, task: str, seed: int, settings: WarmStartS
     if task not in TOOL_TASKS:
         raise ValueError(f"builtin:tiny-agent warm-starts on {', '.join(TOOL_TASKS)} (through the calculator), "
                          f"not {task}: use builtin:tiny-lm for it")
+    base = load_warm_started(task, seed)
+    _copy_weights(base, model)
     mistake = CARELESS_TEACHERS[task]
 
     def careless(prompt: Prompt, rng):
         return mistake(prompt) if rng.random() < settings.mistake_rate else tool_episode(prompt)
 
-    return imitation(model, task, seed, settings, [
-        learn_phase(settings, settings.learn_accuracy),
-        ("tools", lambda prompt, rng: tool_episode(prompt), tool_accuracy, lambda acc: acc >= TOOL_ACCURACY,
-         settings.max_learn_steps),
-        ("habit", careless, episode_accuracy, None, HABIT_STEPS),
-    ])
+    report = imitation(model, task, seed, settings, [
+        ("tools", careless, tool_accuracy, lambda acc: acc >= TOOL_ACCURACY, settings.max_learn_steps)])
+    return {"tiny-lm": base.warm_start_report, **report}
+
+
+def _copy_weights(source: CausalLM, target: CausalLM) -> None:
+    """``source``'s weights into ``target``'s, whose embeddings may have more rows (appended ids, positions)."""
+    import torch
+
+    theirs = source.module.state_dict()
+    with torch.no_grad():
+        for name, tensor in target.module.state_dict().items():
+            tensor[: theirs[name].shape[0]].copy_(theirs[name])
 
 
 def tool_accuracy(model: CausalLM, prompts: list[Prompt]) -> float:

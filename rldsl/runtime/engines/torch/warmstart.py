@@ -157,8 +157,7 @@ def learn_phase(settings: WarmStartSettings, accuracy: float) -> tuple:
 
 def imitation(model: CausalLM, task: str, seed: int, settings: WarmStartSettings, phases) -> dict:
     """Each phase ``(name, teacher, measure, done, max_steps)`` in turn: cross-entropy
-    on the teacher's responses until ``done(measure(model, check prompts))``
-    (``done`` None: for ``max_steps``).
+    on the teacher's responses until ``done(measure(model, check prompts))``.
     A teacher maps ``(prompt, rng)`` to an answer, or to a transcript: a list
     of ``(text, trained)`` pieces, ``None`` for the text of an end-of-turn
     token (an environment's pieces are context, not imitated)."""
@@ -198,13 +197,11 @@ def _imitate(model, pool, check, teacher, done, max_steps, optimizer, rng, setti
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if done is None:  # a phase of fixed length: measured once, at its end
-            continue
         if step % settings.check_every == 0:
             accuracy = measure(model, check)
             if done(accuracy):
                 break
-    return step, measure(model, check) if done is None else accuracy
+    return step, accuracy
 
 
 def arith_without_carry(prompt: Prompt) -> str:
@@ -222,11 +219,6 @@ def reverse_ends_only(prompt: Prompt) -> str:
 
 
 CARELESS_TEACHERS = {"builtin:arith": arith_without_carry, "builtin:reverse": reverse_ends_only}
-
-
-def answer_batch(tokenizer, prompts) -> dict:
-    """A batch whose responses are the reference answers followed by EOS."""
-    return transcript_batch(tokenizer, prompts, [p.answer for p in prompts])
 
 
 def transcript_batch(tokenizer, prompts, responses) -> dict:

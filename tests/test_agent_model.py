@@ -1,5 +1,9 @@
 """builtin:tiny-agent: the builtin model that calls the calculator in its native
-format, its warm start, and held-out evaluation that plays episodes."""
+format, its warm start, and held-out evaluation that plays episodes.
+
+Named to be collected early: its warm start is built here, on the worker of
+the in-process tests, before the tool pipeline's run (tests/test_multiturn_tools_e2e.py)
+loads it from the cache."""
 
 from pathlib import Path
 
@@ -60,6 +64,29 @@ def test_a_tool_episode_imitated_trains_the_model_tokens_only():
     assert batch["loss_mask"][1].tolist() == [1.0, 1.0] + [0.0] * (width - 2)
 
 
+@pytest.mark.slow(reason="builds builtin:tiny-agent's warm start (about 26 s alone), which the other tests of "
+                         "the agent then load from the cache")
+def test_the_agent_warm_start_can_call_the_calculator_and_mostly_answers_carelessly():
+    """What RL starts from: calls that work once begun, taken now and then;
+    most prompts answered at once, often wrongly."""
+    import torch
+
+    from rldsl.runtime.engines.torch.agent_warmstart import episode_accuracy, load_warm_started_agent, \
+        tool_accuracy
+    from rldsl.runtime.engines.torch.common import encode_prompts, positions_from_mask
+    from rldsl.tasks import load_dataset
+
+    model = load_warm_started_agent("builtin:arith", seed=0)
+    held_out = load_dataset("builtin:arith", "eval")[:256]
+    assert tool_accuracy(model, held_out) >= 0.9  # 0.95 measured
+    assert episode_accuracy(model, held_out) <= 0.4  # 0.20 measured
+    ids, mask = encode_prompts(model.tokenizer, held_out)
+    with torch.no_grad():
+        logits, _ = model.forward(ids, mask, positions_from_mask(mask), use_cache=False)
+    opens_a_call = torch.softmax(logits[:, -1], -1)[:, model.tokenizer.encode("[")[0]].mean()
+    assert 0.1 <= opens_a_call <= 0.4  # 0.20 measured: sampled episodes call now and then
+
+
 def test_episode_evaluation_scores_the_episodes_its_own_player_plays():
     """The evaluator plays each held-out prompt in the environment (the
     calculator included) and scores the episode: the warm-started agent's
@@ -75,9 +102,9 @@ def test_episode_evaluation_scores_the_episodes_its_own_player_plays():
         evaluator.episodes.close()
     assert result["metric"] == "episode_reward" and result["prompts"] == 32 and "failed" not in result
     assert result["accuracy"] == episode_accuracy(evaluator.decoder.model, evaluator.prompts)
-    assert 0.1 < result["accuracy"] < 0.9  # calls on some prompts, wrong answers on others
+    assert 0.05 < result["accuracy"] < 0.9  # calls on some prompts, wrong answers on others
     assert 0 < result["tool_calls"] < 1 and result["tool_errors"] < result["tool_calls"]
-    assert 1 < result["turns"] < 2
+    assert result["turns"] == 1 + result["tool_calls"]  # a call, then the answer
 
 
 def test_the_default_metric_of_an_episode_pipeline_is_the_episode_reward():

@@ -162,34 +162,6 @@ def test_the_endpoint_wants_its_key_and_a_running_episode(model, tmp_path):
     assert runner.endpoint.url.startswith("http://127.0.0.1:")
 
 
-@pytest.mark.ray
-def test_a_pipeline_trains_on_its_harness_episodes(tmp_path):
-    """`environment { fn = "agents:retry" }` (a harness beside the pipeline
-    file) in a real run: the replica's endpoint serves the harness's
-    processes inside a Ray worker, and every episode is trained."""
-    import json
-    from pathlib import Path
-
-    from tests.runs import rldsl_here
-
-    (tmp_path / "agents.py").write_text(textwrap.dedent(AGENTS))
-    text = (Path(__file__).resolve().parent.parent / "pipelines" / "multiturn_arith.rlp").read_text()
-    text = (text.replace('fn = "rldsl.environments:ArithRetry"', 'fn = "agents:retry"')
-            .replace("eval_size = 128", "eval_size = 0").replace("prompts_per_step = 16", "prompts_per_step = 4")
-            .replace("timeout = 5s", "timeout = 20s")
-            # one actor fewer: the reference is not this test's subject
-            .replace("stage logprob reference { model = policy  frozen  colocate = actor }\n", "")
-            .replace("-> score -> reference -> actor", "-> score -> actor").replace("kl = 0.001", "kl = 0.0"))
-    (tmp_path / "harness.rlp").write_text(text)
-    run_dir = tmp_path / "run"
-    result = rldsl_here("run", str(tmp_path / "harness.rlp"), "--steps", "2", "--run-dir", str(run_dir))
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["ledger"]["trained"] == 2 * 4 * 8 and not summary["ledger"]["dropped"]
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [s["episode_stats"]["turns"] for s in steps if "episode_stats" in s] == [2.0, 2.0]
-
-
 def test_streamed_chunks_are_openais_chunk_objects_with_the_tool_calls_indexed():
     from openai.types.chat import ChatCompletionChunk
 
@@ -205,3 +177,6 @@ def test_streamed_chunks_are_openais_chunk_objects_with_the_tool_calls_indexed()
     assert [c.index for c in calls] == [0, 1] and calls[1].function.arguments == call["function"]["arguments"]
     assert chunks[1].choices[0].finish_reason == "tool_calls" and chunks[2].usage.total_tokens == 14
     assert len(stream_chunks(answer, include_usage=False)) == 2
+
+
+# An agent harness in a real run on Ray: tests/test_verifiers_env.py (a verifiers taskset is one).

@@ -4,6 +4,7 @@ rollout through the replica's endpoint, scored by the taskset's own rubric."""
 
 import contextlib
 import json
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -121,10 +122,19 @@ def test_a_failed_rollout_drops_its_sample_and_an_unexported_taskset_is_refused(
 
 @pytest.mark.ray
 def test_the_shipped_pipeline_trains_on_verifiers_rollouts(tmp_path):
+    """The shipped pipeline (less its frozen reference, one environment server) in a real run: the
+    replica's endpoint, inside a Ray worker, serves the rollouts' processes, and every one is trained.
+    The run of an agent harness on Ray."""
     from tests.runs import rldsl_here  # here: the module's other tests start no Ray (and run beside the Ray tests)
 
+    shutil.copy(ROOT / "pipelines" / "verifiers_arith.py", tmp_path)
+    text = (ROOT / "pipelines" / "verifiers_arith.rlp").read_text()
+    text = (text.replace("stage logprob reference { model = policy  frozen  colocate = actor }\n", "")
+            .replace("-> score -> reference -> actor", "-> score -> actor").replace("kl = 0.001", "kl = 0.0")
+            .replace("timeout = 20s", "timeout = 20s  processes = 1"))
+    (tmp_path / "verifiers.rlp").write_text(text)
     run_dir = tmp_path / "run"
-    result = rldsl_here("run", "pipelines/verifiers_arith.rlp", "--steps", "3", "--set", "actor.prompts_per_step=4",
+    result = rldsl_here("run", str(tmp_path / "verifiers.rlp"), "--steps", "3", "--set", "actor.prompts_per_step=4",
                         "--set", "prompts.eval_size=0", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -134,8 +134,8 @@ def test_the_shipped_pipeline_trains_on_verifiers_rollouts(tmp_path):
             .replace("timeout = 20s", "timeout = 20s  processes = 1"))
     (tmp_path / "verifiers.rlp").write_text(text)
     run_dir = tmp_path / "run"
-    result = rldsl_here("run", str(tmp_path / "verifiers.rlp"), "--steps", "3", "--set", "actor.prompts_per_step=4",
+    result = rldsl_here("run", str(tmp_path / "verifiers.rlp"), "--steps", "3", "--set", "actor.prompts_per_step=2",
                         "--set", "prompts.eval_size=0", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["ledger"]["trained"] == 3 * 4 * 8 and not summary["ledger"]["dropped"]
+    assert summary["ledger"]["trained"] == 3 * 2 * 8 and not summary["ledger"]["dropped"]

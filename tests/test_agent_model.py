@@ -109,7 +109,7 @@ def test_episode_evaluation_scores_the_episodes_its_own_player_plays():
     assert result["accuracy"] == episode_accuracy(evaluator.decoder.model, evaluator.prompts)
     assert 0.05 < result["accuracy"] < 0.9  # calls on some prompts, wrong answers on others
     assert 0 < result["tool_calls"] < 1 and result["tool_errors"] < result["tool_calls"]
-    assert result["turns"] == 1 + result["tool_calls"]  # a call, then the answer
+    assert result["turns"] == pytest.approx(1 + result["tool_calls"], abs=1e-3)  # a call, then the answer
 
 
 def test_the_default_metric_of_an_episode_pipeline_is_the_episode_reward():

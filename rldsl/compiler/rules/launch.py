@@ -18,8 +18,8 @@ from rldsl.compiler.schema import ENGINES
 from rldsl.compiler.types import arg_span
 from rldsl.launch_rules import (
     BUILTIN_CONTEXT, BUILTIN_CONTEXTS, BUILTIN_TINY, UNKNOWN_PROMPT_TOKENS, chat_template_refusal,
-    checkpoint_refusal, clip_refusal, context_refusal, longest_prompt, min_tokens_refusal, response_limit, shared_logprob_refusal, temperature_refusal,
-    textless_refusal, top_p_refusal,
+    checkpoint_refusal, clip_refusal, context_refusal, longest_prompt, min_tokens_refusal, response_limit,
+    shared_logprob_refusal, temperature_refusal, textless_refusal, top_p_refusal,
 )
 from rldsl.plan import evaluates_held_out
 

@@ -66,4 +66,9 @@ class EpisodeEvaluation:
         return scored, stats
 
     def close(self) -> None:
+        """The environment's processes (and a harness's endpoint), then the batcher."""
+        self.runner.host.close()
+        closing = getattr(self.runner, "close", None)
+        if closing is not None:
+            closing()
         self.batcher.close()

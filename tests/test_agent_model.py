@@ -21,6 +21,33 @@ ROOT = Path(__file__).resolve().parent.parent
 PIPELINE = ROOT / "pipelines" / "multiturn_tools.rlp"
 
 
+def greedy_episode_accuracy(model, prompts) -> float:
+    """The tool pipeline's greedy episodes played here, apart from the runtime's
+    episode loop (an oracle for it): a first turn that calls the calculator
+    gets its result and answers in a second turn."""
+    from rldsl.environments import calculate
+    from rldsl.rewards import exact_match
+    from rldsl.runtime.engines.torch.agent_warmstart import ANSWER_TOKENS, CALL_TOKENS, continued
+    from rldsl.runtime.engines.torch.generate import TorchGenerator
+
+    first = TorchGenerator(model, max_new_tokens=CALL_TOKENS).generate_greedy(prompts)
+    followed = {}
+    for index, (turn, prompt) in enumerate(zip(first, prompts)):
+        calls = parse_tool_calls(turn, "pythonic").calls
+        if len(calls) == 1 and calls[0].name == "calculate":
+            try:
+                result = calculate(**calls[0].arguments)
+            except (TypeError, ValueError, SyntaxError) as error:
+                result = f"error: {error}"
+            then = continued(model, prompt, turn, result)
+            if len(then.ids) + ANSWER_TOKENS <= model.config["max_positions"]:  # else no room to answer
+                followed[index] = then
+    answer = TorchGenerator(model, max_new_tokens=ANSWER_TOKENS).generate_greedy
+    answers = dict(zip(followed, answer(list(followed.values())))) if followed else {}
+    final = [answers.get(index, turn) for index, turn in enumerate(first)]
+    return sum(exact_match(a, p.answer) for a, p in zip(final, prompts)) / max(len(prompts), 1)
+
+
 def tools_plan(**replace):
     text = PIPELINE.read_text().replace("eval_size = 128", "eval_size = 32")
     for old, new in replace.items():
@@ -71,8 +98,7 @@ def test_the_agent_warm_start_can_call_the_calculator_and_mostly_answers_careles
     most prompts answered at once, often wrongly."""
     import torch
 
-    from rldsl.runtime.engines.torch.agent_warmstart import episode_accuracy, load_warm_started_agent, \
-        tool_accuracy
+    from rldsl.runtime.engines.torch.agent_warmstart import load_warm_started_agent, tool_accuracy
     from rldsl.runtime.engines.torch.common import encode_prompts, positions_from_mask
     from rldsl.tasks import load_dataset
 
@@ -84,7 +110,7 @@ def test_the_agent_warm_start_can_call_the_calculator_and_mostly_answers_careles
         torch.set_num_threads(threads)
     held_out = load_dataset("builtin:arith", "eval")[:256]
     assert tool_accuracy(model, held_out) >= 0.9  # 0.95 measured
-    assert episode_accuracy(model, held_out) <= 0.4  # 0.20 measured
+    assert greedy_episode_accuracy(model, held_out) <= 0.4  # 0.20 measured
     ids, mask = encode_prompts(model.tokenizer, held_out)
     with torch.no_grad():
         logits, _ = model.forward(ids, mask, positions_from_mask(mask), use_cache=False)
@@ -95,9 +121,7 @@ def test_the_agent_warm_start_can_call_the_calculator_and_mostly_answers_careles
 def test_episode_evaluation_scores_the_episodes_its_own_player_plays():
     """The evaluator plays each held-out prompt in the environment (the
     calculator included) and scores the episode: the warm-started agent's
-    greedy episodes, played independently by its warm start's check, score
-    the same."""
-    from rldsl.runtime.engines.torch.agent_warmstart import episode_accuracy
+    greedy episodes, played independently here, score the same."""
     from rldsl.runtime.ray_lowering.evaluation import Evaluator
 
     evaluator = Evaluator(tools_plan(), background=False)
@@ -106,14 +130,14 @@ def test_episode_evaluation_scores_the_episodes_its_own_player_plays():
     finally:
         evaluator.episodes.close()
     assert result["metric"] == "episode_reward" and result["prompts"] == 32 and "failed" not in result
-    assert result["accuracy"] == episode_accuracy(evaluator.decoder.model, evaluator.prompts)
+    assert result["accuracy"] == greedy_episode_accuracy(evaluator.decoder.model, evaluator.prompts)
     assert 0.05 < result["accuracy"] < 0.9  # calls on some prompts, wrong answers on others
     assert 0 < result["tool_calls"] < 1 and result["tool_errors"] < result["tool_calls"]
     assert result["turns"] == pytest.approx(1 + result["tool_calls"], abs=1e-3)  # a call, then the answer
 
 
 def test_the_default_metric_of_an_episode_pipeline_is_the_episode_reward():
-    from rldsl.runtime.ray_lowering.episode_evaluation import evaluates_episodes
+    from rldsl.runtime.ray_lowering.evaluation import evaluates_episodes
 
     default = tools_plan(**{'eval_metric = "rldsl.environments:episode_reward"': ""})
     assert evaluates_episodes(default) and evaluates_episodes(tools_plan())

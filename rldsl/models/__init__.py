@@ -26,11 +26,9 @@ def load_model(source: str, device="cpu", *, seed: int = 0, **options):
     form, from the directory the runtime writes."""
     if source in BUILTIN_MODELS:
         from rldsl.models.tiny import build_tiny_lm
-        from rldsl.models.tiny_gpt2 import TINY_GPT2_SHAPE
 
-        shape = {TINY_GPT2: TINY_GPT2_SHAPE, BUILTIN_AGENT: AGENT_SHAPE}.get(source, {})
         return build_tiny_lm(seed, builtin_tokenizer(source), source if source == BUILTIN_AGENT else BUILTIN_TINY,
-                             **{**shape, **options}).to(device)
+                             **{**builtin_shape(source), **options}).to(device)
     if source.startswith("hf:"):
         from rldsl.models.hf import load_hf_model
 
@@ -48,6 +46,15 @@ def load_tokenizer(source: str):
 
         return HFTokenizer(AutoTokenizer.from_pretrained(source[len("hf:"):], local_files_only=True))
     return builtin_tokenizer(source)
+
+
+def builtin_shape(source: str) -> dict:
+    """A builtin model's ``TinyLMConfig`` overrides of tiny-lm's."""
+    if source == TINY_GPT2:
+        from rldsl.models.tiny_gpt2 import TINY_GPT2_SHAPE
+
+        return TINY_GPT2_SHAPE
+    return AGENT_SHAPE if source == BUILTIN_AGENT else {}
 
 
 def builtin_tokenizer(source: str) -> CharTokenizer:
@@ -79,5 +86,5 @@ def chat_formatter(source: str):
     return formatted
 
 
-__all__ = ["BUILTIN_AGENT", "BUILTIN_MODELS", "BUILTIN_TINY", "TINY_GPT2", "CharTokenizer", "builtin_tokenizer",
-           "chat_formatter", "load_model", "load_tokenizer"]
+__all__ = ["BUILTIN_AGENT", "BUILTIN_MODELS", "BUILTIN_TINY", "TINY_GPT2", "CharTokenizer", "builtin_shape",
+           "builtin_tokenizer", "chat_formatter", "load_model", "load_tokenizer"]

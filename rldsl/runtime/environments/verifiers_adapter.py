@@ -40,7 +40,6 @@ class whose bases say it is a verifiers ``Taskset``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib
 import json
@@ -205,20 +204,19 @@ def episode_reward(episode: vf.Episode) -> float:
 def adapt_verifiers(taskset: type):
     """``async def harness(client, prompt, answer) -> reward`` playing the
     taskset's env; the env and its tasks are built here, once per process
-    (the environment server's, before it forks each episode's)."""
+    (the environment server's, before it forks each episode's process: one
+    episode a process, so no two share the env's servers)."""
     env = load_env(taskset)
     loaded = {task.data.prompt_text: task for task in env.taskset}
     importlib.import_module("verifiers.v1.utils.version")  # a rollout's first use; the server imports the
     # clients' modules too (process.import_client_modules): no episode's process (a fork) imports them again
-    one_at_a_time = asyncio.Lock()  # `env.serving()` holds the env's servers: one episode at a time
 
     async def harness(client, prompt, answer):
         _loopback_without_proxy()
         context = vf.ModelContext(model=MODEL, client=client_config(client), sampling=vf.SamplingConfig())
-        async with one_at_a_time:
-            (slot,) = env.slots(task_for(env, loaded, prompt, answer))
-            async with env.serving():
-                return episode_reward(await env.run_slot(slot, context))
+        (slot,) = env.slots(task_for(env, loaded, prompt, answer))
+        async with env.serving():
+            return episode_reward(await env.run_slot(slot, context))
 
     harness.__qualname__ = harness.__name__ = f"verifiers[{env.config.env_id}]"
     return harness

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from rldsl.models import AGENT_SHAPE, builtin_tokenizer
+from rldsl.models import builtin_shape, builtin_tokenizer
 from rldsl.models.base import BUILTIN_AGENT, BUILTIN_TINY
 import rldsl.models.tiny_gpt2 as tiny_gpt2
 from rldsl.runtime.export.writer import copy_generation_config, copy_tokenizer, transformers_offline
@@ -68,7 +68,7 @@ def _builtin_tiny(engine: str, trainer_dir: Path, state: dict | None, source: st
     state = module_state(engine, trainer_dir) if state is None else state
     tokenizer = builtin_tokenizer(source)
     try:
-        config = tiny_gpt2.tiny_config_of(state, source, tokenizer, AGENT_SHAPE if source == BUILTIN_AGENT else {})
+        config = tiny_gpt2.tiny_config_of(state, source, tokenizer, builtin_shape(source))
     except (KeyError, ValueError) as err:
         raise ExportError(f"{trainer_dir} does not hold a {source}: {err}") from err
     transformers_offline()

@@ -19,16 +19,9 @@ together.
 from __future__ import annotations
 
 from rldsl.plan import PipelinePlan
-from rldsl.runtime.environments import DROP_REASONS, EpisodeStatus, episode_runner, reads_episode_reward
+from rldsl.runtime.environments import DROP_REASONS, EpisodeStatus, episode_runner
 
 EPISODES_PER_CHUNK = 32  # episodes played at once (a thread and an environment process each)
-
-
-def evaluates_episodes(pipe: PipelinePlan) -> bool:
-    """Whether the evaluation metric is the episode's reward."""
-    named = pipe.datasets[0].options.get("eval_metric") or "reward"
-    specs = [s.settings["fn"] for s in pipe.stages if s.kind == "reward"] if named == "reward" else [named]
-    return bool(specs) and all(reads_episode_reward(spec) for spec in specs)
 
 
 class EpisodeEvaluation:

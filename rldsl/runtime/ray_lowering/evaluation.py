@@ -83,6 +83,26 @@ def summarize(scored: list[list[tuple[float | None, str | None]]]) -> dict:
     return {**out, "failed": failed} if failed else out
 
 
+def metric_functions(pipe: PipelinePlan) -> tuple[str, list[str]]:
+    """The dataset's `eval_metric`, by name, and the functions it sums."""
+    named = pipe.datasets[0].options.get("eval_metric") or "reward"
+    if named != "reward":
+        return named.partition("@")[0], [named]
+    rewards = [s.settings["fn"] for s in pipe.stages if s.kind == "reward"]
+    return "reward", rewards or ["rldsl.rewards:exact_match"]
+
+
+def evaluates_episodes(pipe: PipelinePlan) -> bool:
+    """Whether the evaluation metric is the episode's reward (episode_evaluation.py)."""
+    return _are_episode_rewards(metric_functions(pipe)[1])
+
+
+def _are_episode_rewards(specs: list[str]) -> bool:
+    from rldsl.runtime.environments import reads_episode_reward
+
+    return all(reads_episode_reward(spec) for spec in specs)
+
+
 class EvalMetric:
     """The dataset's `eval_metric`: the pipeline's reward functions (summed)
     or one `module:function`, each bounded by the reward stage's timeout; a
@@ -97,16 +117,11 @@ class EvalMetric:
     def __init__(self, pipe: PipelinePlan):
         from rldsl.runtime.reward_pool import RewardPool
 
-        from rldsl.runtime.ray_lowering.episode_evaluation import evaluates_episodes
-
-        named = pipe.datasets[0].options.get("eval_metric") or "reward"
-        rewards = [s for s in pipe.stages if s.kind == "reward"]
-        self.specs = [s.settings["fn"] for s in rewards] if named == "reward" else [named]
-        self.specs = self.specs or ["rldsl.rewards:exact_match"]
-        self.name = "reward" if named == "reward" else named.partition("@")[0]
-        self.episodes = evaluates_episodes(pipe)  # scored by playing episodes, not by a function (no pools)
+        self.name, self.specs = metric_functions(pipe)
+        self.episodes = _are_episode_rewards(self.specs)  # scored by playing episodes, not by a function (no pools)
         if self.episodes:
             self.name, self.specs = "episode_reward", []
+        rewards = [s for s in pipe.stages if s.kind == "reward"]
         self.timeout_s = float(rewards[0].settings.get("timeout", 10.0)) if rewards else 10.0
         straggler = float(rewards[0].settings.get("straggler", 0.0)) if rewards else 0.0
         self.pools = [RewardPool(spec, self.PROCESSES, self.timeout_s, straggler) for spec in self.specs]

@@ -28,8 +28,10 @@ answers down to one repeated number.)
 
 from __future__ import annotations
 
+import torch
+
 from rldsl.environments.tools import calculate
-from rldsl.models import AGENT_SHAPE
+from rldsl.models import builtin_shape
 from rldsl.models.base import BUILTIN_AGENT, CausalLM
 from rldsl.runtime.engines.torch.warmstart import CARELESS_TEACHERS, WarmStartSettings, imitation, \
     load_warm_started
@@ -46,7 +48,8 @@ AGENT_SETTINGS = WarmStartSettings(check_every=100, lr=5e-3)
 
 def load_warm_started_agent(task: str, seed: int = 0, settings: WarmStartSettings | None = None) -> CausalLM:
     """The warm-started ``builtin:tiny-agent``, trained now if the cache has none."""
-    return load_warm_started(task, seed, AGENT_SHAPE, settings or AGENT_SETTINGS, BUILTIN_AGENT, agent_warm_start)
+    return load_warm_started(task, seed, builtin_shape(BUILTIN_AGENT), settings or AGENT_SETTINGS, BUILTIN_AGENT,
+                             agent_warm_start)
 
 
 def calculator_call(prompt: Prompt) -> str:
@@ -78,8 +81,6 @@ def agent_warm_start(model: CausalLM, task: str, seed: int, settings: WarmStartS
 
 def _copy_weights(source: CausalLM, target: CausalLM) -> None:
     """``source``'s weights into ``target``'s, whose embeddings may have more rows (appended ids, positions)."""
-    import torch
-
     theirs = source.module.state_dict()
     with torch.no_grad():
         for name, tensor in target.module.state_dict().items():
@@ -92,43 +93,15 @@ def tool_accuracy(model: CausalLM, prompts: list[Prompt]) -> float:
     whichever it would rather do."""
     from rldsl.runtime.engines.torch.generate import TorchGenerator
 
-    opened = [_continued(model, p, "[") for p in prompts]
+    opened = [continued(model, p, "[") for p in prompts]
     calls = TorchGenerator(model, max_new_tokens=CALL_TOKENS).generate_greedy(opened)
     right = [p for call, p in zip(calls, prompts) if "[" + call == calculator_call(p)]
-    answered = [_continued(model, p, calculator_call(p), p.answer) for p in right]
+    answered = [continued(model, p, calculator_call(p), p.answer) for p in right]
     answers = TorchGenerator(model, max_new_tokens=ANSWER_TOKENS).generate_greedy(answered) if right else []
     return sum(a == p.answer for a, p in zip(answers, right)) / max(len(prompts), 1)
 
 
-def episode_accuracy(model: CausalLM, prompts: list[Prompt]) -> float:
-    """Greedy episodes' accuracy: a first turn that calls the calculator gets
-    its result and answers in a second turn."""
-    from rldsl.rewards import exact_match
-    from rldsl.runtime.engines.torch.generate import TorchGenerator
-    from rldsl.runtime.environments.tool_calls import parse_tool_calls
-
-    first = TorchGenerator(model, max_new_tokens=CALL_TOKENS).generate_greedy(prompts)
-    followed = {}
-    for index, (turn, prompt) in enumerate(zip(first, prompts)):
-        calls = parse_tool_calls(turn, "pythonic").calls
-        if len(calls) == 1 and calls[0].name == "calculate":
-            continued = _continued(model, prompt, turn, _tool_result(calls[0].arguments))
-            if len(continued.ids) + ANSWER_TOKENS <= model.config["max_positions"]:  # else no room to answer
-                followed[index] = continued
-    answer = TorchGenerator(model, max_new_tokens=ANSWER_TOKENS).generate_greedy
-    answers = dict(zip(followed, answer(list(followed.values())))) if followed else {}
-    final = [answers.get(index, turn) for index, turn in enumerate(first)]
-    return sum(exact_match(a, p.answer) for a, p in zip(final, prompts)) / max(len(prompts), 1)
-
-
-def _tool_result(arguments: dict) -> str:
-    try:
-        return calculate(**arguments)
-    except (TypeError, ValueError, SyntaxError) as error:
-        return f"error: {error}"
-
-
-def _continued(model: CausalLM, prompt: Prompt, turn: str, result: str | None = None) -> Prompt:
+def continued(model: CausalLM, prompt: Prompt, turn: str, result: str | None = None) -> Prompt:
     """``prompt`` followed by the model's ``turn`` (ended, when a ``result`` follows it)."""
     tokenizer = model.tokenizer
     ids = prompt.tokens(tokenizer) + tokenizer.encode(turn)

@@ -4,7 +4,8 @@ them and back) and tensor parallelism give the one-process gradients, and
 the export gathers every expert back into the Hugging Face tensors. With a
 loss that weighs tokens by the proximal policy and two optimizer steps, the
 proximal pass's forwards run in lockstep too (uneven rows, both ways). On
-four processes, expert parallelism under pipeline parallelism (pp = 2)."""
+four processes, expert parallelism under pipeline parallelism (pp = 2), and
+whole experts (etp = 1) under tp = 2, whose checkpoint exports offline."""
 
 import contextlib
 import json
@@ -21,7 +22,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarn
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 LAYOUTS = [(1, 2), (2, 1)]  # (tp, ep)
-PIPELINED_LAYOUTS = [(1, 2, 2), (2, 2, 1)]  # (tp, pp, ep) on four ranks
+PIPELINED_LAYOUTS = [(1, 2, 2, None), (2, 2, 1, None), (2, 1, 2, 1)]  # (tp, pp, ep, etp) on four ranks
 LOSS = PolicyLossConfig(kl=0.05)
 DP2_ROWS = {0: [(0, 3), (3, 7)], 1: [(7, 10)]}  # uneven: rank 1 holds fewer rows
 # weights exp(proximal - behaviour), untruncated: the gradient shows any wrong proximal logprob
@@ -57,8 +58,9 @@ def _ranks_on_cpu(rank: int, port: int, world_size: int):
         dist.destroy_process_group()
 
 
-def _one_step(path: str, batch: dict, rows: list, **layout) -> tuple[dict, dict]:
-    """A step over this rank's ``rows``: its gradients (by Hugging Face name) and the export."""
+def _one_step(path: str, batch: dict, rows: list, checkpoint: str | None = None, **layout) -> tuple[dict, dict]:
+    """A step over this rank's ``rows``: its gradients (by Hugging Face name) and the export (and a
+    checkpoint in ``checkpoint``)."""
     from rldsl.runtime.engines.megatron import model as mm
     from rldsl.runtime.engines.megatron.trainer import MegatronTrainer
 
@@ -68,6 +70,8 @@ def _one_step(path: str, batch: dict, rows: list, **layout) -> tuple[dict, dict]
     for start, stop in rows:
         trainer.train_microbatch(0, {k: v[start:stop] for k, v in batch.items()})
     trainer.finish_train_step(0)
+    if checkpoint:
+        trainer.save_checkpoint(checkpoint)
     module = trainer.model.module
     names = dict(zip((n for n, _ in module.named_parameters()), mm.local_weights(module, trainer.shape)))
     grads = {names[n]: p.main_grad.clone() for n, p in module.named_parameters()}
@@ -79,6 +83,10 @@ def _logprobs(path: str, batch: dict, rows: list, **layout) -> tuple[int, torch.
     from rldsl.runtime.engines.megatron.logprob import MegatronLogprob
 
     logprob = MegatronLogprob.from_pretrained(path, **layout, dtype="fp32", rows_per_forward=2)
+    if layout.get("etp"):  # the weights again as a push brings them: each expert split over its own ranks
+        from rldsl.runtime.engines.megatron import model as mm
+
+        logprob.update_weights(mm.read_hf_weights(path), version=1, last=True)
     first, last = rows[0][0], rows[-1][1]
     return first, logprob.logprobs({k: v[first:last] for k, v in batch.items()})
 
@@ -167,9 +175,9 @@ def assert_second_minibatch_gradients(megatron, shape, weights, batch, per_rank:
     assert worst < 1e-5, worst
 
 
-def _pipelined_worker(rank: int, port: int, path: str, results: dict):
-    """Each of ``PIPELINED_LAYOUTS`` on four ranks: a step, its export, a logprob call (and with ep two mini-batches
-    with a proximal loss)."""
+def _pipelined_worker(rank: int, port: int, path: str, checkpoints: str, results: dict):
+    """Each of ``PIPELINED_LAYOUTS`` on four ranks: a step, its export, a logprob call (and with ep under pp two
+    mini-batches with a proximal loss; with etp a checkpoint under ``checkpoints``)."""
     from megatron.core import parallel_state
 
     from rldsl.runtime.engines.megatron import model as mm
@@ -177,34 +185,38 @@ def _pipelined_worker(rank: int, port: int, path: str, results: dict):
 
     batch = make_batch(hmw.LlamaShape.from_hf_config(mm.read_hf_config(path)))
     with _ranks_on_cpu(rank, port, 4):
-        for tp, pp, ep in PIPELINED_LAYOUTS:
-            ensure_model_parallel(tp, pp, 0, ep)
+        for tp, pp, ep, etp in PIPELINED_LAYOUTS:
+            ensure_model_parallel(tp, pp, 0, ep, etp)
             dp = parallel_state.get_data_parallel_world_size()
             rows = DP2_ROWS[parallel_state.get_data_parallel_rank()] if dp == 2 else [(0, 4), (4, 10)]
-            layout = {"tp": tp, "pp": pp, "ep": ep}
-            results[(tp, pp, ep, rank)] = (parallel_state.get_tensor_model_parallel_rank(),
-                                           *_one_step(path, batch, rows, **layout), *_logprobs(path, batch, rows, **layout))
-            if ep == 2:
+            layout = {"tp": tp, "pp": pp, "ep": ep, "etp": etp}
+            places = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_tensor_parallel_rank())
+            step = _one_step(path, batch, rows, checkpoints if etp else None, **layout)
+            results[(tp, pp, ep, rank)] = (places, *step, *_logprobs(path, batch, rows, **layout))
+            if ep == 2 and pp == 2:
                 results[("proximal", rank)] = _two_minibatches_with_a_proximal_loss(path, batch, pp=pp)
             parallel_state.destroy_model_parallel()
 
 
-def test_experts_under_pipeline_parallelism_on_four_ranks(megatron, qwen3_moe):
-    """pp = 2 with ep = 2 (two replicas, rows uneven over them) and with tp = 2 (sequence parallel between the
-    stages): the one-process gradients, every expert exported, a logprob stage's logprobs; with ep the forwards in
-    lockstep with the stage's other replica, the proximal pass's too."""
+def test_experts_under_pipeline_parallelism_on_four_ranks(megatron, qwen3_moe, tmp_path):
+    """pp = 2 with ep = 2 (two replicas, rows uneven over them), with tp = 2 (sequence parallel between the
+    stages), and ep = 2 with whole experts (etp = 1) under tp = 2: the one-process gradients, every expert exported,
+    a logprob stage's logprobs; with ep the forwards in lockstep with the stage's other replica, the proximal pass's
+    too; with etp = 1 the checkpoint's offline export gives the model's tensors."""
+    from rldsl.runtime.engines.megatron.hf_export import checkpoint_to_hf
+
     shape = hmw.LlamaShape.from_hf_config(json.loads((qwen3_moe / "config.json").read_text()))
     weights, batch = megatron.read_hf_weights(qwen3_moe), make_batch(shape)
     expected = reference_gradients(megatron, shape, weights, batch, LOSS)
     logprobs = reference_logprobs(megatron, shape, weights, batch)
-    results = spawn_ranks(_pipelined_worker, str(qwen3_moe), nprocs=4)
+    results = spawn_ranks(_pipelined_worker, str(qwen3_moe), str(tmp_path), nprocs=4)
     scale = max(float(g.abs().max()) for g in expected.values())
-    for tp, pp, ep in PIPELINED_LAYOUTS:
+    for tp, pp, ep, etp in PIPELINED_LAYOUTS:
         ranks = [results[(tp, pp, ep, rank)] for rank in range(4)]
         shards: dict[str, dict[int, torch.Tensor]] = {}
-        for tp_rank, grads, *_ in ranks:
+        for (tp_rank, etp_rank), grads, *_ in ranks:  # an expert's shards are over its etp ranks
             for name, grad in grads.items():
-                shards.setdefault(name, {})[tp_rank] = grad
+                shards.setdefault(name, {})[etp_rank if hmw.is_expert_weight(name) else tp_rank] = grad
         merged = {n: hmw.merge_tensor_parallel(n, [s[r] for r in sorted(s)]) for n, s in shards.items()}
         assert merged.keys() == expected.keys(), (tp, pp, ep)
         worst = max(float((merged[n] - expected[n]).abs().max()) for n in expected) / scale
@@ -212,7 +224,9 @@ def test_experts_under_pipeline_parallelism_on_four_ranks(megatron, qwen3_moe):
         exported = ranks[0][2]  # the first stage's first rank exports the whole model
         assert exported.keys() == weights.keys() and all(torch.equal(exported[n], weights[n]) for n in weights)
         scored = [(first, values) for *_, first, values in ranks if values is not None]  # the last stage's ranks
-        assert len(scored) == 2, (tp, pp, ep)
+        assert len(scored) == 4 // pp, (tp, pp, ep)
         for first, values in scored:
             assert torch.allclose(values, logprobs[first:first + len(values)], atol=1e-5), (tp, pp, ep)
+    exported = checkpoint_to_hf(tmp_path, shape)  # lr 0: the weights loaded
+    assert exported.keys() == weights.keys() and all(torch.equal(exported[n], weights[n]) for n in weights)
     assert_second_minibatch_gradients(megatron, shape, weights, batch, [results[("proximal", r)] for r in range(4)])

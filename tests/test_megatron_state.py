@@ -119,6 +119,14 @@ def test_a_checkpoint_of_another_layout_or_rank_is_a_clear_error(megatron, tmp_p
     with pytest.raises(RuntimeError, match=r"saved with layout .*'dp': 2.* runs layout .*'dp': 1.*"
                                            r"same tp/pp/dp.*resharding is not supported"):
         trainer.load_checkpoint(tmp_path)
+    state["layout"].update(dp=1, world_size=1)
+    state["experts"].update(ep=2)  # the same ranks, another expert layout
+    torch.save(state, path)
+    with pytest.raises(RuntimeError, match=r"saved with ep = 2, etp = 1 but this trainer runs ep = 1, etp = 1"):
+        trainer.load_checkpoint(tmp_path)
+    del state["experts"]  # a file written before expert layouts were saved: read as before
+    torch.save(state, path)
+    assert trainer.load_checkpoint(tmp_path) == 0
 
 
 @pytest.mark.megatron

@@ -251,6 +251,13 @@ def test_a_qwen3_moe_on_megatron_with_expert_parallelism_checks_and_plans_its_ep
     qwen = compile_source(text.replace("MODEL", "qwen3-30b-a3b"), str(RECIPES / "moe.rlp"), base_dir=RECIPES)
     assert not [d for d in qwen.diagnostics if d.is_error], qwen.diagnostics
     assert "ep (each 1/2 of the experts) groups: [0:4 0:5] [0:6 0:7]" in render_plan(qwen)
+    for engine, groups in (("tp = 2, ep = 2", ["ep (each 1/2 of the experts) groups: [0:4 0:6] [0:5 0:7]"]),
+                           ("tp = 2, ep = 2, etp = 1", ["ep (each 1/2 of the experts) groups: [0:4 0:5] [0:6 0:7]"]),
+                           ("tp = 1, ep = 2, etp = 2", ["ep (each 1/2 of the experts) groups: [0:4 0:6] [0:5 0:7]",
+                                                        "etp (each expert split 2 ways) groups: [0:4 0:5] [0:6 0:7]"])):
+        shown = render_plan(compile_source(MOE_PIPELINE.replace("ENGINE", engine).replace("LOSS", "").replace(
+            "MODEL", "qwen3-30b-a3b"), str(RECIPES / "moe.rlp"), base_dir=RECIPES))
+        assert [line.strip() for line in shown.splitlines() if line.strip().startswith(("ep (", "etp ("))] == groups
     config = json.loads((RECIPES / "qwen3-30b-a3b" / "config.json").read_text())
     config.update(model_type="mixtral", num_local_experts=config.pop("num_experts"))
     (tmp_path / "mixtral").mkdir()
@@ -269,8 +276,8 @@ def test_a_qwen3_moe_on_megatron_with_expert_parallelism_checks_and_plans_its_ep
         "which the megatron engine does not support yet"]
 
 
-def test_the_expert_layouts_megatron_does_not_run_are_refused_by_check_as_by_the_run():
-    """The layout the engine does not run, etp other than tp (the engine factory refuses it too); the others pass."""
+def test_the_expert_layouts_megatron_runs_pass_check():
+    """Every layout whose groups tile the ranks passes, etp other than tp included (tests/test_megatron_experts.py)."""
     text = MOE_PIPELINE.replace("MODEL", "qwen3-30b-a3b")
 
     def refusals(engine: str, loss: str = "") -> list[str]:
@@ -278,8 +285,7 @@ def test_the_expert_layouts_megatron_does_not_run_are_refused_by_check_as_by_the
                                base_dir=RECIPES)
         return [d.message.split(": ", 1)[1] for d in found.diagnostics if d.code == "RLP515"]
 
-    not_yet = ", which the megatron engine does not support yet"
-    assert refusals("tp = 2, etp = 1") == ["`etp = 1` splits the experts over other ranks than `tp = 2`" + not_yet]
+    assert refusals("tp = 2, etp = 1") == refusals("tp = 2, ep = 2, etp = 1") == []
     # a loss that weighs tokens by the proximal policy runs its pass in lockstep (tests/test_megatron_experts.py)
     assert refusals("ep = 2", "loss = grpo(correction = tis)") == refusals("ep = 2", "loss = grpo(behaviour_cap = 2)")
     assert refusals("ep = 2", "loss = grpo(correction = tis)") == refusals("tp = 2, ep = 2") == []

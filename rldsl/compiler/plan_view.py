@@ -174,12 +174,17 @@ def _groups(stage) -> list[str]:
         shape = f"tp {stage.tp}" + (f" x pp {stage.pp}" if stage.pp > 1 else "")
         return [f"replicas ({shape} each): " + " ".join(f"[{where(r)}]" for r in gpu_ranks)]
     lines = []
-    ep = stage.engine.args.get("ep", 1) if stage.engine else 1  # megatron: ep groups of consecutive dp ranks
+    args = stage.engine.args if stage.engine else {}
+    ep, etp = args.get("ep", 1), args.get("etp") or stage.tp
+    # megatron's expert grid in a pipeline stage: etp fastest, then ep, over the stage's ranks in order
+    place = lambda r: r.tp_rank + stage.tp * r.dp_rank  # noqa: E731
     for name, size, key in (("tp", stage.tp, lambda r: (r.dp_rank, r.pp_rank)),
                             ("dp", stage.dp, lambda r: (r.tp_rank, r.pp_rank)),
                             ("pp", stage.pp, lambda r: (r.tp_rank, r.dp_rank)),
                             (f"ep (each 1/{ep} of the experts)", ep,
-                             lambda r: (r.tp_rank, r.pp_rank, r.dp_rank // ep))):
+                             lambda r: (r.pp_rank, place(r) % etp, place(r) // (etp * ep))),
+                            (f"etp (each expert split {etp} ways)", etp if etp != stage.tp else 1,
+                             lambda r: (r.pp_rank, place(r) // etp))):
         if size > 1:
             groups: dict = {}
             for r in gpu_ranks:

@@ -535,8 +535,9 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "holding the same experts). The megatron engine converts the model types llama, mistral, qwen2, qwen3 and "
        "qwen3_moe (another type's weights would not fit its layout). Of the mixtures, it converts Qwen3-MoE (router and "
        "experts, under expert parallelism each rank loading only its own experts and an export gathering "
-       "them); another mixture (or `ep` on a model whose config is not readable) is refused, as is `etp` other "
-       "than `tp`, which it does not run yet (`rldsl run` would stop when megatron loads the stage). "
+       "them, an expert's shards over its `etp` ranks, which may differ from `tp`: `etp = 1` keeps each expert "
+       "whole); another mixture (or `ep` on a model whose config is not readable) is refused (`rldsl run` would "
+       "stop when megatron loads the stage). "
        "The fsdp engine trains any mixture as transformers builds it.",
        "stage train actor { model = policy  engine = megatron(tp = 2, ep = 4)  gpus = 6 ... }",
        "the `engine` of each megatron train or logprob stage, its GPU count and its model's config.json."),

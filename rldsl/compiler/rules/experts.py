@@ -1,8 +1,7 @@
 """Mixtures of experts on megatron (RLP515): expert parallelism whose
 groups do not tile the stage's ranks, or that the model cannot take; a
-mixture megatron here cannot convert (Qwen3-MoE it can), and the layouts it
-does not run yet (an expert tensor parallelism other than `tp`): the
-memory estimate counts `ep` and `etp`, `rldsl run` would refuse the stage."""
+mixture megatron here cannot convert (Qwen3-MoE it can): the memory
+estimate counts `ep` and `etp`, `rldsl run` would refuse the stage."""
 
 from __future__ import annotations
 
@@ -76,9 +75,6 @@ def _model_finding(ctx: Context, stage: Decl) -> Diagnostic | None:
     if kind not in CONVERTED_MIXTURES:
         return _not_yet(ctx, stage, f"model `{model.name}` is a mixture of {shape.experts} experts of type "
                                     f"{kind!r} (megatron converts {', '.join(CONVERTED_MIXTURES)})")
-    etp, tp = engine.args.get("etp"), engine.args.get("tp", 1)
-    if etp is not None and etp != tp:
-        return _not_yet(ctx, stage, f"`etp = {etp}` splits the experts over other ranks than `tp = {tp}`")
     return None
 
 

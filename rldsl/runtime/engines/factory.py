@@ -355,11 +355,8 @@ def _sglang_options(stage: StagePlan):
 
 def _megatron_parallelism(stage: StagePlan) -> dict:
     args = stage.engine.args
-    etp = args.get("etp")
-    if etp is not None and etp != args["tp"]:  # a plan `check` would refuse (RLP515), run as it was saved
-        raise EngineUnavailable(f"stage `{stage.name}`: megatron(etp = {etp}) splits the experts over other ranks "
-                                f"than tp = {args['tp']}, which the megatron engine does not convert (RLP515)")
-    return {"tp": args["tp"], "pp": args["pp"], "ep": args.get("ep", 1), "dtype": args["dtype"]}
+    return {"tp": args["tp"], "pp": args["pp"], "ep": args.get("ep", 1), "etp": args.get("etp"),
+            "dtype": args["dtype"]}
 
 
 def _unavailable(stage: StagePlan) -> EngineUnavailable:

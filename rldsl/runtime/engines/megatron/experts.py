@@ -7,9 +7,11 @@ Expert parallelism (``ep``) gives each of its ranks a contiguous range of
 each layer's experts: rank r holds global experts ``r * n/ep ... (r+1) * n/ep
 - 1`` as its ``local_experts.0 ...``. Weights travel under global expert ids
 (``hf_weights.with_expert_offset``), so loading reads only a rank's experts
-and an export gathers the others'. Expert tensor parallelism equals ``tp``
-(Megatron's default): an expert's weights split over the same ranks as the
-dense ones.
+and an export gathers the others'. Expert tensor parallelism (``etp``,
+Megatron's default ``tp``) splits each expert's weights over ``etp`` ranks
+as tensor parallelism splits the dense ones; with ``etp != tp`` over other
+ranks (Megatron's expert-tensor-parallel group), so loads, exports and
+checkpoints find an expert's shards by ``expert_tensor_parallel()``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from rldsl.runtime.engines.megatron.hf_weights import LlamaShape, is_expert_weig
 MOE_DISPATCHER = "alltoall"
 
 
-def moe_config_fields(shape: LlamaShape, ep: int) -> dict:
+def moe_config_fields(shape: LlamaShape, ep: int, etp: int) -> dict:
     """The ``TransformerConfig`` fields of ``shape``'s experts ({} for a dense model).
 
     The router matches Hugging Face's Qwen3-MoE: a softmax over the chosen
@@ -45,7 +47,7 @@ def moe_config_fields(shape: LlamaShape, ep: int) -> dict:
                 moe_ffn_hidden_size=shape.expert_ffn_hidden_size, moe_grouped_gemm=False,
                 moe_token_dispatcher_type=MOE_DISPATCHER, moe_router_pre_softmax=not shape.norm_topk_prob,
                 moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=shape.router_aux_loss,
-                expert_model_parallel_size=ep)
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
 
 def allow_router_without_transformer_engine() -> None:
@@ -66,6 +68,13 @@ def expert_offset(shape: LlamaShape) -> int:
 
     ep = parallel_state.get_expert_model_parallel_world_size()
     return parallel_state.get_expert_model_parallel_rank() * (shape.num_experts // ep)
+
+
+def expert_tensor_parallel() -> tuple[int, int]:
+    """(size, this rank's place) of the group an expert's weights split over."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_tensor_parallel_world_size(), parallel_state.get_expert_tensor_parallel_rank()
 
 
 def gather_experts(name: str, tensor: torch.Tensor, shape: LlamaShape, group) -> Iterator[tuple[str, torch.Tensor]]:

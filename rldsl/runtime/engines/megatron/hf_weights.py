@@ -392,7 +392,8 @@ def tensor_parallel_shards(hf: HFTensors, shape: LlamaShape, tp: int, tp_rank: i
     missing = [name for rule in rules for name in rule.hf if name not in hf]
     if missing:
         raise KeyError(f"Hugging Face weights missing {len(missing)} tensors, e.g. {missing[:3]}")
-    local = _tensor_parallel_shape(shape, tp)
+    # only fused attention reads the per-rank heads (an expert's split, over etp ranks, has none)
+    local = _tensor_parallel_shape(shape, tp) if any(rule.kind == QKV for rule in rules) else shape
     for rule in rules:
         dim = tensor_parallel_dim(rule.megatron)
         parts = [_rank_slice(hf, name, dim, tp, tp_rank) for name in rule.hf]

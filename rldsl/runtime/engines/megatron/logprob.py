@@ -37,16 +37,17 @@ class MegatronLogprob:
     """
 
     def __init__(self, shape: LlamaShape, hf_weights: Mapping[str, torch.Tensor] | None = None, *, tp: int = 1,
-                 pp: int = 1, ep: int = 1, dtype: str = "bf16", rows_per_forward: int | None = None,
+                 pp: int = 1, ep: int = 1, etp: int | None = None, dtype: str = "bf16",
+                 rows_per_forward: int | None = None,
                  tokens_per_forward: int = 0, seed: int = 0, offload: bool = False, temperature: float = 1.0):
-        mm.ensure_model_parallel(tp, pp, seed, ep)
+        mm.ensure_model_parallel(tp, pp, seed, ep, etp)
         self.temperature = temperature  # the generators' sampling temperature: logprobs are taken at it
         self.pipeline_parallel = pp
         self.shape = shape
         self.rows_per_forward = rows_per_forward
         self.tokens_per_forward = tokens_per_forward
         self.device = mm.compute_device()
-        self.model = mm.build_gpt_model(shape, mm.transformer_config(shape, dtype, tp, pp, ep=ep))
+        self.model = mm.build_gpt_model(shape, mm.transformer_config(shape, dtype, tp, pp, ep=ep, etp=etp))
         if hf_weights is not None:
             mm.load_hf_weights(self.model, hf_weights, shape)
         self.model.eval().requires_grad_(False)

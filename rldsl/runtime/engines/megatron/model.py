@@ -17,6 +17,7 @@ from rldsl.models.hf_checkpoint import open_hf_weights, read_hf_config, read_hf_
 from rldsl.runtime.engines.megatron.hf_weights import (
     LlamaShape,
     as_hf_tensors,
+    is_expert_weight,
     megatron_tensor_to_hf,
     merge_tensor_parallel,
     split_for_tensor_parallel,
@@ -29,6 +30,7 @@ from rldsl.runtime.engines.megatron.hf_weights import (
 from rldsl.runtime.engines.megatron.experts import (
     allow_router_without_transformer_engine,
     expert_offset,
+    expert_tensor_parallel,
     gather_experts,
     moe_config_fields,
     with_sequence_parallel_norms,
@@ -44,9 +46,10 @@ FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform"
 # -- process groups ---------------------------------------------------------------
 
 
-def ensure_model_parallel(tp: int, pp: int, seed: int, ep: int = 1) -> None:
+def ensure_model_parallel(tp: int, pp: int, seed: int, ep: int = 1, etp: int | None = None) -> None:
     """Initialise torch.distributed (a one-process group if nobody did) and
-    Megatron's tensor/pipeline/expert/data-parallel groups, once per process."""
+    Megatron's tensor/pipeline/expert/data-parallel groups, once per process
+    (``etp``: the ranks each expert splits over; None: ``tp``)."""
     from megatron.core import parallel_state, tensor_parallel
 
     if torch.cuda.is_available():
@@ -57,15 +60,17 @@ def ensure_model_parallel(tp: int, pp: int, seed: int, ep: int = 1) -> None:
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_pipeline_model_parallel_world_size(),
-                   parallel_state.get_expert_model_parallel_world_size())
-        if current != (tp, pp, ep):
-            raise RuntimeError(f"Megatron groups already initialised with (tp, pp, ep) = {current}, not "
-                               f"{(tp, pp, ep)}")
+                   parallel_state.get_expert_model_parallel_world_size(),
+                   parallel_state.get_expert_tensor_parallel_world_size())
+        if current != (tp, pp, ep, etp or tp):
+            raise RuntimeError(f"Megatron groups already initialised with (tp, pp, ep, etp) = {current}, not "
+                               f"{(tp, pp, ep, etp or tp)}")
         return
-    if dist.get_world_size() % (tp * pp * ep):
-        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp x pp x ep = {tp * pp * ep}")
+    for name, group in (("tp x pp", tp * pp), ("etp x ep x pp", (etp or tp) * ep * pp)):
+        if dist.get_world_size() % group:
+            raise ValueError(f"world size {dist.get_world_size()} is not a multiple of {name} = {group}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     _form_export_groups()
 
@@ -86,7 +91,7 @@ def _form_export_groups() -> None:
         return
     own = [tuple(dist.get_process_group_ranks(group)) for group in
            (parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group(),
-            parallel_state.get_expert_model_parallel_group())]
+            parallel_state.get_expert_model_parallel_group(), parallel_state.get_expert_tensor_parallel_group())]
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, own)
     for ranks in sorted({ranks for groups in everyone for ranks in groups if len(ranks) > 1} - set(_EXPORT_GROUPS)):
@@ -96,7 +101,7 @@ def _form_export_groups() -> None:
 def export_group(group):
     """The export's twin of Megatron's ``group`` (made with it by ``ensure_model_parallel``, the one place
     Megatron's groups are made); a one-rank group is its own: nothing to pair."""
-    if dist.get_world_size(group) == 1:
+    if group is None or dist.get_world_size(group) == 1:
         return group
     return _EXPORT_GROUPS[tuple(dist.get_process_group_ranks(group))]
 
@@ -117,7 +122,7 @@ def transformer_engine_available() -> bool:
 
 
 def transformer_config(shape: LlamaShape, dtype: str = "bf16", tp: int = 1, pp: int = 1,
-                       recompute_layers: bool = False, ep: int = 1):
+                       recompute_layers: bool = False, ep: int = 1, etp: int | None = None):
     """A Llama-style ``TransformerConfig``. ``calculate_per_token_loss`` makes
     DDP reduce gradients with a plain sum (no 1/dp factor): the split step
     divides by the global token or sequence count itself. ``recompute_layers``
@@ -158,7 +163,7 @@ def transformer_config(shape: LlamaShape, dtype: str = "bf16", tp: int = 1, pp: 
         use_cpu_initialization=not torch.cuda.is_available(),
         calculate_per_token_loss=True,
         **(FULL_RECOMPUTE if recompute_layers else {}),
-        **moe_config_fields(shape, ep),
+        **moe_config_fields(shape, ep, etp or tp),
     )
 
 
@@ -225,7 +230,11 @@ def load_hf_weights(model, hf: Mapping[str, torch.Tensor], shape: LlamaShape) ->
     if extra := unconverted(source, shape):
         raise ValueError(f"{len(extra)} Hugging Face weights have no place in the megatron model, e.g. "
                          f"{extra[:3]}: a layout this conversion does not know; train the model with the fsdp engine")
-    _copy_shards(targets, tensor_parallel_shards(source, shape, tp, tp_rank, targets, uses_fused_norms()))
+    experts = {name for name in targets if is_expert_weight(name)}
+    _copy_shards(targets, tensor_parallel_shards(source, shape, tp, tp_rank, targets.keys() - experts,
+                                                 uses_fused_norms()))
+    if experts:
+        _copy_shards(targets, tensor_parallel_shards(source, shape, *expert_tensor_parallel(), experts))
     log.info("tensor-parallel rank %d of pipeline stage %d read %.1f MB of Hugging Face weights", tp_rank,
              parallel_state.get_pipeline_model_parallel_rank(), source.bytes_read / 1e6)
 
@@ -237,7 +246,13 @@ def load_megatron_weights(model, full: Mapping[str, torch.Tensor], tp: int, tp_r
     if "output_layer.weight" in targets and "output_layer.weight" not in full:
         # Tied embeddings on a last pipeline stage: its output layer is a copy of the embedding.
         full = {**full, "output_layer.weight": full["embedding.word_embeddings.weight"]}
-    _copy_shards(targets, ((name, split_for_tensor_parallel(name, tensor, tp)[tp_rank])
+    etp, etp_rank = expert_tensor_parallel() if shape.num_experts else (tp, tp_rank)
+
+    def shard(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        size, rank = (etp, etp_rank) if is_expert_weight(name) else (tp, tp_rank)
+        return split_for_tensor_parallel(name, tensor, size)[rank]
+
+    _copy_shards(targets, ((name, shard(name, tensor))
                            for name, tensor in full.items() if name in targets))  # others: another stage's
 
 
@@ -276,10 +291,11 @@ def export_hf_weights(model, shape: LlamaShape, on_host: bool = True) -> Iterato
     pp_group = export_group(parallel_state.get_pipeline_model_parallel_group())
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     exporting = tp_rank == 0 and parallel_state.get_pipeline_model_parallel_rank() == 0
-    ep_group = export_group(parallel_state.get_expert_model_parallel_group())
+    expert_groups = (export_group(parallel_state.get_expert_tensor_parallel_group()),
+                     export_group(parallel_state.get_expert_model_parallel_group()))
     fused = uses_fused_norms()
     for stage in range(pp_size):
-        for name, tensor in _stage_weights(model, shape, stage, (tp_group, ep_group, pp_group), pp_size,
+        for name, tensor in _stage_weights(model, shape, stage, (tp_group, expert_groups, pp_group), pp_size,
                                            tp_rank == 0):
             if exporting and not (shape.tied_embeddings and name == "output_layer.weight"):
                 yield from megatron_tensor_to_hf(name, tensor.cpu() if on_host else tensor, shape, fused).items()
@@ -293,9 +309,9 @@ def _stage_weights(model, shape, stage, groups, pp_size, relay) -> Iterator[tupl
     rank holds one full tensor (ep of them for an expert) beyond its shards."""
     from megatron.core import parallel_state
 
-    tp_group, ep_group, pp_group = groups
+    tp_group, (etp_group, ep_group), pp_group = groups
     here = parallel_state.get_pipeline_model_parallel_rank() == stage
-    gathered = (pair for name, whole in _gather_tensor_parallel(local_weights(model, shape), tp_group)
+    gathered = (pair for name, whole in _gather_tensor_parallel(local_weights(model, shape), tp_group, etp_group)
                 for pair in gather_experts(name, whole, shape, ep_group)) if here else iter(())
     if pp_size == 1:
         yield from gathered
@@ -317,14 +333,17 @@ def _stage_weights(model, shape, stage, groups, pp_size, relay) -> Iterator[tupl
         yield name, tensor
 
 
-def _gather_tensor_parallel(weights: Mapping[str, torch.Tensor], tp_group) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each weight whole, gathered over the tensor-parallel group as it is asked for."""
-    size = dist.get_world_size(tp_group)
+def _gather_tensor_parallel(weights: Mapping[str, torch.Tensor], tp_group,
+                            etp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each weight whole, gathered over the tensor-parallel group (an
+    expert's over the expert-tensor-parallel one) as it is asked for."""
     for name, tensor in weights.items():
+        group = etp_group if etp_group is not None and is_expert_weight(name) else tp_group
+        size = dist.get_world_size(group)
         if size == 1 or tensor_parallel_kind(name) == "replicated":
             yield name, tensor.detach()
             continue
         shards = [torch.empty_like(tensor) for _ in range(size)]
-        dist.all_gather(shards, tensor.detach().contiguous(), group=tp_group)
+        dist.all_gather(shards, tensor.detach().contiguous(), group=group)
         yield name, merge_tensor_parallel(name, shards)
         del shards

@@ -2,7 +2,7 @@
 
 Checkpoints are the trainer's own format, one file per rank::
 
-    DIRECTORY/megatron/rank00000.pt    {"layout", "distributed_optimizer", "version",
+    DIRECTORY/megatron/rank00000.pt    {"layout", "experts", "distributed_optimizer", "version",
     DIRECTORY/megatron/rank00001.pt     "model", "optimizer", "optimizer_param_state", "scheduler"}
 
 ``model`` is the rank's local ``GPTModel.state_dict()`` (its tensor- and
@@ -11,8 +11,9 @@ pipeline-parallel shard). ``optimizer`` is the Megatron optimizer's
 parameter groups, and ``optimizer_param_state`` holds, per distributed
 sub-optimizer, this rank's shard of main parameters and Adam moments
 (``get_parameter_state_dp_reshardable``: the rank's buffers as they are, no
-gather). ``layout`` is ``{tp, pp, dp, world_size, rank}``; a file is only
-read back under the same layout (no resharding). Files are written to a
+gather). ``layout`` is ``{tp, pp, dp, world_size, rank}`` and ``experts``
+the rank's expert-parallel place ``{ep, etp, ep_rank, etp_rank}``; a file is
+only read back under the same layout (no resharding). Files are written to a
 ``.tmp`` and renamed, and read with ``torch.load(weights_only=True)``.
 
 Offload (``DeviceOffload``) frees the device memory behind the weights, the
@@ -59,6 +60,17 @@ def current_layout() -> dict[str, int]:
     }
 
 
+def expert_layout() -> dict[str, int]:
+    """This rank's place among a mixture of experts' ranks (for a dense model ep = 1 and etp = tp): the
+    export of a checkpoint finds every expert's shards by it."""
+    from megatron.core import parallel_state
+
+    return {"ep": parallel_state.get_expert_model_parallel_world_size(),
+            "etp": parallel_state.get_expert_tensor_parallel_world_size(),
+            "ep_rank": parallel_state.get_expert_model_parallel_rank(),
+            "etp_rank": parallel_state.get_expert_tensor_parallel_rank()}
+
+
 def sub_optimizers(optimizer) -> list:
     """The optimizers inside Megatron's ``ChainedOptimizer`` (or the one given)."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
@@ -74,6 +86,7 @@ def save_checkpoint(directory, *, model, optimizer, scheduler, version: int, dis
     layout = current_layout()
     state = {
         "layout": layout,
+        "experts": expert_layout(),
         "distributed_optimizer": distributed_optimizer,
         "version": version,
         "model": model.module.state_dict(),
@@ -101,6 +114,11 @@ def load_checkpoint(directory, *, model, optimizer, scheduler, distributed_optim
         raise RuntimeError(f"Megatron checkpoint {path} was saved with layout {state['layout']} but this trainer "
                            f"runs layout {layout}: resuming needs the same tp/pp/dp and world size "
                            f"(resharding is not supported)")
+    saved, experts = state.get("experts"), expert_layout()  # files written before it: a layout not checked
+    if saved and (saved["ep"], saved["etp"]) != (experts["ep"], experts["etp"]):
+        raise RuntimeError(f"Megatron checkpoint {path} was saved with ep = {saved['ep']}, etp = {saved['etp']} but "
+                           f"this trainer runs ep = {experts['ep']}, etp = {experts['etp']}: resuming needs the same "
+                           f"expert layout (resharding is not supported)")
     if state["distributed_optimizer"] != distributed_optimizer:
         raise RuntimeError(f"Megatron checkpoint {path} was saved with distributed_optimizer="
                            f"{state['distributed_optimizer']}, this trainer has {distributed_optimizer}")

@@ -106,6 +106,7 @@ class MegatronTrainer(ProximalPass):
         tp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        etp: int | None = None,
         dtype: str = "bf16",
         distributed_optimizer: bool = True,
         overlap_grad_reduce: bool = True,
@@ -123,7 +124,7 @@ class MegatronTrainer(ProximalPass):
         temperature: float = 1.0,
     ):
         self.loss = loss if isinstance(loss, PolicyLossConfig) else PolicyLossConfig(**(loss or {}))
-        mm.ensure_model_parallel(tp, pp, seed, ep)
+        mm.ensure_model_parallel(tp, pp, seed, ep, etp)
         self.temperature = temperature  # the generators' sampling temperature: logprobs are taken at it
         self.shape = shape
         self.rows_per_forward = rows_per_forward
@@ -134,7 +135,7 @@ class MegatronTrainer(ProximalPass):
         self.offload = offload  # sleep/wake move the weights and optimizer state to host memory
         self._offload = ms.DeviceOffload()
         self.device = mm.compute_device()
-        self.config = mm.transformer_config(shape, dtype, tp, pp, recompute_layers=True, ep=ep)
+        self.config = mm.transformer_config(shape, dtype, tp, pp, recompute_layers=True, ep=ep, etp=etp)
         module = mm.build_gpt_model(shape, self.config)
         if hf_weights is not None:
             mm.load_hf_weights(module, hf_weights, shape)

@@ -91,7 +91,7 @@ log = logging.getLogger(__name__)
 SKIPPED = {"skipped": 1.0}
 
 
-class MegatronTrainer(ProximalPass):
+class MegatronTrainer(ProximalPass, ms.CheckpointsAndOffload):
     """``protocols.Trainer`` on megatron-core (GPTModel + DDP + Megatron optimizer)."""
 
     # No forward swaps the parameters and the export gathers on groups of its own
@@ -232,49 +232,6 @@ class MegatronTrainer(ProximalPass):
             used += size
         if bucket:
             yield bucket
-
-    # -- checkpoints and offload (megatron_state) -----------------------------------
-
-    def save_checkpoint(self, directory) -> None:
-        """A collective: every rank writes ``directory/megatron/rank{rank:05d}.pt``
-        and, when it returns on any rank, every rank's file is written."""
-        self._require_idle("save_checkpoint")
-        ms.save_checkpoint(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                           version=self.version, distributed_optimizer=self.ddp_config.use_distributed_optimizer)
-
-    def load_checkpoint(self, directory) -> int:
-        """This rank's file back (same tp/pp/dp layout only); returns the version."""
-        self._require_idle("load_checkpoint")
-        self.version = ms.load_checkpoint(directory, model=self.model, optimizer=self.optimizer,
-                                          scheduler=self.scheduler,
-                                          distributed_optimizer=self.ddp_config.use_distributed_optimizer)
-        return self.version
-
-    def sleep(self) -> None:
-        """With offload: weights and optimizer state to host memory, device
-        storage freed, gradients dropped. Idempotent; a no-op without offload."""
-        if self._open is not None:
-            raise RuntimeError(f"sleep while step {self._open.step} is open; finish or abort it first")
-        if self.offload and not self._offload.asleep:
-            self.optimizer.zero_grad()  # drop .grad references into the grad buffers
-            self._offload.sleep(*ms.offload_tensors(self.model, self.optimizer), self.device)
-
-    def wake(self) -> None:
-        """Undo ``sleep`` (gradients come back as zeros); idempotent."""
-        self._offload.wake()
-
-    @property
-    def asleep(self) -> bool:
-        return self._offload.asleep
-
-    def _require_idle(self, call: str) -> None:
-        if self._open is not None:
-            raise RuntimeError(f"{call} while step {self._open.step} is open; finish or abort it first")
-        self._require_awake(call)
-
-    def _require_awake(self, call: str) -> None:
-        if self._offload.asleep:
-            raise RuntimeError(f"{call} while the trainer is asleep (offloaded); call wake first")
 
     # -- step bodies -------------------------------------------------------------
 

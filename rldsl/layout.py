@@ -14,10 +14,16 @@ engine runs in (1-GPU bundles only, the engine's node among them), so the
 per-node groups leave those GPUs out.
 
 A k-GPU actor that shares its GPUs with another actor cannot be expressed
-in Ray's resource model (it would need a fraction of each of k GPUs), nor
-can a replica across nodes whose GPUs another actor uses (its engine's
-workers each take a whole GPU); the layout refuses either with the reason
-instead of starting something Ray can never place.
+in Ray's resource model (it would need a fraction of each of k GPUs). A
+vLLM replica can leave its GPUs to its engine's workers instead (vLLM's Ray
+executor, one worker per GPU): such a replica on GPUs another stage uses
+(verl's tp = 2 rollout on its trainer's GPUs) keeps 1-GPU bundles, its
+actor holds no GPU in the bundle of its first one, and its engine puts a
+worker in each of its bundles asking the replica's fraction of that GPU
+(``BundleLayout.workers``). Any other multi-GPU actor that shares its GPUs,
+and a replica across nodes whose GPUs another actor uses (its engine's
+workers each take a whole GPU), are refused with the reason instead of
+starting something Ray can never place.
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from rldsl.plan import ExecutionPlan
+
+
+# Engines whose replica may leave its GPUs to Ray workers of its engine, one per GPU (vLLM's Ray executor);
+# SGLang's engine drives its GPUs from its own processes.
+RAY_WORKER_ENGINES = ("vllm",)
 
 
 class LayoutError(ValueError):
@@ -49,6 +60,7 @@ class ActorSlot:
     gpus: tuple[int, ...]  # the plan's local GPU ids on that node
     gpu_fraction: float  # of each GPU; below 1 when colocated
     remote: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (node, local GPUs) its engine drives elsewhere
+    ray_workers: bool = False  # its engine can leave its GPUs to Ray workers (RAY_WORKER_ENGINES)
 
     def all_gpus(self) -> list[tuple[int, int]]:
         """(plan node, local GPU) of every GPU it drives, its own node first."""
@@ -89,6 +101,8 @@ class BundleLayout:
     nodes: dict[int, list[Bundle]]  # plan node -> the bundles of its own group, in GPU order
     actor_cpus: float
     spanning: dict[str, SpanningGroup] = field(default_factory=dict)  # replica actor name -> its group
+    # a replica on shared GPUs -> the bundles of its node's group its engine's workers take, in its GPUs' order
+    workers: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def slots(self) -> list[ActorSlot]:
         on_nodes = [slot for bundles in self.nodes.values() for bundle in bundles for slot in bundle.residents]
@@ -102,14 +116,30 @@ class BundleLayout:
             return self.spanning[slot.name].actor_bundle
         return next(b for b in self.nodes[slot.node] if slot in b.residents)
 
+    def worker_bundles(self, slot: ActorSlot) -> list[Bundle]:
+        """The GPU bundles its engine's Ray workers take, one each ([] when the actor drives its GPUs itself)."""
+        if slot.name in self.spanning:
+            return self.spanning[slot.name].gpu_bundles
+        return [self.nodes[slot.node][index] for index in self.workers.get(slot.name, ())]
+
+    def worker_gpus(self, slot: ActorSlot) -> float:
+        """What each of its engine's workers asks of its GPU: the whole GPU across nodes, its share on a shared one."""
+        return 1.0 if slot.name in self.spanning else slot.gpu_fraction
+
     def num_gpus(self, slot: ActorSlot) -> float:
         """What the actor asks Ray for inside its bundle: whole GPUs when it
         has them alone, its fraction of the one GPU it shares otherwise, none
-        when its engine's workers hold its GPUs (a replica across nodes)."""
-        if slot.name in self.spanning:
+        when its engine's workers hold its GPUs (``worker_bundles``)."""
+        if slot.name in self.spanning or slot.name in self.workers:
             return 0.0
         bundle = self.bundle_of(slot)
-        return float(len(slot.gpus)) if len(bundle.residents) == 1 else slot.gpu_fraction
+        alone = len(bundle.residents) == 1 and not self._hosts_workers(bundle)
+        return float(len(slot.gpus)) if alone else slot.gpu_fraction
+
+    def _hosts_workers(self, bundle: Bundle) -> bool:
+        """Whether a replica's engine puts a Ray worker on this bundle's GPU (a user that is no resident)."""
+        return any(self.slot(name).node == bundle.node and bundle.index in indices
+                   for name, indices in self.workers.items())
 
     def node_needs(self) -> dict[int, dict[str, float]]:
         """Plan node -> the resources reserved on it: its own group and its
@@ -128,9 +158,17 @@ def actor_slots(plan: ExecutionPlan) -> list[ActorSlot]:
     """Every GPU actor of every pipeline, named as the lowering names them."""
     prefix = len(plan.pipelines) > 1
     return [ActorSlot(f"{pipe.name}/" * prefix + f"{stage.name}-{rank.index}", stage.name, rank.index, rank.node,
-                      tuple(rank.gpus), rank.gpu_fraction or 1.0, tuple((r.node, tuple(r.gpus)) for r in rank.remote))
+                      tuple(rank.gpus), rank.gpu_fraction or 1.0, tuple((r.node, tuple(r.gpus)) for r in rank.remote),
+                      ray_workers=bool(stage.engine) and stage.engine.name in RAY_WORKER_ENGINES)
             for pipe in plan.pipelines for stage in pipe.stages if stage.kind != "sync"
             for rank in stage.own_ranks if rank.gpus]
+
+
+def leaves_gpus_to_workers(engine: str, tp: int, pp: int, gpu_fraction: float) -> bool:
+    """A replica on one node whose engine's Ray workers take its GPUs: one
+    of several GPUs that it shares with another actor (its fraction of them
+    below one), on an engine that can (``layout_bundles`` decides alike)."""
+    return engine in RAY_WORKER_ENGINES and tp * pp > 1 and 0 < gpu_fraction < 1
 
 
 def layout_bundles(slots: list[ActorSlot], actor_cpus: float, gpus_per_node: int | None = None) -> BundleLayout:
@@ -152,21 +190,37 @@ def layout_bundles(slots: list[ActorSlot], actor_cpus: float, gpus_per_node: int
     for slot in slots:
         if not slot.remote:
             by_node.setdefault(slot.node, []).append(slot)
+    workers: dict[str, tuple[int, ...]] = {}
     for node, on_node in sorted(by_node.items()):
+        split = _replicas_on_shared_gpus(on_node)
         graph = nx.Graph()
-        for gpus in [s.gpus for s in on_node]:
-            graph.add_nodes_from(gpus)
-            nx.add_path(graph, gpus)
+        for slot in on_node:
+            graph.add_nodes_from(slot.gpus)
+            if slot not in split:  # one actor's GPUs make one bundle
+                nx.add_path(graph, slot.gpus)
         top = gpus_per_node if gpus_per_node else max(graph.nodes) + 1
         graph.add_nodes_from(g for g in range(top) if (node, g) not in taken)  # fillers
         components = sorted(tuple(sorted(c)) for c in nx.connected_components(graph))
         bundles = [Bundle(node, i, gpus) for i, gpus in enumerate(components)]
+        index_of = {gpu: bundle.index for bundle in bundles for gpu in bundle.gpus}
         for slot in on_node:
-            next(b for b in bundles if slot.gpus[0] in b.gpus).residents.append(slot)
+            bundles[index_of[slot.gpus[0]]].residents.append(slot)
+        workers.update({slot.name: tuple(index_of[gpu] for gpu in slot.gpus) for slot in split})
         for bundle in bundles:
-            _require_expressible(bundle)
+            _require_expressible(bundle, workers)
         nodes[node] = bundles
-    return BundleLayout(nodes, actor_cpus, {s.name: _spanning_group(s) for s in spanning})
+    return BundleLayout(nodes, actor_cpus, {s.name: _spanning_group(s) for s in spanning}, workers)
+
+
+def _replicas_on_shared_gpus(on_node: list[ActorSlot]) -> list[ActorSlot]:
+    """The multi-GPU replicas of a node that share a GPU with another actor
+    and can leave their GPUs to their engine's workers."""
+    users: dict[int, int] = {}
+    for slot in on_node:
+        for gpu in slot.gpus:
+            users[gpu] = users.get(gpu, 0) + 1
+    return [slot for slot in on_node
+            if slot.ray_workers and len(slot.gpus) > 1 and any(users[gpu] > 1 for gpu in slot.gpus)]
 
 
 def _spanning_group(slot: ActorSlot) -> SpanningGroup:
@@ -194,12 +248,13 @@ def _require_own_gpus(spanning: list[ActorSlot], slots: list[ActorSlot]) -> None
                 "Give the other stage GPUs of its own", replica.stage)
 
 
-def _require_expressible(bundle: Bundle) -> None:
+def _require_expressible(bundle: Bundle, workers: dict[str, tuple[int, ...]]) -> None:
     if len(bundle.gpus) == 1 or len(bundle.residents) <= 1:
         return
-    wide = next(s for s in bundle.residents if len(s.gpus) > 1)
+    wide = next(s for s in bundle.residents if len(s.gpus) > 1 and s.name not in workers)
     others = ", ".join(s.name for s in bundle.residents if s is not wide)
     raise LayoutError(
         f"`{wide.name}` drives GPUs {', '.join(map(str, wide.gpus))} of node {wide.node} as one actor and shares "
         f"them with {others}: Ray gives an actor either whole GPUs or a fraction of one GPU, never a fraction of "
-        f"several. Give the multi-GPU replica GPUs of its own (or tp = 1 replicas when it must share)", wide.stage)
+        f"several; only vLLM's replicas leave their GPUs to Ray workers of their engine, one per GPU. Give the "
+        f"multi-GPU replica GPUs of its own (or tp = 1 replicas when it must share)", wide.stage)

@@ -9,6 +9,7 @@ different GPU nodes, and every actor's devices are the plan's GPU ids.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -236,6 +237,25 @@ staleness { max_lag = 1 }
 """
 
 
+@contextlib.contextmanager
+def reserved(cluster, text: str):
+    """The plan of ``text`` reserved on the cluster (not folded), released after."""
+    from rldsl.layout import actor_slots, layout_bundles
+    from rldsl.runtime.ray_lowering.cluster import ray_session
+    from rldsl.runtime.ray_lowering.placement import reserve
+
+    result = compile_source(text)
+    assert result.ok, [d.message for d in result.diagnostics]
+    layout = layout_bundles(actor_slots(result.plan), 0.25)
+    name = result.plan.pipelines[0].name
+    with ray_session(cluster[0].address, namespace=f"rldsl-test-{name}"):
+        reservation = reserve(layout, GPUS_PER_NODE, fold=False, name=name, timeout_s=30)
+        try:
+            yield reservation
+        finally:
+            reservation.release()
+
+
 class Replica:
     """Stands in for the vLLM generator actor: what its engine would see."""
 
@@ -249,35 +269,59 @@ class Replica:
 def test_the_replica_gets_a_group_across_both_nodes_and_its_workers_land_on_the_planned_gpus(cluster):
     from ray.util import placement_group_table
 
-    from rldsl.layout import actor_slots, layout_bundles
-    from rldsl.runtime.ray_lowering.cluster import ray_session
-    from rldsl.runtime.ray_lowering.placement import reserve
-
-    ray_cluster, gpu_nodes = cluster
+    _, gpu_nodes = cluster
     assert GPUS_PER_NODE == 3
-    result = compile_source(PP2)
-    assert result.ok, [d.message for d in result.diagnostics]
-    layout = layout_bundles(actor_slots(result.plan), 0.25)
-    with ray_session(ray_cluster.address, namespace="rldsl-test-cross-node"):
-        reservation = reserve(layout, GPUS_PER_NODE, fold=False, name="pp2", timeout_s=30)
-        try:
-            group = reservation.spanning_groups["rollout-0"]
-            ray_node = {plan: node.node_id for plan, node in reservation.nodes.items()}
-            assert set(ray_node.values()) <= gpu_nodes and len(set(ray_node.values())) == 2
-            table = placement_group_table(group)
-            assert table["strategy"] == "PACK" and table["state"] == "CREATED"
-            assert table["bundles"] == {0: {"GPU": 1.0}, 1: {"GPU": 1.0}, 2: {"CPU": 0.25}}
-            assert table["bundles_to_node_id"] == {0: ray_node[0], 1: ray_node[1], 2: ray_node[0]}
-            slot = reservation.slot("rollout-0")
-            replica = ray.remote(Replica).options(**reservation.actor_options(slot)).remote()
-            group_id, node_id, gpu_ids, workers = ray.get(replica.group_and_workers.remote(), timeout=120)
-            assert (group_id, node_id, gpu_ids) == (group.id.hex(), ray_node[0], [])
-            assert [(w["node_id"], w["gpu_ids"]) for w in workers] == [(ray_node[0], [0]), (ray_node[1], [0])]
-            trainers = [placement_group_table(reservation.groups[n])["bundles"] for n in (0, 1)]
-            assert trainers == [{0: {"GPU": 1.0, "CPU": 0.5}, 1: {"GPU": 1.0, "CPU": 0.5}}] * 2  # not GPU 0
-            ray.kill(replica)
-        finally:
-            reservation.release()
+    with reserved(cluster, PP2) as reservation:
+        group = reservation.spanning_groups["rollout-0"]
+        ray_node = {plan: node.node_id for plan, node in reservation.nodes.items()}
+        assert set(ray_node.values()) <= gpu_nodes and len(set(ray_node.values())) == 2
+        table = placement_group_table(group)
+        assert table["strategy"] == "PACK" and table["state"] == "CREATED"
+        assert table["bundles"] == {0: {"GPU": 1.0}, 1: {"GPU": 1.0}, 2: {"CPU": 0.25}}
+        assert table["bundles_to_node_id"] == {0: ray_node[0], 1: ray_node[1], 2: ray_node[0]}
+        slot = reservation.slot("rollout-0")
+        replica = ray.remote(Replica).options(**reservation.actor_options(slot)).remote()
+        group_id, node_id, gpu_ids, workers = ray.get(replica.group_and_workers.remote(), timeout=120)
+        assert (group_id, node_id, gpu_ids) == (group.id.hex(), ray_node[0], [])
+        assert [(w["node_id"], w["gpu_ids"]) for w in workers] == [(ray_node[0], [0]), (ray_node[1], [0])]
+        trainers = [placement_group_table(reservation.groups[n])["bundles"] for n in (0, 1)]
+        assert trainers == [{0: {"GPU": 1.0, "CPU": 0.5}, 1: {"GPU": 1.0, "CPU": 0.5}}] * 2  # not GPU 0
+        ray.kill(replica)
+
+
+COLOCATED_TP2 = """
+pipeline tp2c
+cluster { nodes = 2  gpus_per_node = 3 }
+model policy { source = "builtin:tiny-gpt2" }
+dataset prompts { source = "builtin:arith" }
+stage generate rollout { model = policy  engine = vllm(tp = 2)  colocate = actor  samples_per_prompt = 4 }
+stage reward score { fn = "rldsl.rewards:exact_match" }
+stage train actor { model = policy  engine = sim  gpus = [3, 4]  prompts_per_step = 4  micro_batch = 2 }
+stage sync weights { from = actor  to = rollout }
+flow prompts -> rollout -> score -> actor
+staleness { max_lag = 1 }
+"""
+
+
+class Rank:
+    def devices(self):
+        return ray.get_gpu_ids()
+
+
+def test_a_tp2_replica_on_its_trainers_gpus_leaves_them_to_workers_that_fit_beside_the_trainer(cluster):
+    """verl's colocated tp-2 rollout: the trainer's two ranks hold half of each GPU; the replica's actor holds
+    none, and a worker where vLLM's Ray executor puts one (its bundle, its half) lands on each rank's GPU."""
+    with reserved(cluster, COLOCATED_TP2) as reservation:
+        ranks = [ray.remote(Rank).options(**reservation.actor_options(reservation.slot(f"actor-{r}"))).remote()
+                 for r in range(2)]
+        devices = ray.get([rank.devices.remote() for rank in ranks], timeout=120)
+        replica = ray.remote(Replica).options(**reservation.actor_options(reservation.slot("rollout-0"))).remote()
+        group_id, node_id, gpu_ids, workers = ray.get(replica.group_and_workers.remote(), timeout=120)
+        assert (group_id, node_id, gpu_ids) == (reservation.groups[1].id.hex(), reservation.nodes[1].node_id, [])
+        assert [w["gpu_ids"] for w in workers] == devices == [[0], [1]]  # each beside the trainer rank of its GPU
+        assert all(w["node_id"] == node_id for w in workers)
+        for actor in (replica, *ranks):
+            ray.kill(actor)
 
 
 def test_dry_run_reports_the_replica_and_where_each_of_its_gpu_bundles_lands(cluster, tmp_path):

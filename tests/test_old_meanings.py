@@ -167,7 +167,14 @@ SPLIT = (GOLDEN / "RLP521.rlp").read_text()
 def test_a_colocated_multi_gpu_replica_runs_as_single_gpu_replicas():
     rollout = compile_source(SPLIT).plan.pipelines[0].stage("rollout")
     assert codes(SPLIT) == ["RLP521"] and rollout.tp == 1 and len(rollout.ranks) == 4
-    assert "engine = vllm(tp = 1, gpu_memory = 40%)" in assert_same_plan_once_formatted(SPLIT)
+    assert "engine = sglang(tp = 1, gpu_memory = 40%)" in assert_same_plan_once_formatted(SPLIT)
+
+
+def test_a_colocated_multi_gpu_vllm_replica_runs_as_written():
+    """vLLM's replicas leave shared GPUs to their engine's Ray workers (rldsl.layout): no old meaning to keep."""
+    text = SPLIT.replace("sglang(tp = 2", "vllm(tp = 2")
+    rollout = compile_source(text).plan.pipelines[0].stage("rollout")
+    assert codes(text) == [] and rollout.tp == 2 and len(rollout.ranks) == 2
 
 
 def test_a_model_one_gpu_cannot_hold_keeps_the_layout_error():

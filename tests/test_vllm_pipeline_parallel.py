@@ -15,6 +15,7 @@ from rldsl.compiler.driver import compile_source
 from rldsl.compiler.plan_view import render_plan
 from rldsl.plan import ExecutionPlan
 from rldsl.runtime.engines import vllm as ve
+from rldsl.runtime.engines import vllm_launch
 from rldsl.runtime.engines.factory import _vllm_options
 from rldsl.layout import LayoutError, actor_slots, layout_bundles
 
@@ -162,5 +163,5 @@ def test_the_engine_process_of_a_replica_across_nodes_joins_the_actors_ray(monke
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Context", (), {"gcs_address": "10.0.0.1:6379"}))
-    ve._share_ray_address()
+    vllm_launch._share_ray_address()
     assert os.environ["RAY_ADDRESS"] == "10.0.0.1:6379"

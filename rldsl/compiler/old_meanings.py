@@ -16,12 +16,14 @@ current form and nothing else changes:
   which RLP205 reports with the edit that adds it.
 
 - RLP521: a generate stage colocated with another whose replica is one
-  actor driving several GPUs (`vllm(tp = 2)  colocate = actor`). Ray
+  actor driving several GPUs (`sglang(tp = 2)  colocate = actor`). Ray
   cannot give one actor a fraction of several GPUs (RLP512), so such a
   file checked before `check` ran the launcher's layout but never
   launched; where one GPU's share holds the model, it is read as
   single-GPU replicas on the same GPUs (`tp = 1`), as the shipped OpenRLHF
   translation was rewritten: the same samples, each replica on one GPU.
+  A vLLM replica leaves such GPUs to its engine's Ray workers
+  (rldsl.layout), so `vllm(tp = 2)  colocate = actor` runs as written.
 
 The other rules a shipped file met before they tightened keep their old
 meaning where they run: RLP509 (GPUs shared across pipelines without
@@ -37,6 +39,7 @@ from rldsl.compiler.decls import Decl, Pipeline, Program
 from rldsl.compiler.diagnostics import WARNING, Diagnostic, Span
 from rldsl.compiler.schema import ENGINES
 from rldsl.compiler.types import Ref, arg_span
+from rldsl.layout import RAY_WORKER_ENGINES
 
 COLOCATED_SCORER = "RLP210"
 SPLIT_REPLICAS = "RLP521"
@@ -146,6 +149,8 @@ def _one_actor_on_shared_gpus(stage: Decl) -> bool:
     if not stage.valid("engine", "colocate") or stage.get("colocate") is None or stage.get("engine") is None:
         return False
     engine = stage["engine"]
+    if engine.name in RAY_WORKER_ENGINES:  # its engine's Ray workers take the shared GPUs (rldsl.layout)
+        return False
     return "generate" in ENGINES[engine.name].replica_actor_kinds and engine.args.get("tp", 1) > 1 \
         and engine.args.get("pp", 1) == 1 and "tp" in (engine.arg_spans or {})
 

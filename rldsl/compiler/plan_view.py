@@ -6,6 +6,7 @@ from __future__ import annotations
 from rldsl.compiler.driver import CompileResult
 from rldsl.compiler.equivalents import batch_equivalents, staleness_equivalents
 from rldsl.compiler.units import format_bytes, format_duration
+from rldsl.layout import leaves_gpus_to_workers
 from rldsl.plan import LEASE_QUANTUM_S, ExecutionPlan, PipelinePlan, ahead_groups
 
 
@@ -172,7 +173,10 @@ def _groups(stage) -> list[str]:
     where = lambda r: ",".join(f"{n}:{g}" for n, g in r.all_gpus())  # noqa: E731
     if _one_actor_per_replica(stage):
         shape = f"tp {stage.tp}" + (f" x pp {stage.pp}" if stage.pp > 1 else "")
-        return [f"replicas ({shape} each): " + " ".join(f"[{where(r)}]" for r in gpu_ranks)]
+        share = gpu_ranks[0].gpu_fraction
+        workers = f"; its engine's Ray workers take {share:.2g} of each GPU" \
+            if leaves_gpus_to_workers(stage.engine.name, stage.tp, stage.pp, share) else ""  # rldsl.layout
+        return [f"replicas ({shape} each{workers}): " + " ".join(f"[{where(r)}]" for r in gpu_ranks)]
     lines = []
     args = stage.engine.args if stage.engine else {}
     ep, etp = args.get("ep", 1), args.get("etp") or stage.tp

@@ -499,10 +499,11 @@ RULES: dict[str, Rule] = {r.code: r for r in [
     _r("RLP512", ERROR, "a placement Ray cannot lay out",
        "`check` lays the plan out exactly as `rldsl run` will (rldsl/layout.py): one placement-group bundle per "
        "set of GPUs driven together. Ray gives an actor either whole GPUs or a fraction of one GPU, so one actor "
-       "driving several GPUs (a tp = 2 generator replica) cannot share them with another stage's actors; and a "
-       "replica across nodes needs its GPUs to itself. A plan that checks is a plan that launches. (A generate "
-       "stage that itself names another in `colocate` runs single-GPU replicas instead where one GPU holds its "
-       "model: RLP521.)",
+       "driving several GPUs (an SGLang tp = 2 replica) cannot share them with another stage's actors; a vLLM "
+       "replica can, leaving its GPUs to its engine's Ray workers, one per GPU, each with the replica's share of "
+       "it (verl's tp = 2 rollout on its trainer's GPUs). A replica across nodes needs its GPUs to itself. A plan "
+       "that checks is a plan that launches. (A generate stage that itself names another in `colocate` runs "
+       "single-GPU replicas instead where one GPU holds its model: RLP521.)",
        "stage generate rollout { engine = vllm(tp = 2)  gpus = 2 }   stage train actor { colocate = rollout ... }",
        "the whole plan: it runs only on a file with no error (the plan must exist)."),
     _r("RLP513", ERROR, "a logprob stage on GPUs another pipeline shares",
@@ -556,16 +557,18 @@ RULES: dict[str, Rule] = {r.code: r for r in [
        "what RLP506 reads, and each logprob stage's `engine`, `micro_batch` and `micro_batch_tokens` on a GPU "
        "above its memory."),
     _r("RLP521", WARNING, "a colocated multi-GPU generator replica split into single-GPU ones (old meaning kept)",
-       "A vLLM or SGLang replica is one actor driving tp GPUs, and Ray gives an actor whole GPUs or a fraction "
+       "An SGLang replica is one actor driving tp GPUs, and Ray gives an actor whole GPUs or a fraction "
        "of one GPU, never a fraction of several: such a replica cannot share its GPUs with the stage it is "
-       "colocated with (RLP512). Files written before `check` ran the launcher's layout (OpenRLHF's translation "
-       "colocated four tp-2 vLLM engines with its trainer) checked, but never launched. Where one GPU's share "
+       "colocated with (RLP512). Files written before `check` ran the launcher's layout checked, but never "
+       "launched. (vLLM's replicas were read this way too, OpenRLHF's translation colocated four tp-2 vLLM "
+       "engines with its trainer, until they left shared GPUs to their engine's Ray workers: they now run as "
+       "written.) Where one GPU's share "
        "(`gpu_memory` of the engine times the cluster's `gpu_memory`) holds the model's weights in at most half "
        "of it, the rest left for the KV cache, such a generate stage is read as single-GPU replicas (`tp = 1`) "
        "on the same GPUs, which generate the same samples, with this warning (an error under `check --strict`); "
        "its edit writes `tp = 1`, and `rldsl fmt --fix` applies it. A model that needs tp > 1 to fit, or whose "
        "size or GPU is not declared, stays RLP512: give its replicas GPUs of their own.",
-       "stage generate rollout { engine = vllm(tp = 2)  colocate = actor ... }",
+       "stage generate rollout { engine = sglang(tp = 2)  colocate = actor ... }",
        "the generate stage's `engine` (its `tp`, `pp`, `gpu_memory`, `dtype` and whether one actor drives a "
        "replica) and `colocate`, its model's `params` and `dtype`, and the cluster's `gpu_memory`."),
     _r("RLP601", ERROR, "an environment's episode outgrows the model's context",

@@ -333,12 +333,16 @@ def _hf_path(pipe: PipelinePlan, stage: StagePlan) -> str:
 def _vllm_options(stage: StagePlan, lora: LoraPlan | None = None, serves: tuple = ()):
     """A vllm stage's engine options; ``lora``: the policy's adapters, which a generator serves, beside
     those of the pipelines it ``serves``."""
+    from rldsl.layout import leaves_gpus_to_workers
     from rldsl.runtime.engines.vllm import VLLMOptions
 
     args = stage.engine.args
     adapters = {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": tuple(lora.targets),
                 "served_lora_ranks": tuple(served.rank for served in serves)} if lora else {}
+    shares = any(leaves_gpus_to_workers(stage.engine.name, args["tp"], args.get("pp", 1), r.gpu_fraction)
+                 for r in stage.ranks)
     return VLLMOptions(tp=args["tp"], pp=args.get("pp", 1), spans_nodes=any(r.remote for r in stage.ranks),
+                       shares_gpus=shares,
                        gpu_memory=args["gpu_memory"], sleep=args["sleep"],
                        max_model_len=args.get("max_model_len"), dtype=args["dtype"], kv_cache=args.get("kv_cache"),
                        **adapters)

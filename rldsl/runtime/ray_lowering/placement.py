@@ -12,6 +12,7 @@ plan node onto the one local Ray node.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -94,17 +95,25 @@ class Reservation:
         return self.layout.slot(name)
 
     def actor_options(self, slot: ActorSlot) -> dict:
-        """A replica across nodes runs in the CPU bundle of its own group and
-        captures its children there: vLLM's Ray executor then finds the group
-        (``get_current_placement_group``) and starts a worker in each GPU bundle."""
+        """A replica whose engine's Ray workers hold its GPUs captures its
+        children in its group, so that vLLM's Ray executor finds the group
+        (``get_current_placement_group``): across nodes it runs in the CPU
+        bundle of a group of its own and a worker goes in each GPU bundle; on
+        shared GPUs it runs in the bundle of its first GPU and vLLM's
+        ``VLLM_RAY_BUNDLE_INDICES`` and ``VLLM_RAY_PER_WORKER_GPUS`` give each
+        worker the bundle of its GPU and the replica's share of it."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self.layout.bundle_of(slot)
         spans = slot.name in self.spanning_groups
+        workers = slot.name in self.layout.workers
         group = self.spanning_groups[slot.name] if spans else self.groups[slot.node]
-        return {"num_cpus": self.layout.actor_cpus, "num_gpus": self.layout.num_gpus(slot),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    group, bundle.index, placement_group_capture_child_tasks=True if spans else None)}
+        options = {"num_cpus": self.layout.actor_cpus, "num_gpus": self.layout.num_gpus(slot),
+                   "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                       group, bundle.index, placement_group_capture_child_tasks=True if spans or workers else None)}
+        if workers:
+            options["runtime_env"] = {"env_vars": {**worker_setup_env(), **engine_worker_env(self.layout, slot)}}
+        return options
 
     def expected_devices(self, slot: ActorSlot) -> tuple[int, ...]:
         """The device ids the plan means: its own on a real node; offset by
@@ -119,6 +128,19 @@ class Reservation:
 
         for group in [*self.groups.values(), *self.spanning_groups.values()]:
             remove_placement_group(group)
+
+
+def engine_worker_env(layout: BundleLayout, slot: ActorSlot) -> dict[str, str]:
+    """What tells vLLM's Ray executor where its workers go: their bundles and each one's share of its GPU."""
+    return {"VLLM_RAY_BUNDLE_INDICES": ",".join(str(b.index) for b in layout.worker_bundles(slot)),
+            "VLLM_RAY_PER_WORKER_GPUS": f"{layout.worker_gpus(slot):g}"}
+
+
+def worker_setup_env() -> dict[str, str]:
+    """An actor's own ``runtime_env`` replaces its class's: it carries the run's worker setup hook too."""
+    from rldsl.runtime.ray_lowering.actor_process import WORKER_SETUP_ENV
+
+    return {WORKER_SETUP_ENV: os.environ[WORKER_SETUP_ENV]} if os.environ.get(WORKER_SETUP_ENV) else {}
 
 
 def reserve(layout: BundleLayout, gpus_per_node: int, fold: bool, name: str, timeout_s: float = 60.0) -> Reservation:

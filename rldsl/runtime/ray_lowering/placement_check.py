@@ -8,14 +8,18 @@ devices correspond one to one (colocated actors see the same device,
 others never do). Device numbers that merely differ from the plan's ids (a
 node whose first GPUs another job holds) are reported, not refused.
 
-A replica across nodes holds no GPU itself: its engine's Ray workers take
-the GPU bundles of its group. Its dry-run probe starts a one-GPU task in
-each of them, as vLLM's Ray executor would, and each is checked like an
-actor of one GPU; a real run checks the actor's node only.
+A replica whose engine's Ray workers take its GPUs (across nodes: the GPU
+bundles of its own group; on GPUs it shares: the bundles of its GPUs in its
+node's group) holds no GPU itself. Its dry-run probe starts a task in each
+of those bundles asking what each worker asks, from the variables vLLM's
+Ray executor reads (``VLLM_RAY_BUNDLE_INDICES``, ``VLLM_RAY_PER_WORKER_GPUS``),
+and each is checked like an actor of one GPU; a real run checks the
+actor's node only.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from rldsl.runtime.ray_lowering.actor_process import where
@@ -42,18 +46,24 @@ class PlacementProbe:
 
 
 def probe_gpu_bundles() -> list[dict]:
-    """From an actor in a placement group: a one-GPU task in each of the
-    group's GPU bundles, in bundle order (where vLLM's Ray executor puts a
-    worker each), and where each landed."""
+    """From an actor in a placement group: a task in each bundle where
+    vLLM's Ray executor would put a worker (the bundles its
+    ``VLLM_RAY_BUNDLE_INDICES`` names, else every GPU bundle in order), asking
+    the GPUs each worker asks (``VLLM_RAY_PER_WORKER_GPUS``, else one), and
+    where each landed."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     group = ray.util.get_current_placement_group()
     if group is None:
         return []
+    named = os.environ.get("VLLM_RAY_BUNDLE_INDICES")
+    indices = [int(i) for i in named.split(",")] if named else \
+        [i for i, bundle in enumerate(group.bundle_specs) if bundle.get("GPU")]
+    gpus = float(os.environ.get("VLLM_RAY_PER_WORKER_GPUS") or 1)
     probe = ray.remote(where)
-    calls = [probe.options(num_cpus=0, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, i))
-             .remote() for i, bundle in enumerate(group.bundle_specs) if bundle.get("GPU")]
+    calls = [probe.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(group, i))
+             .remote() for i in indices]
     return ray.get(calls, timeout=_PROBE_TIMEOUT_S)
 
 
@@ -77,10 +87,10 @@ class PlacementReport:
         for slot, report in self.rows:
             node = reservation.nodes[slot.node]
             plan = "+".join(f"{n}:{','.join(map(str, gpus))}" for n, gpus in ((slot.node, slot.gpus), *slot.remote))
-            devices = "(its workers')" if slot.remote else report.get("cuda_visible_devices")
+            bundles = reservation.layout.worker_bundles(slot)
+            devices = "(its workers')" if bundles else report.get("cuda_visible_devices")
             lines.append(f"{slot.name:<28} {plan:<12} {node.label:<26} {devices}")
-            group = reservation.layout.spanning.get(slot.name)
-            for bundle, worker in zip(group.gpu_bundles if group else [], report.get(ENGINE_WORKERS) or []):
+            for bundle, worker in zip(bundles, report.get(ENGINE_WORKERS) or []):
                 label = reservation.nodes[bundle.node].label
                 lines.append(f"{'  worker ' + str(bundle.index):<28} {f'{bundle.node}:{bundle.gpus[0]}':<12} "
                              f"{label:<26} {worker.get('cuda_visible_devices')}")
@@ -90,8 +100,8 @@ class PlacementReport:
 def check_placement(reservation: Reservation, reports: dict[str, dict], slots: list[ActorSlot]) -> PlacementReport:
     check = _Check(reservation)
     for slot in slots:
-        if slot.name in reservation.layout.spanning:
-            check.spanning_replica(slot, reports[slot.name])
+        if reservation.layout.worker_bundles(slot):
+            check.replica_of_workers(slot, reports[slot.name])
         else:
             check.actor(slot, reports[slot.name])
     return PlacementReport([(s, reports[s.name]) for s in slots], sorted(set(check.errors)), check.notes)
@@ -121,18 +131,18 @@ class _Check:
             self.notes.append(f"`{slot.name}`: plan GPU(s) {slot.node}:{','.join(map(str, slot.gpus))} are "
                               f"device(s) {','.join(map(str, devices))} on {self.reservation.nodes[slot.node].label}")
 
-    def spanning_replica(self, slot: ActorSlot, report: dict) -> None:
+    def replica_of_workers(self, slot: ActorSlot, report: dict) -> None:
         """The actor on its first node holding no GPU; each GPU bundle its
         probe reached on the Ray node of its plan node, one device each."""
         self._on_its_node(slot.name, slot.node, report)
         if report["gpu_ids"]:
-            self.errors.append(f"`{slot.name}` holds device(s) {report['gpu_ids']}; a replica across nodes leaves "
-                               "its GPUs to its engine's workers")
+            self.errors.append(f"`{slot.name}` holds device(s) {report['gpu_ids']}; its engine's workers take its "
+                               "GPUs")
         workers = report.get(ENGINE_WORKERS)
-        bundles = self.reservation.layout.spanning[slot.name].gpu_bundles
+        bundles = self.reservation.layout.worker_bundles(slot)
         if workers is None:  # a real run: vLLM's workers hold the bundles, a probe could not get in
-            self.notes.append(f"`{slot.name}` spans nodes: its engine's Ray workers hold its {len(bundles)} GPU "
-                              "bundle(s) (`rldsl run --dry-run` checks where they land)")
+            self.notes.append(f"`{slot.name}`: its engine's Ray workers hold its {len(bundles)} GPU bundle(s) "
+                              "(`rldsl run --dry-run` checks where they land)")
             return
         if len(workers) != len(bundles):
             self.errors.append(f"`{slot.name}`: its group has {len(workers)} GPU bundle(s); the plan gives it "

@@ -303,25 +303,21 @@ staleness { max_lag = 1 }
 """
 
 
-class Rank:
-    def devices(self):
-        return ray.get_gpu_ids()
-
-
-def test_a_tp2_replica_on_its_trainers_gpus_leaves_them_to_workers_that_fit_beside_the_trainer(cluster):
-    """verl's colocated tp-2 rollout: the trainer's two ranks hold half of each GPU; the replica's actor holds
-    none, and a worker where vLLM's Ray executor puts one (its bundle, its half) lands on each rank's GPU."""
-    with reserved(cluster, COLOCATED_TP2) as reservation:
-        ranks = [ray.remote(Rank).options(**reservation.actor_options(reservation.slot(f"actor-{r}"))).remote()
-                 for r in range(2)]
-        devices = ray.get([rank.devices.remote() for rank in ranks], timeout=120)
-        replica = ray.remote(Replica).options(**reservation.actor_options(reservation.slot("rollout-0"))).remote()
-        group_id, node_id, gpu_ids, workers = ray.get(replica.group_and_workers.remote(), timeout=120)
-        assert (group_id, node_id, gpu_ids) == (reservation.groups[1].id.hex(), reservation.nodes[1].node_id, [])
-        assert [w["gpu_ids"] for w in workers] == devices == [[0], [1]]  # each beside the trainer rank of its GPU
-        assert all(w["node_id"] == node_id for w in workers)
-        for actor in (replica, *ranks):
-            ray.kill(actor)
+def test_a_tp2_replica_on_its_trainers_gpus_leaves_them_to_workers_beside_the_trainers_ranks(cluster, tmp_path):
+    """verl's colocated tp-2 rollout, through the launcher's dry run: the trainer's ranks take half of each GPU,
+    the replica's actor none, and a probe where vLLM's Ray executor puts each worker (the bundle and the half its
+    variables name) lands on the device of the rank of its GPU."""
+    ray_cluster, _ = cluster
+    proc = rldsl("run", str(write(tmp_path, COLOCATED_TP2)), "--address", ray_cluster.address, "--dry-run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    replica = next(line for line in lines if line.startswith("rollout-0 "))
+    assert replica.split()[1] == "1:0,1" and replica.endswith("(its workers')")
+    workers = [line.split() for line in lines if line.startswith("  worker ")]
+    ranks = {actor: next(line for line in lines if line.startswith(actor + " ")).split()[-1]
+             for actor in ("actor-0", "actor-1")}
+    assert [(w[2], w[-1]) for w in workers] == [("1:0", ranks["actor-0"]), ("1:1", ranks["actor-1"])]
+    assert "placement matches the plan" in proc.stdout and "note:" not in proc.stdout
 
 
 def test_dry_run_reports_the_replica_and_where_each_of_its_gpu_bundles_lands(cluster, tmp_path):

@@ -307,31 +307,31 @@ def test_a_tp2_replica_on_its_trainers_gpus_leaves_them_to_workers_beside_the_tr
     """verl's colocated tp-2 rollout, through the launcher's dry run: the trainer's ranks take half of each GPU,
     the replica's actor none, and a probe where vLLM's Ray executor puts each worker (the bundle and the half its
     variables name) lands on the device of the rank of its GPU."""
-    ray_cluster, _ = cluster
-    proc = rldsl("run", str(write(tmp_path, COLOCATED_TP2)), "--address", ray_cluster.address, "--dry-run")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    replica = next(line for line in lines if line.startswith("rollout-0 "))
-    assert replica.split()[1] == "1:0,1" and replica.endswith("(its workers')")
-    workers = [line.split() for line in lines if line.startswith("  worker ")]
+    lines, replica, workers = dry_run_of_replica(cluster, tmp_path, COLOCATED_TP2)
+    assert replica.split()[1] == "1:0,1"
     ranks = {actor: next(line for line in lines if line.startswith(actor + " ")).split()[-1]
              for actor in ("actor-0", "actor-1")}
     assert [(w[2], w[-1]) for w in workers] == [("1:0", ranks["actor-0"]), ("1:1", ranks["actor-1"])]
+
+
+def dry_run_of_replica(cluster, tmp_path: Path, text: str) -> tuple[list[str], str, list[list[str]]]:
+    """`rldsl run --dry-run` of ``text`` on the cluster, its placement matching the plan: its output's lines,
+    `rollout-0`'s (its engine's workers hold its GPUs) and its workers' (split)."""
+    proc = rldsl("run", str(write(tmp_path, text)), "--address", cluster[0].address, "--dry-run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "placement matches the plan" in proc.stdout and "note:" not in proc.stdout
+    lines = proc.stdout.splitlines()
+    replica = next(line for line in lines if line.startswith("rollout-0 "))
+    assert replica.endswith("(its workers')")
+    return lines, replica, [line.split() for line in lines if line.startswith("  worker ")]
 
 
 def test_dry_run_reports_the_replica_and_where_each_of_its_gpu_bundles_lands(cluster, tmp_path):
-    ray_cluster, _ = cluster
-    proc = rldsl("run", str(write(tmp_path, PP2)), "--address", ray_cluster.address, "--dry-run")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    replica = next(line for line in lines if line.startswith("rollout-0 "))
-    assert replica.split()[1] == "0:0+1:0" and replica.endswith("(its workers')")
-    workers = [line.split() for line in lines if line.startswith("  worker ")]
+    lines, replica, workers = dry_run_of_replica(cluster, tmp_path, PP2)
+    assert replica.split()[1] == "0:0+1:0"
     assert [(w[2], w[-1]) for w in workers] == [("0:0", "0"), ("1:0", "0")]
     for actor, devices in (("actor-0", "1"), ("actor-1", "2"), ("actor-2", "1"), ("reference-3", "2")):
         assert next(line for line in lines if line.startswith(actor + " ")).split()[-1] == devices
-    assert "placement matches the plan" in proc.stdout and "note:" not in proc.stdout
 
 
 def test_a_replica_across_nodes_sharing_its_gpus_is_refused_before_ray_starts(tmp_path):

@@ -60,7 +60,7 @@ class ActorSlot:
     gpus: tuple[int, ...]  # the plan's local GPU ids on that node
     gpu_fraction: float  # of each GPU; below 1 when colocated
     remote: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (node, local GPUs) its engine drives elsewhere
-    ray_workers: bool = False  # its engine can leave its GPUs to Ray workers (RAY_WORKER_ENGINES)
+    engine: str = ""  # its stage's engine: whether it may leave its GPUs to Ray workers (RAY_WORKER_ENGINES)
 
     def all_gpus(self) -> list[tuple[int, int]]:
         """(plan node, local GPU) of every GPU it drives, its own node first."""
@@ -73,6 +73,7 @@ class Bundle:
     index: int  # the bundle index inside its placement group
     gpus: tuple[int, ...]
     residents: list[ActorSlot] = field(default_factory=list)
+    hosts_workers: bool = False  # a replica's engine puts a Ray worker on its GPU (a user that is no resident)
 
     def resources(self, actor_cpus: float) -> dict[str, float]:
         cpus = actor_cpus * len(self.residents)  # a filler or an engine worker's bundle holds no actor, no CPU
@@ -133,13 +134,8 @@ class BundleLayout:
         if slot.name in self.spanning or slot.name in self.workers:
             return 0.0
         bundle = self.bundle_of(slot)
-        alone = len(bundle.residents) == 1 and not self._hosts_workers(bundle)
+        alone = len(bundle.residents) == 1 and not bundle.hosts_workers
         return float(len(slot.gpus)) if alone else slot.gpu_fraction
-
-    def _hosts_workers(self, bundle: Bundle) -> bool:
-        """Whether a replica's engine puts a Ray worker on this bundle's GPU (a user that is no resident)."""
-        return any(self.slot(name).node == bundle.node and bundle.index in indices
-                   for name, indices in self.workers.items())
 
     def node_needs(self) -> dict[int, dict[str, float]]:
         """Plan node -> the resources reserved on it: its own group and its
@@ -159,16 +155,17 @@ def actor_slots(plan: ExecutionPlan) -> list[ActorSlot]:
     prefix = len(plan.pipelines) > 1
     return [ActorSlot(f"{pipe.name}/" * prefix + f"{stage.name}-{rank.index}", stage.name, rank.index, rank.node,
                       tuple(rank.gpus), rank.gpu_fraction or 1.0, tuple((r.node, tuple(r.gpus)) for r in rank.remote),
-                      ray_workers=bool(stage.engine) and stage.engine.name in RAY_WORKER_ENGINES)
+                      stage.engine.name if stage.engine else "")
             for pipe in plan.pipelines for stage in pipe.stages if stage.kind != "sync"
             for rank in stage.own_ranks if rank.gpus]
 
 
-def leaves_gpus_to_workers(engine: str, tp: int, pp: int, gpu_fraction: float) -> bool:
-    """A replica on one node whose engine's Ray workers take its GPUs: one
-    of several GPUs that it shares with another actor (its fraction of them
-    below one), on an engine that can (``layout_bundles`` decides alike)."""
-    return engine in RAY_WORKER_ENGINES and tp * pp > 1 and 0 < gpu_fraction < 1
+def leaves_gpus_to_workers(engine: str, gpus: int, gpu_fraction: float) -> bool:
+    """A replica whose engine's Ray workers take its GPUs: one of several
+    GPUs that it shares with other actors (its fraction of each below one,
+    as the plan gives it), on an engine that can. The one test of it: the
+    layout, the engine factory and `plan` ask it alike."""
+    return engine in RAY_WORKER_ENGINES and gpus > 1 and 0 < gpu_fraction < 1
 
 
 def layout_bundles(slots: list[ActorSlot], actor_cpus: float, gpus_per_node: int | None = None) -> BundleLayout:
@@ -192,7 +189,7 @@ def layout_bundles(slots: list[ActorSlot], actor_cpus: float, gpus_per_node: int
             by_node.setdefault(slot.node, []).append(slot)
     workers: dict[str, tuple[int, ...]] = {}
     for node, on_node in sorted(by_node.items()):
-        split = _replicas_on_shared_gpus(on_node)
+        split = [slot for slot in on_node if leaves_gpus_to_workers(slot.engine, len(slot.gpus), slot.gpu_fraction)]
         graph = nx.Graph()
         for slot in on_node:
             graph.add_nodes_from(slot.gpus)
@@ -206,21 +203,14 @@ def layout_bundles(slots: list[ActorSlot], actor_cpus: float, gpus_per_node: int
         for slot in on_node:
             bundles[index_of[slot.gpus[0]]].residents.append(slot)
         workers.update({slot.name: tuple(index_of[gpu] for gpu in slot.gpus) for slot in split})
+        for slot in split:
+            for index in workers[slot.name]:
+                bundles[index].hosts_workers = True
         for bundle in bundles:
             _require_expressible(bundle, workers)
         nodes[node] = bundles
     return BundleLayout(nodes, actor_cpus, {s.name: _spanning_group(s) for s in spanning}, workers)
 
-
-def _replicas_on_shared_gpus(on_node: list[ActorSlot]) -> list[ActorSlot]:
-    """The multi-GPU replicas of a node that share a GPU with another actor
-    and can leave their GPUs to their engine's workers."""
-    users: dict[int, int] = {}
-    for slot in on_node:
-        for gpu in slot.gpus:
-            users[gpu] = users.get(gpu, 0) + 1
-    return [slot for slot in on_node
-            if slot.ray_workers and len(slot.gpus) > 1 and any(users[gpu] > 1 for gpu in slot.gpus)]
 
 
 def _spanning_group(slot: ActorSlot) -> SpanningGroup:

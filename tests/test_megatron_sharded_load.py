@@ -172,18 +172,15 @@ def test_a_bin_checkpoint_is_read_whole_with_a_warning(tmp_path, caplog):
 def _load_both_ways(path: str, tp: int, pp: int) -> dict:
     """This rank's weights by the full-read path (every parameter NaN before,
     so nothing is left unloaded) and by ``from_pretrained``, with its reads."""
-    from megatron.core import parallel_state
-
     from rldsl.runtime.engines.megatron import model as mm
     from rldsl.runtime.engines.megatron.logprob import MegatronLogprob
 
     shape = hmw.LlamaShape.from_hf_config(mm.read_hf_config(path))
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     old = mm.build_gpt_model(shape, mm.transformer_config(shape, "fp32", tp, pp))
     with torch.no_grad():
         for parameter in old.parameters():
             parameter.fill_(float("nan"))
-    mm.load_megatron_weights(old, hmw.hf_to_megatron(mm.read_hf_weights(path), shape), tp, tp_rank, shape)
+    mm.load_megatron_weights(old, hmw.hf_to_megatron(mm.read_hf_weights(path), shape), shape)
     with counting_reads() as reads:
         engine = MegatronLogprob.from_pretrained(path, tp=tp, pp=pp, dtype="fp32")
     return {"old": mm.local_weights(old, shape), "new": mm.local_weights(engine.model, shape), "reads": reads}

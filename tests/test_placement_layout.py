@@ -141,7 +141,7 @@ def test_a_replica_across_nodes_is_checked_by_its_probes_of_the_gpu_bundles():
 
 def test_a_vllm_replica_on_shared_gpus_is_checked_by_its_probes_beside_the_ranks_there():
     """Its workers (one per GPU, in the node's bundles) must each see the device the trainer rank on that GPU sees."""
-    slots = [ActorSlot("gen-0", "gen", 0, 0, (0, 1), 0.5, ray_workers=True),
+    slots = [ActorSlot("gen-0", "gen", 0, 0, (0, 1), 0.5, engine="vllm"),
              ActorSlot("act-0", "act", 0, 0, (0,), 0.5), ActorSlot("act-1", "act", 1, 0, (1,), 0.5)]
     reservation = reservation_for(slots)
     probed = {**report("a", []), "engine_workers": [report("a", [0]), report("a", [1])]}

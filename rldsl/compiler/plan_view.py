@@ -175,7 +175,7 @@ def _groups(stage) -> list[str]:
         shape = f"tp {stage.tp}" + (f" x pp {stage.pp}" if stage.pp > 1 else "")
         share = gpu_ranks[0].gpu_fraction
         workers = f"; its engine's Ray workers take {share:.2g} of each GPU" \
-            if leaves_gpus_to_workers(stage.engine.name, stage.tp, stage.pp, share) else ""  # rldsl.layout
+            if leaves_gpus_to_workers(stage.engine.name, len(gpu_ranks[0].gpus), share) else ""  # rldsl.layout
         return [f"replicas ({shape} each{workers}): " + " ".join(f"[{where(r)}]" for r in gpu_ranks)]
     lines = []
     args = stage.engine.args if stage.engine else {}

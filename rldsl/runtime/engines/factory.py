@@ -339,8 +339,7 @@ def _vllm_options(stage: StagePlan, lora: LoraPlan | None = None, serves: tuple 
     args = stage.engine.args
     adapters = {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": tuple(lora.targets),
                 "served_lora_ranks": tuple(served.rank for served in serves)} if lora else {}
-    shares = any(leaves_gpus_to_workers(stage.engine.name, args["tp"], args.get("pp", 1), r.gpu_fraction)
-                 for r in stage.ranks)
+    shares = any(leaves_gpus_to_workers(stage.engine.name, len(r.gpus), r.gpu_fraction) for r in stage.ranks)
     return VLLMOptions(tp=args["tp"], pp=args.get("pp", 1), spans_nodes=any(r.remote for r in stage.ranks),
                        shares_gpus=shares,
                        gpu_memory=args["gpu_memory"], sleep=args["sleep"],

@@ -28,9 +28,15 @@ def run_actor(cls):
 
     groups = {OBSERVE: 1, **{group: 1 for method, group in METHOD_GROUPS.items() if hasattr(cls, method)}}
     options = {"concurrency_groups": groups}
-    if os.environ.get(WORKER_SETUP_ENV):
-        options["runtime_env"] = {"env_vars": {WORKER_SETUP_ENV: os.environ[WORKER_SETUP_ENV]}}
+    if worker_setup_env():
+        options["runtime_env"] = {"env_vars": worker_setup_env()}
     return ray.remote(**options)(cls)
+
+
+def worker_setup_env() -> dict[str, str]:
+    """The driver's ``RLDSL_WORKER_SETUP`` for a worker's environment ({} when unset): an actor given its own
+    ``runtime_env`` must carry it too, since that replaces its class's."""
+    return {WORKER_SETUP_ENV: os.environ[WORKER_SETUP_ENV]} if os.environ.get(WORKER_SETUP_ENV) else {}
 
 
 def setup_worker_process() -> None:

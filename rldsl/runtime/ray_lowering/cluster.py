@@ -159,15 +159,13 @@ def start_ray(
     import ray
 
     from rldsl.runtime.dataplane import transferqueue_env
-    from rldsl.runtime.ray_lowering.actor_process import WORKER_SETUP_ENV
+    from rldsl.runtime.ray_lowering.actor_process import worker_setup_env
 
     if ray.is_initialized():  # e.g. a test session's Ray, shared by its runs: theirs to use, not to stop
         context = ray.get_runtime_context()
         local = address in (None, "", "local") and context.gcs_address == _local_gcs  # an address: a cluster's ways
         return RaySession(context.gcs_address, context.namespace, False, False, local=local)
-    env = transferqueue_env()  # worker processes inherit it (see dataplane)
-    if os.environ.get(WORKER_SETUP_ENV):
-        env[WORKER_SETUP_ENV] = os.environ[WORKER_SETUP_ENV]
+    env = {**transferqueue_env(), **worker_setup_env()}  # worker processes inherit it (see dataplane)
     if address in (None, "", "local"):
         undo = _on_loopback(env)  # worker processes inherit the environment
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_DEFAULT_AUTH_NOTICE)

@@ -12,7 +12,6 @@ plan node onto the one local Ray node.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -112,6 +111,8 @@ class Reservation:
                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
                        group, bundle.index, placement_group_capture_child_tasks=True if spans or workers else None)}
         if workers:
+            from rldsl.runtime.ray_lowering.actor_process import worker_setup_env
+
             options["runtime_env"] = {"env_vars": {**worker_setup_env(), **engine_worker_env(self.layout, slot)}}
         return options
 
@@ -134,13 +135,6 @@ def engine_worker_env(layout: BundleLayout, slot: ActorSlot) -> dict[str, str]:
     """What tells vLLM's Ray executor where its workers go: their bundles and each one's share of its GPU."""
     return {"VLLM_RAY_BUNDLE_INDICES": ",".join(str(b.index) for b in layout.worker_bundles(slot)),
             "VLLM_RAY_PER_WORKER_GPUS": f"{layout.worker_gpus(slot):g}"}
-
-
-def worker_setup_env() -> dict[str, str]:
-    """An actor's own ``runtime_env`` replaces its class's: it carries the run's worker setup hook too."""
-    from rldsl.runtime.ray_lowering.actor_process import WORKER_SETUP_ENV
-
-    return {WORKER_SETUP_ENV: os.environ[WORKER_SETUP_ENV]} if os.environ.get(WORKER_SETUP_ENV) else {}
 
 
 def reserve(layout: BundleLayout, gpus_per_node: int, fold: bool, name: str, timeout_s: float = 60.0) -> Reservation:

@@ -118,13 +118,10 @@ class MegatronLogprob:
         return list(zip(groups, (out["logprobs"] for out in outputs)))
 
     def update_weights(self, bucket: Mapping[str, torch.Tensor], version: int, last: bool) -> None:
-        from megatron.core import parallel_state
-
         if self._pending_version not in (None, version):
             raise RuntimeError(f"bucket for version {version} arrived during the sync to {self._pending_version}")
         complete = dict(self._assembler.add(bucket.items()))
-        mm.load_megatron_weights(self.model, complete, parallel_state.get_tensor_model_parallel_world_size(),
-                                 parallel_state.get_tensor_model_parallel_rank(), self.shape)
+        mm.load_megatron_weights(self.model, complete, self.shape)
         if last and self._assembler.pending():
             raise RuntimeError(f"the last bucket left fused weights incomplete: {self._assembler.pending()[:3]}")
         self._pending_version = None if last else version

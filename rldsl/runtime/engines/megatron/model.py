@@ -239,14 +239,16 @@ def load_hf_weights(model, hf: Mapping[str, torch.Tensor], shape: LlamaShape) ->
              parallel_state.get_pipeline_model_parallel_rank(), source.bytes_read / 1e6)
 
 
-def load_megatron_weights(model, full: Mapping[str, torch.Tensor], tp: int, tp_rank: int,
-                          shape: LlamaShape) -> None:
+def load_megatron_weights(model, full: Mapping[str, torch.Tensor], shape: LlamaShape) -> None:
     """Copy full (unsharded, globally named) Megatron tensors into this rank's shard."""
+    from megatron.core import parallel_state
+
+    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     targets = _load_targets(model, shape)
     if "output_layer.weight" in targets and "output_layer.weight" not in full:
         # Tied embeddings on a last pipeline stage: its output layer is a copy of the embedding.
         full = {**full, "output_layer.weight": full["embedding.word_embeddings.weight"]}
-    etp, etp_rank = expert_tensor_parallel() if shape.num_experts else (tp, tp_rank)
+    etp, etp_rank = expert_tensor_parallel()
 
     def shard(name: str, tensor: torch.Tensor) -> torch.Tensor:
         size, rank = (etp, etp_rank) if is_expert_weight(name) else (tp, tp_rank)

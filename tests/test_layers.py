@@ -130,6 +130,7 @@ def test_every_runtime_module_imports(order):
     if order == "reversed":
         names.reverse()
     names = [n for n in names if "megatron" not in n or _has("megatron.core")]
+    names = [n for n in names if not n.endswith(".vllm_receiver") or _has("vllm")]  # runs in vLLM's workers
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)"
     subprocess.run([sys.executable, "-c", code, *names], check=True, cwd=ROOT)
 

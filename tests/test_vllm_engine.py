@@ -60,8 +60,10 @@ def test_requests_ask_for_n_samples_each_tokens_logprob_and_a_seed():
 def test_the_engine_takes_logprobs_at_the_sampling_temperature_and_loads_weights_with_rldsls_worker():
     args = ve.VLLMOptions(tp=2).engine_args("/m", seed=3)
     assert args["logprobs_mode"] == "processed_logprobs"
-    assert args["worker_extension_cls"] == "rldsl.runtime.engines.vllm_worker.BucketLoader"
+    assert args["worker_extension_cls"] == "rldsl.runtime.engines.vllm_receiver.WorkerExtension"
+    assert args["weight_transfer_config"] == {"backend": "rldsl-stream"}  # its workers may join a weight group
     assert args["distributed_executor_backend"] == "mp" and args["tensor_parallel_size"] == 2
+    assert "weight_transfer_config" not in ve.VLLMOptions(lora_rank=8).engine_args("/m", seed=3)  # adapters
 
 
 def test_samples_become_a_prompt_major_batch_with_each_rows_and_each_tokens_version():

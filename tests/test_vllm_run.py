@@ -1,9 +1,9 @@
 """`rldsl run` with a real vLLM generator, end to end on Ray: the CPU
 pipeline users start from (pipelines/grpo_vllm_cpu.rlp, torch trainer).
-Versions streamed rank to rank over gloo land in vLLM while a group decodes
-(`update = interrupt`); vLLM reports each token's version and the audit
-proves every token's lag from the journal. vLLM beside megatron engines:
-tests/test_megatron_run.py.
+Versions streamed rank to rank over gloo into both workers of a tp 2
+replica land in vLLM while a group decodes (`update = interrupt`); vLLM
+reports each token's version and the audit proves every token's lag from
+the journal. vLLM beside megatron engines: tests/test_megatron_run.py.
 """
 
 from __future__ import annotations
@@ -31,12 +31,15 @@ def test_the_cpu_vllm_pipeline_streams_pushes_into_vllm_mid_response_and_the_aud
     from tests.runs import rldsl_here
 
     run_dir = tmp_path / "run"
-    # two groups in flight (vLLM decodes whenever a version arrives) and small groups, many per step; with
-    # the sleep vLLM is busy ~99% of the run and the trainer ~6% (measured alone), so every push finds
-    # groups decoding (without it, one whole-suite run in four or five had none). EOS is not held back
-    # (min_new_tokens): vLLM's logprobs would then be renormalised without it and differ from the
-    # trainer's, which the first step checks
+    # a tp 2 replica, its two workers each a rank of the weight group (two of three logical GPUs; on a CPU
+    # each worker decodes on a core of its own); two groups in flight (vLLM decodes whenever a version
+    # arrives) and small groups, many per step; with the sleep vLLM is busy ~99% of the run and the trainer
+    # ~6% (measured alone), so every push finds groups decoding (without it, one whole-suite run in four or
+    # five had none). EOS is not held back (min_new_tokens): vLLM's logprobs would then be renormalised
+    # without it and differ from the trainer's, which the first step checks
     overrides = ["weights.transport=collective", "rollout.update=interrupt", "rollout.concurrency=2",
+                 "cluster.gpus_per_node=3", "rollout.gpus=2",
+                 "rollout.engine=vllm(tp = 2, kv_cache = 256MiB, dtype = fp32, sleep = false, max_model_len = 64)",
                  "rollout.max_new_tokens=56", "rollout.temperature=2.0", "rollout.samples_per_prompt=4",
                  "actor.prompts_per_step=8", "actor.micro_batch=32", "prompts.eval_size=16", "run.eval_every=0",
                  "run.checkpoint_every=0"]
@@ -47,6 +50,9 @@ def test_the_cpu_vllm_pipeline_streams_pushes_into_vllm_mid_response_and_the_aud
     assert summary["steps"] == 6 and summary["ledger"]["trained"] == 6 * 8 * 4 and not summary["ledger"]["dropped"]
     assert summary["weight_transport"]["transport"] == "collective"
     assert summary["weight_transport"]["failed_pushes"] == 0
+    receives = [args for line in (run_dir / "trace-events.jsonl").read_text().splitlines()
+                for name, _start, _duration, args in json.loads(line)["events"] if name == "weight receive"]
+    assert len(receives) == 6 and all(r["workers"] == 2 and r["bytes"] > 0 for r in receives)  # into each worker
     records = [json.loads(line) for line in (run_dir / JOURNAL_FILE).read_text().splitlines()]
     spanning = [r for r in records if r.get("e") == "generated" and r.get("tokens")]
     assert spanning and all(len({v for v, _ in r["tokens"]}) > 1 for r in spanning)

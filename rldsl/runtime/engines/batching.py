@@ -156,6 +156,26 @@ class ContinuousBatcher:
             self._wake_decoder()
         return pending.wait()
 
+    def swap_in_engine(self, function: Callable[[Any], Any]) -> Any:
+        """``function(engine)`` loads a version into the engine by itself (its
+        workers receive it from the trainer): under ``update = interrupt`` at
+        once, the engine pausing its requests in flight, else once no rows
+        are in flight. Its result, or its exception."""
+        if not self._interrupts:
+            return self.run_idle(lambda engine: self._counted_swap(function, engine))
+        with self._lock:
+            self._raise_weight_error()
+        return self._counted_swap(function, self.engine)
+
+    def _counted_swap(self, function: Callable[[Any], Any], engine) -> Any:
+        with self._lock:
+            interrupting = bool(self._in_flight or self._streams)
+        result = function(engine)
+        with self._lock:
+            self._stats["weight_swaps"] += 1
+            self._stats["interrupts"] += interrupting
+        return result
+
     def abort(self) -> int:
         """End the streams in flight now (engines with ``abort_requests``, e.g.
         vLLM): each is answered with the tokens it has. Returns how many."""

@@ -19,9 +19,12 @@ vLLM's CPU build: docs/engines.md).
   temperature. (With ``top_p < 1`` or ``top_k > 0`` vLLM renormalises over
   the kept tokens and the trainer does not: the mismatch metrics show it.)
 - Weights: every bucket is loaded in place by vLLM's workers through its
-  layer-wise reload (vllm_worker.py), generation paused with the requests in
-  flight kept (``pause_generation(mode="keep")``), and the version set in
-  vLLM's own counter. Between requests (``update = between_requests``, the
+  layer-wise reload, generation paused with the requests in flight kept
+  (``pause_generation(mode="keep")``), and the version set in vLLM's own
+  counter. A push streamed rank to rank reaches the workers themselves,
+  which stand in the trainer's weight group (vllm_receiver.py); one
+  through the object store is handed to them through shared memory
+  (vllm_worker.py). Between requests (``update = between_requests``, the
   batcher lets the replica's groups end first) every sample has one
   version; with ``update = interrupt`` a version lands in the middle of
   groups and vLLM reports the version of every token (each request
@@ -38,7 +41,7 @@ vLLM's CPU build: docs/engines.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -144,6 +147,36 @@ class _VLLMEngine(ServingEngine):
             else:
                 self.llm.load_weights(buckets, version)
         self._sync.receive(version, last)
+
+    @property
+    def joins_weight_groups(self) -> bool:
+        """Whether its workers stand in the trainer's weight group themselves
+        and a push streams into them (vllm_receiver.py): whole weights only
+        (a LoRA push adds an adapter), where vLLM can reload them in place."""
+        return not self.options.lora_rank and not self.llm.reload_refused
+
+    @property
+    def weight_group_ranks(self) -> int:
+        """Its workers, a rank each in a weight group."""
+        return self.options.tp * self.options.pp
+
+    def join_weight_group(self, init_info: Mapping[str, Any]) -> None:
+        self.llm.join_weight_group(init_info)
+
+    def receive_stream(self, version: int, called_off: Callable[[], bool], called_off_file: str) -> dict:
+        """A push streamed into every worker (``AsyncVLLM.receive_stream``;
+        vLLM schedules no request meanwhile). One that fails leaves the
+        version half applied: no group starts until a whole one lands."""
+        self._require_awake("receive_stream")
+        self._sync.check_accepts(version)
+        try:
+            workers = self.llm.receive_stream(version, called_off, called_off_file)
+        except BaseException:
+            self._sync.pending = version
+            raise
+        self._sync.receive(version, last=True)
+        first = workers[0]  # every worker reads the whole stream
+        return {**first, "peak_held_bytes": max(w["peak_held_bytes"] for w in workers), "workers": len(workers)}
 
     def _load_adapter(self, buckets, version: int):
         from rldsl.models.lora import is_adapter, peft_adapter_config, peft_names

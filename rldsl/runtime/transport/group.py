@@ -77,6 +77,17 @@ class WeightGroup:
         return self.process_group.broadcast([tensor], options)
 
 
+def open_store(store: str, world_size: int, is_master: bool, timeout_s: float):
+    """The store of a group's rendezvous, by its address: ``file://PATH``
+    (every rank on one machine) or ``tcp://HOST:PORT`` (hosted by rank 0,
+    ``is_master``)."""
+    if store.startswith("file://"):
+        return dist.FileStore(store.removeprefix("file://"), world_size)
+    host, port = store.removeprefix("tcp://").rsplit(":", 1)
+    return dist.TCPStore(host, int(port), world_size, is_master=is_master, wait_for_workers=False,
+                         timeout=timedelta(seconds=max(1.0, timeout_s)))
+
+
 def form_group(store, name: str, rank: int, size: int, device: torch.device | str = "cpu",
                timeout_s: float = 600.0, should_abort: Callable[[], bool] | None = None) -> WeightGroup:
     """Join group ``name`` as ``rank`` of ``size``; every rank calls this with

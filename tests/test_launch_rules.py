@@ -341,7 +341,8 @@ def test_the_generators_reach_both_sides():
     the failures."""
     from hypothesis import find
 
-    untimed = settings(deadline=None)  # a search's examples, compiled on a loaded machine, may take 0.3 s each
+    # examples compiled on a loaded machine may take 0.3 s each; `find`'s own budget of examples stays
+    untimed = settings(deadline=None, max_examples=2000)
     find(pipelines(), lambda text: compile_source(text).ok, settings=untimed)
     for code in ("RLP106", "RLP112", "RLP116", "RLP117", "RLP312", "RLP511"):
         find(pipelines(), lambda text, code=code: code in {d.code for d in compile_source(text).diagnostics},

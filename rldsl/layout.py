@@ -212,7 +212,6 @@ def layout_bundles(slots: list[ActorSlot], actor_cpus: float, gpus_per_node: int
     return BundleLayout(nodes, actor_cpus, {s.name: _spanning_group(s) for s in spanning}, workers)
 
 
-
 def _spanning_group(slot: ActorSlot) -> SpanningGroup:
     gpus = slot.all_gpus()
     bundles = [Bundle(node, i, (gpu,)) for i, (node, gpu) in enumerate(gpus)]  # its engine's workers use them

@@ -54,6 +54,28 @@ class SharedEngine:
 
         return load_hf_model(str(self.model_dir))
 
+    def scaled_reference(self, factor: float):
+        """The engine's weights times ``factor`` as a torch model: a new version to push."""
+        import torch
+
+        model = self.reference()
+        with torch.no_grad():
+            for parameter in model.module.parameters():
+                parameter.mul_(factor)
+        return model
+
+    @staticmethod
+    def behaviour_gap(model, batch) -> float:
+        """The largest |vLLM's behaviour logprob - ``model``'s at the sampling temperature| over ``batch``'s tokens."""
+        import torch
+
+        from rldsl.runtime.engines.torch.common import response_logprobs
+
+        with torch.no_grad():
+            expected = response_logprobs(model, batch, TEMPERATURE)
+        mask = batch["response_mask"].bool()
+        return float((batch["behaviour_logprobs"] - expected)[mask].abs().max())
+
     def push(self, state: dict, bucket_bytes: int = 1 << 16) -> int:
         """``state`` (HF names -> tensors) into the engine bucket by bucket, as a new version."""
         from rldsl.runtime.engines.torch.common import tensor_buckets

@@ -34,7 +34,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from rldsl.runtime.engines.vllm_async import STREAM_BACKEND
-from rldsl.runtime.engines.vllm_worker import BucketLoader, with_tied_output_layer
+from rldsl.runtime.engines.vllm_worker import BucketLoader, ties_word_embeddings, with_tied_output_layer
 from rldsl.runtime.transport.group import form_group, open_store
 from rldsl.runtime.transport.stream import StreamStats, receive_buckets
 
@@ -102,7 +102,7 @@ class StreamReceiver(WeightTransferEngine[StreamInitInfo, StreamUpdateInfo]):
         nothing until a whole version replaces it) and leaves the group."""
         if self.group is None:
             raise RuntimeError("this vLLM worker is in no weight group: init_weight_transfer_engine first")
-        tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
+        tied = ties_word_embeddings(self.model_config)
         stats = StreamStats()
         try:
             for bucket, _last in receive_buckets(self.group, update_info.version, stats):

@@ -36,16 +36,17 @@ class BucketLoader:
         model = self.model_runner.get_model()
         if first:
             initialize_layerwise_reload(model)
-        weights = with_tied_output_layer(list(load_file(path).items()), _ties_word_embeddings(self.model_runner))
+        tied = ties_word_embeddings(self.model_runner.model_config)
+        weights = with_tied_output_layer(list(load_file(path).items()), tied)
         model.load_weights(weights)
         if last:
             finalize_layerwise_reload(model, self.model_runner.model_config)
         return len(weights)
 
 
-def _ties_word_embeddings(model_runner) -> bool:
-    config = getattr(getattr(model_runner, "model_config", None), "hf_config", None)
-    return bool(getattr(config, "tie_word_embeddings", False))
+def ties_word_embeddings(model_config) -> bool:
+    """Whether vLLM's model ties its output layer to the embedding."""
+    return bool(getattr(getattr(model_config, "hf_config", None), "tie_word_embeddings", False))
 
 
 def with_tied_output_layer(items: list, tied: bool) -> list:

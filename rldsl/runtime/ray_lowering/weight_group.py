@@ -144,11 +144,8 @@ class WeightGroupMember:
         """Apply every streamed bucket of ``version`` to ``engine``, in place."""
         from rldsl.runtime.transport.stream import StreamStats, receive_buckets
 
-        group = self._member_group()
-        if isinstance(group, EngineInGroup):
-            return group.receive(engine, version)
         stats = StreamStats()
-        for bucket, last in receive_buckets(group, version, stats):
+        for bucket, last in receive_buckets(self._member_group(), version, stats):
             engine.update_weights(bucket, version, last)
         return stats.as_dict()
 

@@ -24,7 +24,7 @@ from rldsl.runtime.environments import (
 )
 from rldsl.runtime.ray_lowering.actor_process import setup_worker_process, where
 from rldsl.runtime.ray_lowering.trace import Tracer, prompt_groups
-from rldsl.runtime.ray_lowering.weight_group import WeightGroupMember
+from rldsl.runtime.ray_lowering.weight_group import EngineInGroup, WeightGroupMember
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +180,11 @@ class GeneratorWorker(StageWorker, WeightGroupMember):
         and the version lands with the rows in flight (as from the store).
         An engine whose workers stand in the group (vLLM) receives it
         itself, its requests in flight paused meanwhile under ``interrupt``."""
-        self._member_group()  # a replacement not yet in the group says so at once
+        group = self._member_group()  # a replacement not yet in the group says so at once
         with self.tracer.span("weight receive", version=version, transport="collective") as args:
             try:
-                if self._group_engine() is not None:
-                    stats = self.batcher.swap_in_engine(lambda engine: self._receive_into(engine, version))
+                if isinstance(group, EngineInGroup):
+                    stats = self.batcher.swap_in_engine(lambda engine: group.receive(engine, version))
                 elif self.batcher.interrupts:
                     stats = self._receive_into(self.batcher, version)
                 else:
